@@ -1,0 +1,83 @@
+"""The `echoic` command: one program, one subcommand per job.
+
+Each subcommand lives in its own module here (`cli/synth.py`, `cli/train.py`, ...)
+with `register(subparsers)`; heavy imports (torch, onnxruntime, grpc) happen only
+inside the command that needs them, so `echoic serve` never loads torch.
+
+Known errors print one line and exit 1; set ECHOIC_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# Subcommands in the order `echoic --help` lists them.
+COMMANDS = ("synth", "train", "export", "transcribe", "eval", "serve", "stream", "demo")
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line without a traceback."""
+
+
+def missing_extra(extra: str, module: str) -> UserError:
+    """The one-line hint for a missing optional dependency."""
+    return UserError(f"{module} is not installed: pip install 'echoic[{extra}]'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="echoic",
+        description="Deep Speech 2 style speech recognition: train, export, serve, transcribe.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"echoic.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"echoic.cli.{name}":
+                continue  # not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from echoic.model.configs import ConfigError
+
+    known: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError]
+    for mod, name in (
+        ("echoic.model.audio", "AudioError"),
+        ("echoic.model.text", "TextError"),
+        ("echoic.training.data", "ManifestError"),
+        ("echoic.training.synth", "SynthError"),
+    ):
+        if mod in sys.modules:
+            known.append(getattr(sys.modules[mod], name))
+    return tuple(known)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        print("echoic: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place errors become exit codes
+        if os.environ.get("ECHOIC_DEBUG") == "1" or not isinstance(e, _known_errors()):
+            raise
+        print(f"echoic {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
