@@ -84,7 +84,7 @@ class ModelConfig:
     def receptive_field(self) -> int:
         """Input frames that one output frame of the conv stack sees."""
         rf, jump = 1, 1
-        for k, s in zip(self.conv_kernel_time, self.conv_stride_time):
+        for k, s in zip(self.conv_kernel_time, self.conv_stride_time, strict=True):
             rf += (k - 1) * jump
             jump *= s
         return rf
@@ -248,6 +248,7 @@ class DeepSpeech2(nn.Module):
             cfg.conv_kernel_time,
             cfg.conv_stride_freq,
             cfg.conv_stride_time,
+            strict=True,
         ):
             convs += [
                 nn.Conv2d(cin, cout, (kf, kt), (sf, st), padding=(kf // 2, 0), bias=False),
@@ -311,9 +312,9 @@ class DeepSpeech2(nn.Module):
         if self.row_conv is not None:
             # Lookahead over the next R frames of the same window; beyond the end: zeros.
             w = torch.cat([main.reshape(b, k, chunk, -1), ctx], 2)  # (B, K, C+R, H)
-            main = sum(
-                self.row_conv[j] * w[:, :, j : j + chunk] for j in range(r + 1)
-            ).reshape(b, k * chunk, -1)
+            main = sum(self.row_conv[j] * w[:, :, j : j + chunk] for j in range(r + 1)).reshape(
+                b, k * chunk, -1
+            )
             main = torch.clamp(main, 0.0, self.cfg.relu_clip)
         (main,) = self.head_norm(main, mask)
         return F.log_softmax(self.head(main), dim=-1), new_state  # (B, K*C, V)

@@ -1,0 +1,195 @@
+"""Audio in: decode bytes or files to float32 mono at the model's sample rate.
+
+Every path into the model (training manifests, `echoic transcribe`, the gRPC
+server) goes through `decode_audio`, so a file decodes to the same bits wherever
+it is read. Containers (WAV, FLAC, OGG, ...) are recognised by their header via
+libsndfile; raw little-endian PCM16 ("linear16") carries no header, so its rate
+and channel count come from the caller. Channels are averaged to mono and the
+result is resampled with soxr when the rates differ.
+
+Errors are `AudioError` (a `ValueError`) with a message that names the input and
+says what to change; the server maps them to INVALID_ARGUMENT as they are.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+MIN_RATE = 8000  # Hz, lowest sample rate accepted (narrowband telephony)
+MAX_RATE = 192000  # Hz, highest sample rate accepted
+ENCODINGS = ("auto", "wav", "flac", "linear16")
+
+# libsndfile format names each explicit encoding accepts.
+_CONTAINER_FORMATS = {"wav": ("WAV", "WAVEX", "RF64", "W64"), "flac": ("FLAC",)}
+
+
+class AudioError(ValueError):
+    """Audio that cannot be decoded or used; the message names the input and the fix."""
+
+
+def _check_rate(rate: int, what: str, name: str) -> None:
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)):
+        raise AudioError(f"{name}: {what} must be an integer number of Hz, got {rate!r}")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise AudioError(
+            f"{name}: unsupported {what} {rate} Hz (supported: {MIN_RATE}-{MAX_RATE} Hz)"
+        )
+
+
+def _libsndfile_reason(err: Exception) -> str:
+    # LibsndfileError's str() embeds the repr of the BytesIO; keep only the reason.
+    reason = getattr(err, "error_string", None) or str(err)
+    return reason.strip().rstrip(".")
+
+
+def _read_container(data: bytes, encoding: str, name: str) -> tuple[np.ndarray, int]:
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            fmt, rate = f.format, f.samplerate
+            samples = f.read(dtype="float32", always_2d=True)  # (N, C)
+    except (sf.SoundFileError, RuntimeError) as e:
+        hint = (
+            "; if it is raw PCM16 without a header, send encoding 'linear16' with its sample rate"
+            if encoding == "auto"
+            else ""
+        )
+        raise AudioError(
+            f"{name}: cannot decode audio ({_libsndfile_reason(e)}): expected WAV, FLAC or OGG"
+            f"{hint}"
+        ) from e
+    allowed = _CONTAINER_FORMATS.get(encoding)
+    if allowed is not None and fmt not in allowed:
+        raise AudioError(
+            f"{name}: encoding {encoding!r} was requested but the data is {fmt}; "
+            "send encoding 'auto' to accept any container"
+        )
+    return samples, rate
+
+
+def _read_linear16(
+    data: bytes, sample_rate: int | None, channels: int, name: str
+) -> tuple[np.ndarray, int]:
+    if sample_rate is None:
+        raise AudioError(f"{name}: raw PCM16 (linear16) has no header; give its sample rate")
+    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+        raise AudioError(f"{name}: channels must be a positive integer, got {channels!r}")
+    frame_bytes = 2 * channels
+    if len(data) % frame_bytes:
+        raise AudioError(
+            f"{name}: raw PCM16 with {channels} channel(s) needs a multiple of {frame_bytes} "
+            f"bytes, got {len(data)} (truncated or not 16-bit PCM)"
+        )
+    pcm = np.frombuffer(data, dtype="<i2").reshape(-1, channels)  # (N, C)
+    return pcm.astype(np.float32) / np.float32(32768.0), sample_rate
+
+
+def decode_audio(
+    data: bytes,
+    target_rate: int,
+    *,
+    encoding: str = "auto",
+    sample_rate: int | None = None,
+    channels: int = 1,
+    name: str = "<bytes>",
+) -> np.ndarray:
+    """Decode `data` to float32 mono in [-1, 1] at `target_rate` Hz.
+
+    encoding: "auto" (container detected from its header), "wav", "flac" (the
+    header must say so) or "linear16" (raw little-endian PCM16, interleaved when
+    `channels` > 1; needs `sample_rate`). For containers, a `sample_rate` that
+    disagrees with the header is an error rather than silently ignored.
+    """
+    if encoding not in ENCODINGS:
+        raise AudioError(
+            f"{name}: unsupported encoding {encoding!r} (supported: {', '.join(ENCODINGS)})"
+        )
+    _check_rate(target_rate, "target sample rate", name)
+    if sample_rate is not None:
+        _check_rate(sample_rate, "sample rate", name)
+    data = bytes(data)
+    if not data:
+        raise AudioError(f"{name}: no audio data (0 bytes)")
+
+    if encoding == "linear16":
+        samples, rate = _read_linear16(data, sample_rate, channels, name)
+    else:
+        samples, rate = _read_container(data, encoding, name)
+        _check_rate(rate, "sample rate", name)
+        if sample_rate is not None and sample_rate != rate:
+            raise AudioError(
+                f"{name}: sample rate {sample_rate} Hz was given but the header says {rate} Hz; "
+                "leave the rate unset for WAV/FLAC or send the matching rate"
+            )
+    if samples.shape[0] == 0:
+        raise AudioError(f"{name}: the audio has no samples (0 s long)")
+    if not np.isfinite(samples).all():
+        raise AudioError(f"{name}: the audio contains NaN or infinite samples")
+    return _to_model_rate(samples, rate, target_rate)
+
+
+def _to_model_rate(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
+    # Average in float64 so the mix does not depend on summation order tricks.
+    mono = samples.astype(np.float64).mean(axis=1).astype(np.float32)  # (N,)
+    if rate != target_rate:
+        mono = soxr.resample(mono, rate, target_rate, quality="HQ").astype(np.float32)
+    # Float containers and resampling overshoot can leave [-1, 1]; the contract is [-1, 1].
+    return np.ascontiguousarray(np.clip(mono, -1.0, 1.0, out=mono))
+
+
+def load_audio(
+    path: str | os.PathLike[str],
+    target_rate: int,
+    *,
+    encoding: str = "auto",
+    sample_rate: int | None = None,
+    channels: int = 1,
+) -> np.ndarray:
+    """Read and decode an audio file; see `decode_audio`. Errors name the path."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError as e:
+        raise AudioError(f"{path}: no such audio file") from e
+    except OSError as e:
+        raise AudioError(f"{path}: cannot read audio file ({e.strerror or e})") from e
+    return decode_audio(
+        data,
+        target_rate,
+        encoding=encoding,
+        sample_rate=sample_rate,
+        channels=channels,
+        name=str(path),
+    )
+
+
+def audio_duration(path: str | os.PathLike[str]) -> float:
+    """Duration in seconds from the file header (nothing is decoded)."""
+    if not Path(path).is_file():
+        raise AudioError(f"{path}: no such audio file")
+    try:
+        info = sf.info(os.fspath(path))
+    except (sf.SoundFileError, RuntimeError) as e:
+        raise AudioError(f"{path}: cannot read audio header ({_libsndfile_reason(e)})") from e
+    if info.samplerate <= 0:
+        raise AudioError(f"{path}: the header gives no sample rate")
+    return info.frames / info.samplerate
+
+
+def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:
+    """Write float samples in [-1, 1] (or int16) as a PCM16 WAV; (N,) or (N, C)."""
+    _check_rate(rate, "sample rate", str(path))
+    samples = np.asarray(samples)
+    if samples.ndim not in (1, 2):
+        raise ValueError(f"samples must have shape (N,) or (N, C), got {samples.shape}")
+    if samples.dtype != np.int16:
+        if not np.issubdtype(samples.dtype, np.floating):
+            raise TypeError(f"samples must be float in [-1, 1] or int16, got {samples.dtype}")
+        # Quantise here, not in libsndfile, so the bits are the same everywhere.
+        scaled = np.round(np.clip(samples.astype(np.float64), -1.0, 1.0) * 32767.0)
+        samples = scaled.astype(np.int16)
+    sf.write(os.fspath(path), samples, rate, subtype="PCM_16", format="WAV")

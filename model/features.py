@@ -1,0 +1,206 @@
+"""Log spectrogram features: the one implementation, for training and serving alike.
+
+Frame i covers samples [i * hop, i * hop + window): no centering and no padding,
+so a frame depends only on its own samples and `FeatureStream` can produce the
+frames of live audio chunk by chunk, bit for bit equal to `compute_features` on
+the whole recording. Every frame is computed by the same row-wise arithmetic
+(per-row FFT, elementwise products, mel sums in a fixed order rather than a BLAS
+matmul whose rounding can depend on how many rows it is given), so the chunking
+never changes a bit.
+
+There is no per-utterance normalisation: the network normalises with fixed
+statistics, and per-utterance statistics would need audio that a stream has not
+received yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    sample_rate: int = 16000  # Hz, rate the audio is resampled to before framing
+    window_ms: float = 20.0  # analysis window length, ms
+    hop_ms: float = 10.0  # frame shift, ms
+    n_fft: int = 0  # FFT size, samples; 0 = the window length (>= window length otherwise)
+    mel_bins: int = 0  # 0 = linear-frequency log spectrogram (n_fft//2+1 bins); >0 = log mel bins
+    log_floor: float = 1e-10  # power added before the log, (full scale)^2
+
+    def __post_init__(self) -> None:
+        if self.sample_rate <= 0:
+            raise ValueError(f"sample_rate must be positive, got {self.sample_rate}")
+        if self.window_ms <= 0 or self.hop_ms <= 0:
+            raise ValueError(
+                f"window_ms and hop_ms must be positive, got {self.window_ms}, {self.hop_ms}"
+            )
+        if self.hop_ms > self.window_ms:
+            raise ValueError(f"hop_ms ({self.hop_ms}) must not exceed window_ms ({self.window_ms})")
+        for name in ("window_ms", "hop_ms"):
+            samples = getattr(self, name) * self.sample_rate / 1000
+            if abs(samples - round(samples)) > 1e-6:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is {samples:g} samples at {self.sample_rate} Hz;"
+                    " it must be a whole number of samples"
+                )
+        if self.n_fft < 0 or (self.n_fft and self.n_fft < self.window_samples):
+            raise ValueError(
+                f"n_fft must be 0 or at least the window length ({self.window_samples}), "
+                f"got {self.n_fft}"
+            )
+        if self.mel_bins < 0:
+            raise ValueError(f"mel_bins must be 0 (linear) or positive, got {self.mel_bins}")
+        if not (self.log_floor > 0 and math.isfinite(self.log_floor)):
+            raise ValueError(f"log_floor must be a positive number, got {self.log_floor}")
+        if self.mel_bins:
+            _mel_plan(self.sample_rate, self.fft_size, self.mel_bins)  # raises on empty filters
+
+    @property
+    def window_samples(self) -> int:
+        return round(self.window_ms * self.sample_rate / 1000)
+
+    @property
+    def hop_samples(self) -> int:
+        return round(self.hop_ms * self.sample_rate / 1000)
+
+    @property
+    def fft_size(self) -> int:
+        """The FFT length actually used, samples."""
+        return self.n_fft or self.window_samples
+
+    @property
+    def num_features(self) -> int:
+        return self.mel_bins or self.fft_size // 2 + 1
+
+
+def num_frames(num_samples: int, cfg: FeatureConfig) -> int:
+    """Frames produced from `num_samples` samples (0 when shorter than one window)."""
+    if num_samples < cfg.window_samples:
+        return 0
+    return 1 + (num_samples - cfg.window_samples) // cfg.hop_samples
+
+
+# ---------------------------------------------------------------- mel filterbank
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    return 2595.0 * np.log10(1.0 + hz / 700.0)  # HTK
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
+
+
+@lru_cache(maxsize=16)
+def _mel_plan(sample_rate: int, n_fft: int, mel_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bins, weights), both (K, M): filter m sums power[bins[k, m]] * weights[k, m] over k.
+
+    K is the widest filter in FFT bins; narrower filters are padded with weight 0.
+    """
+    fb = mel_filterbank(sample_rate, n_fft, mel_bins)  # (F, M)
+    counts = (fb > 0).sum(axis=0)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        raise ValueError(
+            f"mel_bins={mel_bins} is too many for n_fft={n_fft} at {sample_rate} Hz: "
+            f"mel filter {int(empty[0])} covers no FFT bin; use fewer mel bins or a larger n_fft"
+        )
+    width = int(counts.max())
+    bins = np.zeros((width, mel_bins), dtype=np.intp)
+    weights = np.zeros((width, mel_bins), dtype=np.float64)
+    for m in range(mel_bins):
+        (nonzero,) = np.nonzero(fb[:, m])
+        bins[: nonzero.size, m] = nonzero
+        weights[: nonzero.size, m] = fb[nonzero, m]
+    bins.flags.writeable = False
+    weights.flags.writeable = False
+    return bins, weights
+
+
+def mel_filterbank(sample_rate: int, n_fft: int, mel_bins: int) -> np.ndarray:
+    """Triangular HTK-mel filters from 0 Hz to sample_rate / 2, shape (n_fft//2+1, mel_bins).
+
+    Triangles are linear in Hz between mel-spaced corners, unnormalised (peak 1),
+    as torchaudio's `melscale_fbanks(norm=None, mel_scale="htk")`.
+    """
+    bin_hz = np.arange(n_fft // 2 + 1) * (sample_rate / n_fft)  # (F,)
+    corners = _mel_to_hz(np.linspace(0.0, _hz_to_mel(np.float64(sample_rate / 2)), mel_bins + 2))
+    lower, center, upper = corners[:-2], corners[1:-1], corners[2:]  # (M,) each
+    rising = (bin_hz[:, None] - lower) / (center - lower)  # (F, M)
+    falling = (upper - bin_hz[:, None]) / (upper - center)  # (F, M)
+    return np.maximum(0.0, np.minimum(rising, falling))
+
+
+# ---------------------------------------------------------------- features
+
+
+@lru_cache(maxsize=16)
+def _hann(length: int) -> np.ndarray:
+    window = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(length) / length)  # periodic
+    window.flags.writeable = False
+    return window
+
+
+def _as_samples(samples: np.ndarray) -> np.ndarray:
+    samples = np.asarray(samples)
+    if samples.ndim != 1:
+        raise ValueError(f"samples must be mono with shape (N,), got {samples.shape}")
+    if not np.issubdtype(samples.dtype, np.floating):
+        raise TypeError(
+            f"samples must be float in [-1, 1], got {samples.dtype} (decode with model.audio)"
+        )
+    return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def _features(samples: np.ndarray, count: int, cfg: FeatureConfig) -> np.ndarray:
+    """Features of the first `count` frames of float32 `samples`; (count, F) float32."""
+    if count == 0:
+        return np.zeros((0, cfg.num_features), dtype=np.float32)
+    window, hop = cfg.window_samples, cfg.hop_samples
+    frames = sliding_window_view(samples, window)[: (count - 1) * hop + 1 : hop]  # (T, W)
+    spectrum = np.fft.rfft(frames * _hann(window), n=cfg.fft_size, axis=1)  # (T, n_fft//2+1)
+    power = spectrum.real**2 + spectrum.imag**2  # (T, n_fft//2+1) float64
+    if cfg.mel_bins:
+        bins, weights = _mel_plan(cfg.sample_rate, cfg.fft_size, cfg.mel_bins)  # (K, M)
+        # A fixed order of elementwise multiply-adds: each row's bits depend only on that row.
+        mel = power[:, bins[0]] * weights[0]  # (T, M)
+        for k in range(1, bins.shape[0]):
+            mel += power[:, bins[k]] * weights[k]
+        power = mel
+    return np.log(power + cfg.log_floor).astype(np.float32)  # (T, F)
+
+
+def compute_features(samples: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
+    """Log (mel) power spectrogram of mono float samples in [-1, 1]: (T, F) float32."""
+    samples = _as_samples(samples)
+    return _features(samples, num_frames(samples.size, cfg), cfg)
+
+
+class FeatureStream:
+    """Incremental `compute_features`: the concatenated outputs of `accept` over any
+    chunking equal `compute_features` on the whole audio, bit for bit."""
+
+    def __init__(self, cfg: FeatureConfig) -> None:
+        self.cfg = cfg
+        self.frames_emitted = 0  # frames returned so far
+        self._pending = np.zeros(0, dtype=np.float32)  # samples not yet consumed by a frame
+
+    def accept(self, samples: np.ndarray) -> np.ndarray:
+        """Add samples; return the frames they complete, (n, F) float32 (n may be 0)."""
+        buffer = np.concatenate([self._pending, _as_samples(samples)])
+        count = num_frames(buffer.size, self.cfg)
+        out = _features(buffer, count, self.cfg)
+        # Keep from the start of the next frame on (the window may overlap this chunk's frames).
+        self._pending = buffer[count * self.cfg.hop_samples :].copy()
+        self.frames_emitted += count
+        return out
+
+    def reset(self) -> None:
+        """Forget all audio, as if newly created."""
+        self.frames_emitted = 0
+        self._pending = np.zeros(0, dtype=np.float32)
