@@ -1,0 +1,349 @@
+"""`echoic synth`: synthetic corpora from espeak-ng and flite, and the fortunes text source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from echoic.cli.main import main
+from echoic.model.text import normalize_text
+from echoic.training.corpus import (
+    DEFAULT_FORTUNES_DIR,
+    fortune_files,
+    fortune_sentences,
+    make_fortune_text,
+    read_sentences,
+    split_corpus,
+    split_into_sentences,
+)
+from echoic.training.synth import (
+    SynthConfig,
+    SynthError,
+    add_noise,
+    find_programs,
+    make_noise,
+    synthesize_corpus,
+)
+
+needs_espeak = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="espeak-ng is not installed"
+)
+needs_flite = pytest.mark.skipif(shutil.which("flite") is None, reason="flite is not installed")
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "",
+    "It’s 42 degrees today!",
+    "Привет мир",  # Cyrillic letters: outside the default vocabulary
+    "Open the window, please.",
+    "   ",
+    "Don't panic.",
+]
+USABLE = [s for s in SENTENCES if s.strip() and s != "Привет мир"]
+
+
+def write_text(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def read_manifest(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def wav_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "wavs").glob("*.wav"))}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory):
+    """One small corpus from both engines, two voices per sentence (built once)."""
+    if shutil.which("espeak-ng") is None or shutil.which("flite") is None:
+        pytest.skip("espeak-ng and flite are both needed")
+    root = tmp_path_factory.mktemp("synth")
+    text = write_text(root / "sentences.txt", SENTENCES)
+    config = SynthConfig(voices_per_sentence=2, seed=3)
+    summary = synthesize_corpus(text, root / "out", config, jobs=2)
+    return text, root / "out", config, summary
+
+
+# --- text ---------------------------------------------------------------------
+
+
+def test_unusable_lines_are_skipped_and_counted(tmp_path: Path) -> None:
+    text = write_text(tmp_path / "s.txt", SENTENCES)
+    sentences, skips = read_sentences(text)
+    assert [s.text for s in sentences] == [normalize_text(s) for s in USABLE]
+    assert [s.line for s in sentences] == [1, 3, 5, 7]
+    assert (skips.empty, skips.unencodable, skips.first_unencodable) == (2, 1, 4)
+
+
+@pytest.mark.parametrize(
+    ("limit", "lines"),
+    [pytest.param(2, [1, 3], id="limit-2"), pytest.param(0, [], id="limit-0")],
+)
+def test_limit_counts_usable_sentences(tmp_path: Path, limit: int, lines: list[int]) -> None:
+    sentences, _ = read_sentences(write_text(tmp_path / "s.txt", SENTENCES), limit=limit)
+    assert [s.line for s in sentences] == lines
+
+
+# --- the corpus ---------------------------------------------------------------
+
+
+@needs_espeak
+@needs_flite
+def test_corpus_has_one_wav_per_utterance_with_true_durations(corpus) -> None:
+    _, out, _, summary = corpus
+    entries = read_manifest(out / "manifest.jsonl")
+    assert summary.utterances == len(entries) == 2 * len(USABLE)
+    assert summary.written == len(entries) and summary.skipped_existing == 0
+    assert (summary.skipped_text, summary.skipped_empty, summary.skipped_unencodable) == (3, 2, 1)
+    assert [e["text"] for e in entries] == [normalize_text(s) for s in USABLE for _ in range(2)]
+    assert len({e["audio_filepath"] for e in entries}) == len(entries)
+    assert len(list((out / "wavs").glob("*.wav"))) == len(entries)
+    assert not list((out / "wavs").glob(".*"))  # no temporary files left behind
+    for entry in entries:
+        path = Path(entry["audio_filepath"])
+        assert path.is_absolute()
+        info = sf.info(str(path))
+        assert (info.samplerate, info.channels, info.subtype) == (16000, 1, "PCM_16")
+        assert entry["duration"] == pytest.approx(info.frames / 16000, abs=1e-6)
+        assert 0.3 < entry["duration"] < 10
+    voices = [(e["engine"], e["voice"]) for e in entries]
+    assert all(voices[i] != voices[i + 1] for i in range(0, len(voices), 2))  # per sentence
+    assert summary.seconds == pytest.approx(sum(e["duration"] for e in entries), abs=1e-3)
+
+
+@needs_espeak
+@needs_flite
+def test_rerun_synthesises_nothing(corpus) -> None:
+    text, out, config, first = corpus
+    manifest_before = (out / "manifest.jsonl").read_bytes()
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "wavs").glob("*.wav")}
+    again = synthesize_corpus(text, out, config, jobs=2)
+    assert (again.written, again.skipped_existing) == (0, first.utterances)
+    assert {p: p.stat().st_mtime_ns for p in (out / "wavs").glob("*.wav")} == mtimes
+    assert (out / "manifest.jsonl").read_bytes() == manifest_before
+
+
+@needs_espeak
+@needs_flite
+def test_same_seed_same_bytes_whatever_the_jobs(corpus, tmp_path: Path) -> None:
+    text, out, config, _ = corpus
+    other = synthesize_corpus(text, tmp_path / "one-job", config, jobs=1)
+    assert other.written == other.utterances
+    assert wav_bytes(tmp_path / "one-job") == wav_bytes(out)
+    strip = [
+        {**e, "audio_filepath": Path(e["audio_filepath"]).name}
+        for e in read_manifest(out / "manifest.jsonl")
+    ]
+    assert [
+        {**e, "audio_filepath": Path(e["audio_filepath"]).name}
+        for e in read_manifest(tmp_path / "one-job" / "manifest.jsonl")
+    ] == strip
+
+
+@needs_espeak
+def test_variant_seed_draws_new_voices(tmp_path: Path) -> None:
+    text = write_text(tmp_path / "s.txt", ["one small step", "a giant leap"])
+    plans = []
+    for variant in (0, 1):
+        config = SynthConfig(engines=("espeak",), variant_seed=variant)
+        synthesize_corpus(text, tmp_path / "out", config, jobs=2, relative_paths=True)
+        plans.append(read_manifest(tmp_path / "out" / "manifest.jsonl"))
+    assert [e["text"] for e in plans[0]] == [e["text"] for e in plans[1]]
+    assert [(e["voice"], e["speed"]) for e in plans[0]] != [
+        (e["voice"], e["speed"]) for e in plans[1]
+    ]
+    assert not {e["audio_filepath"] for e in plans[0]} & {e["audio_filepath"] for e in plans[1]}
+    assert all((tmp_path / "out" / e["audio_filepath"]).is_file() for e in plans[0] + plans[1])
+
+
+@needs_espeak
+def test_noise_changes_the_audio_and_stays_in_range(tmp_path: Path) -> None:
+    text = write_text(tmp_path / "s.txt", ["the quick brown fox", "jumps over the lazy dog"])
+    clean = SynthConfig(engines=("espeak",), seed=5)
+    noisy = SynthConfig(engines=("espeak",), seed=5, noise_prob=1.0, snr_db=(5.0, 10.0))
+    synthesize_corpus(text, tmp_path / "clean", clean, jobs=2, relative_paths=True)
+    synthesize_corpus(text, tmp_path / "noisy", noisy, jobs=2, relative_paths=True)
+    for a, b in zip(
+        read_manifest(tmp_path / "clean" / "manifest.jsonl"),
+        read_manifest(tmp_path / "noisy" / "manifest.jsonl"),
+        strict=True,
+    ):
+        assert (a["voice"], a["speed"], a["pitch"], a["noise"]) == (
+            b["voice"],
+            b["speed"],
+            b["pitch"],
+            None,
+        )
+        assert b["noise"] in ("white", "pink", "brown") and 5.0 <= b["snr_db"] <= 10.0
+        x, _ = sf.read(tmp_path / "clean" / a["audio_filepath"], dtype="int16")
+        y, _ = sf.read(tmp_path / "noisy" / b["audio_filepath"], dtype="int16")
+        assert len(x) == len(y) and not np.array_equal(x, y)
+        assert np.abs(y.astype(np.int32)).max() <= 0.99 * 32768
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in ("white", "pink", "brown")])
+def test_noise_hits_the_snr_without_clipping(kind: str) -> None:
+    t = np.arange(16000) / 16000
+    speech = (0.9 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    mixed = add_noise(speech, kind, 10.0, seed=7)
+    assert mixed.dtype == np.float32 and np.abs(mixed).max() <= 0.99 + 1e-6
+    # Scaling to fit keeps the ratio: undo it with the speech component.
+    gain = float(np.dot(mixed, speech) / np.dot(speech, speech))
+    noise = mixed - gain * speech
+    snr = 10 * np.log10(np.mean((gain * speech) ** 2) / np.mean(noise**2))
+    assert snr == pytest.approx(10.0, abs=0.5)
+    np.testing.assert_array_equal(mixed, add_noise(speech, kind, 10.0, seed=7))
+
+
+def test_noise_colours_tilt_towards_low_frequencies() -> None:
+    rng = np.random.default_rng(0)
+    low_share = {}
+    for kind in ("white", "pink", "brown"):
+        power = np.abs(np.fft.rfft(make_noise(kind, 16000, rng))) ** 2
+        low_share[kind] = power[: len(power) // 10].sum() / power.sum()
+    assert low_share["white"] < low_share["pink"] < low_share["brown"]
+
+
+# --- missing programs -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("on_path", "engines", "missing"),
+    [
+        pytest.param((), ("espeak",), "espeak-ng", id="no-espeak"),
+        pytest.param((), ("flite",), "flite", id="no-flite"),
+        pytest.param(("flite",), ("espeak", "flite"), "espeak-ng", id="flite-only-both-asked"),
+        pytest.param(("espeak-ng",), ("flite", "espeak"), "flite", id="espeak-only-both-asked"),
+    ],
+)
+def test_missing_program_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_path, engines, missing: str
+) -> None:
+    for program in on_path:
+        (tmp_path / program).symlink_to("/usr/bin/true")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SynthError, match=rf"^{missing} not found on PATH"):
+        find_programs(engines)
+
+
+@needs_flite
+def test_only_the_requested_engine_is_required(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "flite").symlink_to(shutil.which("flite"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    text = write_text(tmp_path / "s.txt", ["hello there"])
+    summary = synthesize_corpus(text, tmp_path / "out", SynthConfig(engines=("flite",)), jobs=1)
+    assert summary.written == 1
+    assert read_manifest(summary.manifest)[0]["engine"] == "flite"
+
+
+def test_cli_missing_program_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    text = write_text(tmp_path / "s.txt", ["hello"])
+    code = main(["synth", "--text", str(text), "--out", str(tmp_path / "o"), "--engines", "espeak"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and "espeak-ng not found on PATH" in err
+
+
+@needs_espeak
+def test_cli_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = write_text(tmp_path / "s.txt", ["hello world", "", "good morning"])
+    argv = ["synth", "--text", str(text), "--out", str(tmp_path / "o"), "--engines", "espeak-ng"]
+    assert main([*argv, "--json", "--jobs", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["written"], summary["skipped_existing"], summary["skipped_text"]) == (2, 0, 1)
+    assert summary["seconds"] > 0 and summary["elapsed"] > 0
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["written"] == 0
+
+
+# --- fortunes -------------------------------------------------------------------
+
+FORTUNES = """\
+A clash of doctrine is not a disaster -- it is an opportunity.
+%
+A fake fortuneteller can be tolerated.  But an authentic soothsayer should
+be shot on sight.  Cassandra did not get half the kicking around she deserved.
+		-- R. A. Heinlein
+%
+Visit http://example.com for more wisdom today.
+%
+Mr. Smith went to Washington in the morning.
+%
+(1) Avoid fried meats which angry up the blood.
+%
+The UNIX way is the right way, they said.
+%
+A fake fortuneteller can be tolerated!
+%
+Short one.
+"""
+
+
+@pytest.mark.parametrize(
+    ("paragraph", "expected"),
+    [
+        pytest.param("One. Two three!", ["One.", "Two three!"], id="two"),
+        pytest.param(
+            "Mr. Smith left. Then he came.", ["Mr. Smith left.", "Then he came."], id="mr"
+        ),
+        pytest.param(
+            "Ask R. A. Heinlein. He knows.", ["Ask R. A. Heinlein.", "He knows."], id="initials"
+        ),
+        pytest.param("So do I. You too.", ["So do I.", "You too."], id="pronoun-i"),
+    ],
+)
+def test_sentence_splitting(paragraph: str, expected: list[str]) -> None:
+    assert split_into_sentences(paragraph) == expected
+
+
+def test_fortune_sentences_are_clean_and_distinct(tmp_path: Path) -> None:
+    (tmp_path / "wisdom").write_text(FORTUNES)
+    sentences = fortune_sentences([tmp_path / "wisdom"], min_words=3, max_words=20)
+    assert sentences == [
+        "A clash of doctrine is not a disaster, it is an opportunity.",
+        "A fake fortuneteller can be tolerated.",
+        "But an authentic soothsayer should be shot on sight.",
+        "Cassandra did not get half the kicking around she deserved.",
+        "Mr. Smith went to Washington in the morning.",
+    ]
+
+
+def test_split_is_disjoint_and_deterministic() -> None:
+    sentences = [f"sentence number {w}" for w in "abcdefghijklmnopqrst"]
+    train, held = split_corpus(sentences, held_out=5, seed=1)
+    assert len(held) == 5 and len(train) == 15 and not set(train) & set(held)
+    assert sorted(train + held) == sorted(sentences)
+    assert split_corpus(sentences, 5, seed=1) == (train, held)
+    assert split_corpus(sentences, 5, seed=2) != (train, held)
+
+
+@pytest.mark.skipif(not DEFAULT_FORTUNES_DIR.is_dir(), reason="fortunes are not installed")
+def test_make_fortune_text_holds_out_unseen_sentences(tmp_path: Path) -> None:
+    files = fortune_files()
+    few = tmp_path / "few"
+    few.mkdir()
+    for path in files[:3]:
+        shutil.copy(path, few / path.name)
+    result = make_fortune_text(tmp_path / "text", fortunes_dir=few, held_out=20, seed=0)
+    train = (tmp_path / "text" / "train.txt").read_text().splitlines()
+    held = (tmp_path / "text" / "heldout.txt").read_text().splitlines()
+    assert (len(train), len(held)) == (result["train"], result["heldout"]) and len(held) == 20
+    assert not {normalize_text(s) for s in train} & {normalize_text(s) for s in held}
+    assert all(3 <= len(s.split()) <= 20 for s in train + held)
+    make_fortune_text(tmp_path / "again", fortunes_dir=few, held_out=20, seed=0)
+    assert (tmp_path / "again" / "heldout.txt").read_text() == "\n".join(held) + "\n"

@@ -1,0 +1,451 @@
+"""Synthetic speech corpora: espeak-ng and flite voices, speed, pitch and noise.
+
+`synthesize_corpus(text_file, out_dir, SynthConfig(...))` reads sentences (one a
+line), normalises them, and renders each `voices_per_sentence` times with a voice,
+tempo and pitch drawn from a random generator seeded by (seed, variant_seed, line,
+copy, text), so an utterance sounds the same whatever `jobs` or the order of work.
+Optionally noise (white, pink or brown) is added at a random SNR.
+
+Output in `out_dir`:
+
+- `wavs/<hash>.wav`: 16 kHz mono PCM16. The name hashes everything that decides
+  the audio (text, line, copy, seeds, voice, tempo, pitch, noise), so a rerun maps
+  to the same files, finds them and synthesises nothing; a changed setting maps to
+  new files instead of silently reusing stale ones. Each file is written to a
+  temporary name and renamed, so a killed run leaves no half-written WAV.
+- `manifest.jsonl`: one line per utterance in sentence order, NeMo style
+  `{"audio_filepath", "duration", "text"}` with absolute paths (relative to the
+  manifest's directory with `relative_paths=True`), plus what made the audio:
+  `engine`, `voice`, `speed` (tempo factor, 1.0 = the engine's default rate),
+  `pitch` (espeak-ng's 0-99 pitch, or flite's mean F0 in Hz), `noise` (kind or
+  null), `snr_db` (or null) and `line` (1-based line in the text file).
+
+`variant_seed` is the epoch knob: the same sentences with a new variant seed get
+new voices, tempos and noise, in new files beside the old ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+from tqdm import tqdm
+
+from echoic.model.configs import ConfigError
+from echoic.training.corpus import Sentence, read_sentences
+
+
+class SynthError(RuntimeError):
+    """A synthesizer is missing or failed."""
+
+
+ENGINES = ("espeak", "flite")
+PROGRAMS = {"espeak": "espeak-ng", "flite": "flite"}
+INSTALL_HINT = {"espeak": "apt-get install espeak-ng", "flite": "apt-get install flite"}
+NOISE_KINDS = ("white", "pink", "brown")
+
+# espeak-ng voice variants that sound like people (no whisper, robot or novelty voices).
+ESPEAK_VARIANTS = (
+    *(f"m{i}" for i in range(1, 9)),
+    *(f"f{i}" for i in range(1, 6)),
+    *("klatt", "klatt2", "klatt3", "klatt4", "klatt6"),
+    *("adam", "Alex", "Andy", "Annie", "aunty", "belinda", "benjamin", "caleb", "david"),
+    *("ed", "edward", "Gene", "grandma", "grandpa", "iven", "john", "linda", "max"),
+    *("Michael", "Mike", "norbert", "paul", "quincy", "rob", "robert", "shelby"),
+    *("steph", "travis", "victor", "zac"),
+)
+ESPEAK_DEFAULT_WPM = 175.0  # espeak-ng's default rate, words per minute
+# flite voices used, with their mean F0 in Hz as measured on their default output.
+FLITE_VOICES = {"kal16": 95.0, "slt": 170.0, "rms": 100.0, "awb": 125.0}
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    engines: tuple[str, ...] = ENGINES  # synthesizers to draw voices from, names in ENGINES
+    voices_per_sentence: int = 1  # renderings of each sentence with distinct voices, count
+    seed: int = 0  # corpus seed: voices, tempos, noise and file names follow from it
+    variant_seed: int = 0  # epoch knob: a new value re-draws every voice and noise
+    speed: tuple[float, float] = (0.75, 1.2)  # tempo factor range, 1.0 = engine default
+    espeak_pitch: tuple[int, int] = (30, 70)  # espeak-ng -p range, 0-99 (50 = default)
+    flite_f0_scale: tuple[float, float] = (0.85, 1.2)  # flite mean F0 range, x voice's own
+    noise_prob: float = 0.0  # chance that an utterance gets additive noise, 0-1
+    snr_db: tuple[float, float] = (10.0, 30.0)  # speech-to-noise ratio range, dB
+    noise_kinds: tuple[str, ...] = NOISE_KINDS  # noise colours to draw from
+    sample_rate: int = 16000  # output rate, Hz
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.engines if e not in ENGINES]
+        if unknown or not self.engines:
+            raise ConfigError(f"engines: {unknown or 'none'} (choose from {', '.join(ENGINES)})")
+        if self.voices_per_sentence < 1:
+            raise ConfigError("voices_per_sentence must be at least 1")
+        if not 0.0 <= self.noise_prob <= 1.0:
+            raise ConfigError(f"noise_prob must be in [0, 1], got {self.noise_prob}")
+        bad_noise = [k for k in self.noise_kinds if k not in NOISE_KINDS]
+        if bad_noise or not self.noise_kinds:
+            raise ConfigError(f"noise_kinds: {bad_noise or 'none'} (from {NOISE_KINDS})")
+        for name in ("speed", "espeak_pitch", "flite_f0_scale", "snr_db"):
+            lo, hi = getattr(self, name)
+            if lo > hi:
+                raise ConfigError(f"{name}: low {lo} is above high {hi}")
+        if min(self.speed) <= 0 or min(self.flite_f0_scale) <= 0:
+            raise ConfigError("speed and flite_f0_scale must be positive")
+
+
+@dataclass(frozen=True)
+class Voice:
+    engine: str  # "espeak" or "flite"
+    name: str  # espeak-ng -v argument (e.g. "en-gb-x-rp+f2") or flite -voice name
+
+
+@dataclass(frozen=True)
+class Utterance:
+    line: int  # 1-based line of the sentence in the text file
+    copy: int  # which of the sentence's renderings, 0-based
+    text: str  # normalised transcript
+    engine: str  # synthesizer
+    voice: str  # voice name as passed to the synthesizer
+    speed: float  # tempo factor, 1.0 = engine default
+    pitch: float  # espeak-ng pitch 0-99, or flite mean F0 in Hz
+    noise: str | None  # noise colour, or None for clean audio
+    snr_db: float | None  # speech-to-noise ratio, dB
+    noise_seed: int  # seed of the noise samples
+
+    @property
+    def name(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class SynthSummary:
+    utterances: int  # manifest lines, count
+    written: int  # WAVs synthesised by this run, count
+    skipped_existing: int  # WAVs already present and valid, count
+    skipped_text: int  # source lines skipped (empty or not encodable), count
+    skipped_empty: int  # of which empty, count
+    skipped_unencodable: int  # of which not encodable by the vocabulary, count
+    first_unencodable: int | None  # 1-based line of the first unencodable one
+    seconds: float  # audio in the manifest, s
+    elapsed: float  # wall time of the run, s
+    manifest: str  # path of manifest.jsonl
+
+
+# --- engines ------------------------------------------------------------------
+
+
+def find_program(engine: str) -> str:
+    """The path of an engine's program; SynthError naming it when it is not on PATH."""
+    program = PROGRAMS[engine]
+    path = shutil.which(program)
+    if path is None:
+        raise SynthError(
+            f"{program} not found on PATH (needed for --engines {engine}; "
+            f"{INSTALL_HINT[engine]}, or leave {engine} out of --engines)"
+        )
+    return path
+
+
+def _run(cmd: Sequence[str], stdin: bytes | None = None) -> str:
+    try:
+        done = subprocess.run(cmd, input=stdin, capture_output=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SynthError(f"{Path(cmd[0]).name} failed: {e}") from e
+    stderr = done.stderr.decode(errors="replace").strip()
+    if done.returncode != 0:
+        raise SynthError(f"{Path(cmd[0]).name} exited with {done.returncode}: {stderr[-300:]}")
+    return done.stdout.decode(errors="replace")
+
+
+def espeak_voices(program: str) -> list[str]:
+    """English espeak-ng voices (no MBROLA) crossed with the installed human-like variants."""
+    accents: list[str] = []
+    for row in _run([program, "--voices=en"]).splitlines()[1:]:
+        cols = row.split()
+        if len(cols) >= 5 and cols[1] != "variant" and not cols[4].startswith("mb/"):
+            if cols[1] not in accents:
+                accents.append(cols[1])
+    installed = set()
+    for row in _run([program, "--voices=variant"]).splitlines()[1:]:
+        match = re.search(r"!v/(\S+)", row)
+        if match:
+            installed.add(match.group(1))
+    variants = [""] + [f"+{v}" for v in ESPEAK_VARIANTS if v in installed]
+    return [accent + variant for accent in sorted(accents) for variant in variants]
+
+
+def flite_voices(program: str) -> list[str]:
+    # flite falls back to its default voice for an unknown name, so ask what it has.
+    listed = _run([program, "-lv"]).split(":", 1)[-1].split()
+    return [v for v in FLITE_VOICES if v in listed]
+
+
+def find_programs(engines: Sequence[str]) -> dict[str, str]:
+    """Program paths of the requested engines only; SynthError names a missing one."""
+    return {engine: find_program(engine) for engine in engines}
+
+
+def discover_voices(programs: dict[str, str]) -> dict[str, list[Voice]]:
+    """The voices each engine (name -> program path) offers."""
+    listers = {"espeak": espeak_voices, "flite": flite_voices}
+    pools: dict[str, list[Voice]] = {}
+    for engine, program in programs.items():
+        names = listers[engine](program)
+        if not names:
+            raise SynthError(f"{PROGRAMS[engine]} reports none of the English voices used here")
+        pools[engine] = [Voice(engine, name) for name in names]
+    return pools
+
+
+def synth_command(utt: Utterance, program: str, wav_path: str) -> list[str]:
+    if utt.engine == "espeak":
+        wpm = round(ESPEAK_DEFAULT_WPM * utt.speed)
+        pitch = str(int(utt.pitch))
+        return [program, "-v", utt.voice, "-s", str(wpm), "-p", pitch, "-w", wav_path, "--stdin"]
+    return [
+        program,
+        "-voice",
+        utt.voice,
+        "--setf",
+        f"duration_stretch={1.0 / utt.speed:.4f}",
+        "--setf",
+        f"int_f0_target_mean={utt.pitch}",
+        "-t",
+        utt.text,
+        "-o",
+        wav_path,
+    ]
+
+
+# --- planning -----------------------------------------------------------------
+
+
+def _rng(*key: object) -> np.random.Generator:
+    digest = hashlib.sha256(json.dumps(key).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
+
+
+def plan_sentence(
+    sentence: Sentence, pools: dict[str, list[Voice]], config: SynthConfig
+) -> list[Utterance]:
+    """The `voices_per_sentence` renderings of one sentence, each with its own voice."""
+    engines = [e for e in config.engines if e in pools]
+    voices = [v for e in engines for v in pools[e]]
+    # Each engine gets an equal share, however many voices it has.
+    weights = np.array([1.0 / (len(engines) * len(pools[v.engine])) for v in voices])
+    k = config.voices_per_sentence
+    rng = _rng("voices", config.seed, config.variant_seed, sentence.line, sentence.text)
+    picks = rng.choice(len(voices), size=k, replace=k > len(voices), p=weights / weights.sum())
+    plan = []
+    for copy, pick in enumerate(picks):
+        voice = voices[int(pick)]
+        rng = _rng("utt", config.seed, config.variant_seed, sentence.line, copy, sentence.text)
+        speed = round(float(rng.uniform(*config.speed)), 3)
+        if voice.engine == "espeak":
+            pitch = float(rng.integers(config.espeak_pitch[0], config.espeak_pitch[1] + 1))
+        else:
+            scale = rng.uniform(*config.flite_f0_scale)
+            pitch = round(float(FLITE_VOICES[voice.name] * scale), 1)
+        noisy = rng.random() < config.noise_prob
+        noise = str(rng.choice(config.noise_kinds)) if noisy else None
+        snr = round(float(rng.uniform(*config.snr_db)), 2) if noisy else None
+        plan.append(
+            Utterance(
+                line=sentence.line,
+                copy=copy,
+                text=sentence.text,
+                engine=voice.engine,
+                voice=voice.name,
+                speed=speed,
+                pitch=pitch,
+                noise=noise,
+                snr_db=snr,
+                noise_seed=int(rng.integers(2**62)),
+            )
+        )
+    return plan
+
+
+# --- audio --------------------------------------------------------------------
+
+
+def make_noise(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` samples of white, pink (1/f power) or brown (1/f^2 power) noise at unit RMS."""
+    white = rng.standard_normal(n)
+    if kind == "white" or n < 2:
+        noise = white
+    else:
+        spectrum = np.fft.rfft(white)
+        freqs = np.fft.rfftfreq(n)
+        spectrum[0] = 0.0
+        exponent = 0.5 if kind == "pink" else 1.0  # amplitude ~ f^-exponent
+        spectrum[1:] /= freqs[1:] ** exponent
+        noise = np.fft.irfft(spectrum, n)
+    rms = float(np.sqrt(np.mean(noise**2))) if n else 0.0
+    return (noise / rms if rms > 0 else noise).astype(np.float32)
+
+
+def add_noise(speech: np.ndarray, kind: str, snr_db: float, seed: int) -> np.ndarray:
+    """Speech plus noise at `snr_db` (against the speech's RMS), scaled down if it would clip."""
+    noise = make_noise(kind, len(speech), np.random.default_rng(seed))
+    speech_rms = float(np.sqrt(np.mean(speech.astype(np.float64) ** 2)))
+    mixed = speech + noise * np.float32(speech_rms / 10 ** (snr_db / 20))
+    return _fit_range(mixed)
+
+
+def _fit_range(audio: np.ndarray, peak: float = 0.99) -> np.ndarray:
+    top = float(np.max(np.abs(audio))) if audio.size else 0.0
+    return (audio * np.float32(peak / top) if top > peak else audio).astype(np.float32)
+
+
+def render(utt: Utterance, program: str, sample_rate: int, tmp_dir: str) -> np.ndarray:
+    """One utterance as float32 mono at `sample_rate`."""
+    fd, raw_path = tempfile.mkstemp(suffix=".wav", dir=tmp_dir)
+    os.close(fd)
+    try:
+        stdin = utt.text.encode() if utt.engine == "espeak" else None
+        _run(synth_command(utt, program, raw_path), stdin=stdin)
+        try:
+            audio, rate = sf.read(raw_path, dtype="float32", always_2d=True)
+        except (sf.LibsndfileError, RuntimeError) as e:
+            raise SynthError(f"{PROGRAMS[utt.engine]} wrote unreadable audio: {e}") from e
+    finally:
+        os.unlink(raw_path)
+    audio = audio.mean(axis=1)
+    if audio.size == 0:
+        raise SynthError(f"{PROGRAMS[utt.engine]} produced no audio for line {utt.line}")
+    if rate != sample_rate:
+        audio = soxr.resample(audio, rate, sample_rate).astype(np.float32)
+    if utt.noise is not None and utt.snr_db is not None:
+        return add_noise(audio, utt.noise, utt.snr_db, utt.noise_seed)
+    return _fit_range(audio)
+
+
+def write_wav_atomic(path: Path, audio: np.ndarray, sample_rate: int) -> None:
+    pcm = np.clip(np.round(audio * 32767.0), -32768, 32767).astype(np.int16)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
+    try:
+        sf.write(tmp, pcm, sample_rate, subtype="PCM_16", format="WAV")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def existing_duration(path: Path, sample_rate: int) -> float | None:
+    """Duration in seconds of a valid 16-bit mono WAV at `sample_rate`, else None."""
+    try:
+        info = sf.info(str(path))
+    except (sf.LibsndfileError, RuntimeError, OSError):
+        return None
+    ok = info.samplerate == sample_rate and info.channels == 1 and info.subtype == "PCM_16"
+    return info.frames / sample_rate if ok and info.frames > 0 else None
+
+
+# --- the corpus ---------------------------------------------------------------
+
+
+def manifest_entry(utt: Utterance, audio_path: str, duration: float) -> dict[str, object]:
+    return {
+        "audio_filepath": audio_path,
+        "duration": round(duration, 6),
+        "text": utt.text,
+        "engine": utt.engine,
+        "voice": utt.voice,
+        "speed": utt.speed,
+        "pitch": utt.pitch,
+        "noise": utt.noise,
+        "snr_db": utt.snr_db,
+        "line": utt.line,
+    }
+
+
+def synthesize_corpus(
+    text_path: str | Path,
+    out_dir: str | Path,
+    config: SynthConfig | None = None,
+    *,
+    limit: int | None = None,
+    jobs: int | None = None,
+    progress: bool = False,
+    relative_paths: bool = False,
+) -> SynthSummary:
+    """Render the first `limit` usable sentences of `text_path` into `out_dir`."""
+    started = time.perf_counter()
+    config = config or SynthConfig()
+    sentences, skips = read_sentences(text_path, limit=limit)
+    programs = find_programs(config.engines)
+    pools = discover_voices(programs)
+    plan = [utt for s in sentences for utt in plan_sentence(s, pools, config)]
+
+    out_dir = Path(out_dir).resolve()
+    wav_dir = out_dir / "wavs"
+    wav_dir.mkdir(parents=True, exist_ok=True)
+    durations: dict[int, float] = {}
+    todo: list[int] = []
+    for i, utt in enumerate(plan):
+        found = existing_duration(wav_dir / f"{utt.name}.wav", config.sample_rate)
+        if found is None:
+            todo.append(i)
+        else:
+            durations[i] = found
+
+    def work(i: int, tmp_dir: str) -> float:
+        utt = plan[i]
+        audio = render(utt, programs[utt.engine], config.sample_rate, tmp_dir)
+        write_wav_atomic(wav_dir / f"{utt.name}.wav", audio, config.sample_rate)
+        return len(audio) / config.sample_rate
+
+    if todo:
+        jobs = max(1, jobs or os.cpu_count() or 1)
+        with (
+            tempfile.TemporaryDirectory(prefix="echoic-synth-") as tmp_dir,
+            tqdm(total=len(todo), desc="synth", unit="utt", disable=not progress) as bar,
+            ThreadPoolExecutor(max_workers=jobs) as pool,
+        ):
+            futures = {pool.submit(work, i, tmp_dir): i for i in todo}
+            try:
+                for future in as_completed(futures):
+                    durations[futures[future]] = future.result()
+                    bar.update(1)
+            except BaseException:
+                # Stop queued work at once (an error or Ctrl-C); running jobs finish.
+                for future in futures:
+                    future.cancel()
+                raise
+
+    manifest = out_dir / "manifest.jsonl"
+    lines = []
+    for i, utt in enumerate(plan):
+        path = wav_dir / f"{utt.name}.wav"
+        shown = str(path.relative_to(out_dir)) if relative_paths else str(path)
+        lines.append(json.dumps(manifest_entry(utt, shown, durations[i])) + "\n")
+    tmp = manifest.with_name(f".{manifest.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(lines), encoding="utf-8")
+    os.replace(tmp, manifest)
+
+    return SynthSummary(
+        utterances=len(plan),
+        written=len(todo),
+        skipped_existing=len(plan) - len(todo),
+        skipped_text=skips.total,
+        skipped_empty=skips.empty,
+        skipped_unencodable=skips.unencodable,
+        first_unencodable=skips.first_unencodable,
+        seconds=round(sum(durations.values()), 3),
+        elapsed=round(time.perf_counter() - started, 3),
+        manifest=str(manifest),
+    )
