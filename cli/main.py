@@ -54,6 +54,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.model.text", "TextError"),
         ("echoic.training.data", "ManifestError"),
         ("echoic.training.synth", "SynthError"),
+        ("echoic.training.distributed", "DistributedError"),
+        ("echoic.training.checkpoint", "CheckpointError"),
     ):
         if mod in sys.modules:
             known.append(getattr(sys.modules[mod], name))

@@ -44,9 +44,15 @@ STREAMING = [
     pytest.param(dict(bidirectional=False, context_frames=3), id="unigru-rowconv3"),
     pytest.param(dict(bidirectional=False, rnn_type="lstm"), id="unilstm-no-lookahead"),
     pytest.param(
-        dict(conv_channels=(3, 3, 3), conv_kernel_freq=(3, 3, 3), conv_kernel_time=(3, 5, 3),
-             conv_stride_freq=(1, 2, 1), conv_stride_time=(2, 1, 2), chunk_frames=3,
-             context_frames=2),
+        dict(
+            conv_channels=(3, 3, 3),
+            conv_kernel_freq=(3, 3, 3),
+            conv_kernel_time=(3, 5, 3),
+            conv_stride_freq=(1, 2, 1),
+            conv_stride_time=(2, 1, 2),
+            chunk_frames=3,
+            context_frames=2,
+        ),
         id="three-convs-stride4",
     ),
 ]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up everything echoic needs on a fresh Debian machine, idempotently:
+# system packages (speech synthesizers, MPI, sox, fortunes) and a virtual
+# environment in .venv with echoic installed editable with all extras.
+#   bash scripts/bootstrap.sh            # then: source .venv/bin/activate
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v espeak-ng >/dev/null || need+=(espeak-ng)
+command -v flite >/dev/null || need+=(flite)
+command -v mpirun >/dev/null || need+=(openmpi-bin)
+[ -e /usr/include/x86_64-linux-gnu/openmpi ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include ] \
+  || dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev)
+command -v sox >/dev/null || need+=(sox)
+[ -e /usr/share/games/fortunes/fortunes ] || need+=(fortunes fortunes-min)
+if [ ${#need[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "bootstrap: installing ${need[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.echoic-installed ]; then
+  echo "bootstrap: installing Python packages into .venv" >&2
+  .venv/bin/pip install -q --upgrade pip >/dev/null
+  # The CPU build of torch; a GPU machine can install a CUDA build instead.
+  .venv/bin/pip install -q "torch==${ECHOIC_TORCH_VERSION:-2.13.0}"
+  .venv/bin/pip install -q -e ".[train,serve,dev]"
+  touch .venv/.echoic-installed
+fi

@@ -1,0 +1,62 @@
+"""Session-wide fixtures: a small synthetic corpus and the tiny recipe."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RECIPE = ROOT / "training" / "recipes" / "tiny.toml"
+
+SENTENCES = """\
+The quick brown fox jumps over the lazy dog.
+She sells sea shells by the sea shore.
+A journey of a thousand miles begins with a single step.
+All that glitters is not gold.
+Time flies like an arrow and fruit flies like a banana.
+Where there is smoke there is fire.
+The early bird catches the worm.
+Actions speak louder than words.
+Better late than never, but never late is better.
+Curiosity killed the cat, satisfaction brought it back.
+Every cloud has a silver lining.
+Fortune favours the bold and the brave.
+Good things come to those who wait.
+Honesty is the best policy in the long run.
+If it is not broken, do not fix it.
+Knowledge is power and power is knowledge.
+Laughter is the best medicine for a bad day.
+Make hay while the sun shines over the fields.
+No man is an island entire of itself.
+Out of sight is out of mind.
+Practice makes perfect, or at least it makes progress.
+Rome was not built in a day.
+The pen is mightier than the sword.
+Two heads are better than one when the work is hard.
+When in Rome, do as the Romans do.
+You cannot judge a book by its cover.
+A picture is worth a thousand words.
+Beauty is in the eye of the beholder.
+Do not count your chickens before they hatch.
+Easy come, easy go, as the old saying goes.
+"""
+
+
+def _have_synthesizers() -> bool:
+    return bool(shutil.which("espeak-ng") and shutil.which("flite"))
+
+
+@pytest.fixture(scope="session")
+def speech_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 synthesized utterances (espeak-ng and flite voices); returns the manifest path."""
+    if not _have_synthesizers():
+        pytest.skip("espeak-ng and flite are not installed (scripts/bootstrap.sh installs them)")
+    from echoic.training.synth import SynthConfig, synthesize_corpus
+
+    root = tmp_path_factory.mktemp("speech")
+    text = root / "sentences.txt"
+    text.write_text(SENTENCES)
+    synthesize_corpus(text, root / "corpus", SynthConfig(seed=7), progress=False)
+    return root / "corpus" / "manifest.jsonl"

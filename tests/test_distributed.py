@@ -1,0 +1,260 @@
+"""Launcher detection and a real two-rank gloo job under mpirun and torchrun-style env."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from echoic.training.distributed import (
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    DistEnv,
+    DistributedError,
+    all_gather_object,
+    all_reduce_mean,
+    detect_env,
+    init_distributed,
+    is_main,
+    rendezvous_address,
+)
+
+# Open MPI 4.1 as root in a container: --allow-run-as-root because we are root,
+# --oversubscribe because two ranks may exceed the cores, and the byte-transfer and
+# out-of-band layers kept on loopback so no sandbox network interface is probed.
+MPIRUN_ARGS = (
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--mca",
+    "btl",
+    "self,tcp",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
+)
+
+# Each rank joins the group, averages its rank and writes what it saw to OUT/rank<r>.json.
+RANK_SCRIPT = """
+import json, os, sys, torch
+from echoic.training import distributed as d
+env = d.detect_env()
+d.init_distributed(env, "cpu", timeout_s=60)
+mean = d.all_reduce_mean(torch.tensor([float(env.rank)]))
+d.barrier()
+seen = {
+    "rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
+    "launcher": env.launcher, "mean": mean.item(), "main": d.is_main(),
+    "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"],
+    "gathered": d.all_gather_object({"rank": env.rank}),
+}
+with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
+    json.dump(seen, f)
+d.cleanup()
+"""
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _clean_environ() -> dict[str, str]:
+    """The test process's environment without any launcher variables of its own."""
+    prefixes = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL")
+    return {
+        k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(prefixes)
+    }
+
+
+def _read_ranks(out: Path, world_size: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        pytest.param({}, DistEnv(), id="single"),
+        pytest.param(
+            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+            DistEnv(3, 8, 1, 2, "torchrun"),
+            id="torchrun",
+        ),
+        pytest.param(
+            {
+                "OMPI_COMM_WORLD_RANK": "5",
+                "OMPI_COMM_WORLD_SIZE": "8",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            },
+            DistEnv(5, 8, 1, 4, "openmpi"),
+            id="openmpi",
+        ),
+        pytest.param(
+            {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+            DistEnv(2, 4, 0, 2, "mpich"),
+            id="mpich-hydra-or-intel-mpi",
+        ),
+        pytest.param(
+            {"PMI_RANK": "1", "PMI_SIZE": "2"},
+            DistEnv(1, 2, 1, 2, "mpich"),
+            id="mpich-no-local-vars-means-one-node",
+        ),
+        pytest.param(
+            {
+                "SLURM_PROCID": "6",
+                "SLURM_STEP_NUM_TASKS": "7",
+                "SLURM_LOCALID": "2",
+                "SLURM_NODEID": "1",
+                "SLURM_STEP_TASKS_PER_NODE": "4(x1),3",
+            },
+            DistEnv(6, 7, 2, 3, "slurm"),
+            id="slurm-srun",
+        ),
+        pytest.param(
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"},
+            DistEnv(),
+            id="slurm-batch-script-is-single",
+        ),
+        pytest.param(
+            {
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "1",
+            },
+            DistEnv(1, 2, 1, 2, "torchrun"),
+            id="torchrun-inside-mpi-allocation",
+        ),
+    ],
+)
+def test_detect_env(environ: dict[str, str], expected: DistEnv) -> None:
+    assert detect_env(environ) == expected
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        pytest.param({"RANK": "x", "WORLD_SIZE": "2"}, id="not-an-integer"),
+        pytest.param({"RANK": "2", "WORLD_SIZE": "2"}, id="rank-out-of-range"),
+        pytest.param(
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            id="local-rank-out-of-range",
+        ),
+    ],
+)
+def test_detect_env_rejects_inconsistent_variables(environ: dict[str, str]) -> None:
+    with pytest.raises(DistributedError):
+        detect_env(environ)
+
+
+@pytest.mark.parametrize(
+    ("env", "environ", "expected"),
+    [
+        pytest.param(
+            DistEnv(0, 2, 0, 2, "torchrun"),
+            {"MASTER_ADDR": "node7", "MASTER_PORT": "1234"},
+            ("node7", 1234),
+            id="from-environment",
+        ),
+        pytest.param(
+            DistEnv(0, 2, 0, 2, "torchrun"),
+            {},
+            (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT),
+            id="default-one-node",
+        ),
+        pytest.param(
+            DistEnv(0, 4, 0, 2, "slurm"),
+            {},
+            (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT),
+            id="default-several-nodes-warns",
+        ),
+    ],
+)
+def test_rendezvous_address(
+    env: DistEnv, environ: dict[str, str], expected: tuple[str, int]
+) -> None:
+    assert rendezvous_address(env, environ) == expected
+
+
+def test_single_process_needs_no_process_group() -> None:
+    device = init_distributed(DistEnv(), "cpu")
+    assert device == torch.device("cpu")
+    assert is_main()
+    assert all_gather_object("only") == ["only"]
+    assert all_reduce_mean(torch.tensor([3, 5])).tolist() == [3.0, 5.0]
+
+
+def test_unknown_device_type_is_an_error() -> None:
+    with pytest.raises(DistributedError, match="'tpu'"):
+        init_distributed(DistEnv(), "tpu")
+
+
+@pytest.mark.slow
+def test_mpirun_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not installed")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    # No MASTER_ADDR/PORT: rank 0 picks them and mpi4py broadcasts them (when installed).
+    cmd = [mpirun, *MPIRUN_ARGS, "-np", "2", sys.executable, str(script), str(tmp_path)]
+    proc = subprocess.run(
+        cmd, env=_clean_environ(), capture_output=True, text=True, timeout=180, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _read_ranks(tmp_path, 2)
+    assert [(r["rank"], r["world_size"], r["launcher"]) for r in ranks] == [
+        (0, 2, "openmpi"),
+        (1, 2, "openmpi"),
+    ]
+    assert [r["mean"] for r in ranks] == [0.5, 0.5]
+    assert [r["main"] for r in ranks] == [True, False]
+    assert ranks[1]["gathered"] == [{"rank": 0}, {"rank": 1}]
+    assert ranks[0]["master"] == ranks[1]["master"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_style_env_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            env={
+                **_clean_environ(),
+                **master,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+    ranks = _read_ranks(tmp_path, 2)
+    assert [(r["rank"], r["launcher"], r["mean"]) for r in ranks] == [
+        (0, "torchrun", 0.5),
+        (1, "torchrun", 0.5),
+    ]
+    assert ranks[0]["master"] == f"127.0.0.1:{master['MASTER_PORT']}"

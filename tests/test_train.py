@@ -1,0 +1,161 @@
+"""Training end to end on a synthesized corpus: learning, determinism, exact resume, MPI.
+
+Every run is a real `echoic train` process (the tiny recipe, CPU, gloo for MPI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TINY_RECIPE
+from tests.test_distributed import MPIRUN_ARGS
+
+ECHOIC = [sys.executable, "-m", "echoic.cli.main"]
+
+
+def _train_cmd(manifest: Path, out: Path, *overrides: str) -> list[str]:
+    return [
+        *ECHOIC, "train", "--config", str(TINY_RECIPE), "--no-progress",
+        f"data.train_manifest={manifest}", f"out_dir={out}", "threads=1", *overrides,
+    ]  # fmt: skip
+
+
+def _train(manifest: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _train_cmd(manifest, out, *overrides), capture_output=True, text=True, timeout=600,
+        check=True,
+    )  # fmt: skip
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (model, optimizer state), flattened by key."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    out = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for pid, state in ckpt["optimizer"]["state"].items():
+        out.update({f"optim.{pid}.{k}": v for k, v in state.items() if torch.is_tensor(v)})
+    out["step"] = torch.tensor(ckpt["step"])
+    return out
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+@pytest.fixture(scope="module")
+def reference_run(speech_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 steps from scratch, with an evaluation before and after on the same corpus."""
+    out = tmp_path_factory.mktemp("reference")
+    _train(speech_corpus, out, f"data.val_manifest={speech_corpus}", "eval_at_start=true")
+    return out
+
+
+def test_thirty_steps_lower_the_loss(reference_run: Path) -> None:
+    evals = [
+        json.loads(line)
+        for line in (reference_run / "metrics.jsonl").read_text().splitlines()
+        if '"eval"' in line
+    ]
+    assert [e["step"] for e in evals][0] == 0 and evals[-1]["step"] == 30
+    assert evals[-1]["val_loss"] < 0.8 * evals[0]["val_loss"], evals
+
+
+def test_same_seed_gives_identical_checkpoints(
+    speech_corpus: Path, reference_run: Path, tmp_path: Path
+) -> None:
+    _train(speech_corpus, tmp_path, f"data.val_manifest={speech_corpus}", "eval_at_start=true")
+    _assert_same(reference_run / "last.pt", tmp_path / "last.pt")
+
+
+def test_other_seed_gives_other_weights(speech_corpus: Path, tmp_path: Path) -> None:
+    _train(speech_corpus, tmp_path / "a", "max_steps=2")
+    _train(speech_corpus, tmp_path / "b", "max_steps=2", "seed=99")
+    with pytest.raises(AssertionError, match="tensors differ"):
+        _assert_same(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")
+
+
+def test_sigkill_then_resume_ends_with_the_same_checkpoint(
+    speech_corpus: Path, reference_run: Path, tmp_path: Path
+) -> None:
+    overrides = (f"data.val_manifest={speech_corpus}", "eval_at_start=true", "checkpoint_every=4")
+    proc = subprocess.Popen(
+        _train_cmd(speech_corpus, tmp_path, *overrides),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    last, deadline = tmp_path / "last.pt", time.monotonic() + 300
+    killed_at = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        if last.exists():
+            step = torch.load(last, map_location="cpu", weights_only=False)["step"]
+            if step >= 8:
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed_at = step
+                break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert killed_at is not None and killed_at < 30, "the run ended before it could be killed"
+    resumed = subprocess.run(
+        _train_cmd(speech_corpus, tmp_path, *overrides), capture_output=True, text=True,
+        timeout=600, check=True,
+    )  # fmt: skip
+    assert "resuming at step" in resumed.stderr
+    # Same tensors as the uninterrupted run, although that one checkpointed every 10 steps.
+    _assert_same(reference_run / "last.pt", tmp_path / "last.pt")
+
+
+def test_resume_refuses_another_model(speech_corpus: Path, tmp_path: Path) -> None:
+    _train(speech_corpus, tmp_path, "max_steps=1")
+    other = subprocess.run(
+        _train_cmd(speech_corpus, tmp_path, "max_steps=2", "model.rnn_hidden=32"),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert other.returncode == 1
+    assert "holds a different model" in other.stderr
+    assert "Traceback" not in other.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        pytest.param("optim.lrr=1", "unknown config key optim.lrr", id="unknown-key"),
+        pytest.param("model.rnn_hidden=big", "expected an integer", id="bad-type"),
+        pytest.param("nonsense", "key=value", id="not-an-override"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors(
+    speech_corpus: Path, tmp_path: Path, override: str, message: str
+) -> None:
+    run = subprocess.run(
+        _train_cmd(speech_corpus, tmp_path, override), capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.skipif(not shutil.which("mpirun"), reason="mpirun (openmpi-bin) is not installed")
+def test_mpirun_two_ranks_trains_and_reproduces_itself(speech_corpus: Path, tmp_path: Path) -> None:
+    def run(out: Path) -> subprocess.CompletedProcess:
+        cmd = ["mpirun", *MPIRUN_ARGS, "-np", "2"]
+        cmd += _train_cmd(speech_corpus, out, "max_steps=8", "checkpoint_every=4")
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "2 rank(s)" in first.stderr
+    ckpt = torch.load(tmp_path / "a" / "last.pt", map_location="cpu", weights_only=False)
+    assert ckpt["world_size"] == 2 and ckpt["step"] == 8 and len(ckpt["rng"]) == 2
+    _assert_same(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")

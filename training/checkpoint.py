@@ -1,0 +1,92 @@
+"""Atomic, self-describing checkpoints.
+
+A checkpoint holds everything needed to resume exactly (model, optimizer,
+scheduler, sampler position, every RNG state) and to use the weights without the
+recipe that made them (the model config and the full training config).
+
+Writes go to a temporary file in the same directory, are fsynced, then renamed
+over the old file, so a run killed at any moment leaves either the previous
+checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from echoic.model.network import DeepSpeech2, ModelConfig, load_model_config
+
+FORMAT = "echoic-checkpoint-1"
+LAST = "last.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or from another recipe."""
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path} is not a readable echoic checkpoint: {e}") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an echoic checkpoint (format {FORMAT} expected)")
+    return ckpt
+
+
+def load_model(path: str | Path) -> tuple[DeepSpeech2, dict[str, Any]]:
+    """The network of a checkpoint, in eval mode, with its config; no recipe needed."""
+    ckpt = load(path)
+    cfg: ModelConfig = load_model_config(ckpt["model_config"])
+    model = DeepSpeech2(cfg)
+    model.load_state_dict(ckpt["model"])
+    return model.eval(), ckpt
