@@ -1,0 +1,135 @@
+"""Training throughput: audio seconds trained per wall-second, and the fraction of peak.
+
+    python bench/train_throughput.py [--config training/recipes/default.toml] [--steps 6]
+
+Runs full training steps (forward, CTC loss, backward, AdamW) of the recipe's
+model on batches shaped like the recipe's (batch_seconds of audio, transcripts at
+15 characters a second; the values are random, which does not change the cost),
+once for the recipe's chunked model and once with full context, side by side.
+On a GPU it adds the achieved TFLOP/s (analytic count, training = 3x forward) as
+a fraction of the device's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from echoic.model.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss  # noqa: E402
+from echoic.training.train import load_recipe, make_optimizer  # noqa: E402
+
+# Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, SXM parts, no sparsity).
+BF16_PEAK = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
+
+
+def forward_flops(cfg: ModelConfig, frames: int) -> float:
+    """Multiply-adds x 2 of one forward pass over `frames` input frames (one utterance)."""
+    flops, freq, t = 0.0, cfg.features.num_features, frames
+    cin = 1
+    for cout, kf, kt, sf, st in zip(
+        cfg.conv_channels, cfg.conv_kernel_freq, cfg.conv_kernel_time,
+        cfg.conv_stride_freq, cfg.conv_stride_time, strict=True,
+    ):  # fmt: skip
+        freq, t = (freq + 2 * (kf // 2) - kf) // sf + 1, -(-t // st)
+        flops += 2 * cin * cout * kf * kt * freq * t
+        cin = cout
+    d, h = cin * freq, cfg.rnn_hidden
+    gates = {"gru": 3, "lstm": 4, "rnn": 1}[cfg.rnn_type]
+    c, r = cfg.chunk_frames, cfg.context_frames
+    extra = (1 + r / c) if (c and cfg.bidirectional) else 1.0  # right-context frames
+    dirs = 2 if cfg.bidirectional else 1
+    for _ in range(cfg.rnn_layers):
+        flops += dirs * extra * t * 2 * gates * h * (d + h)
+        d = h
+    return flops + 2 * t * h * len(cfg.vocabulary)
+
+
+def measure(
+    cfg: ModelConfig,
+    batch_seconds: float,
+    max_batch: int,
+    utt_seconds: float,
+    steps: int,
+    device: torch.device,
+    bf16: bool,
+) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = DeepSpeech2(cfg).to(device).train()
+    from echoic.training.train import OptimConfig
+
+    opt = make_optimizer(model, OptimConfig())
+    b = max(1, min(max_batch, int(batch_seconds // utt_seconds)))
+    frames = int(utt_seconds * 1000 / cfg.features.hop_ms)
+    chars = int(utt_seconds * 15)
+    x = torch.randn(b, frames, cfg.features.num_features, device=device)
+    lengths = torch.full((b,), frames, device=device)
+    targets = torch.randint(1, len(cfg.vocabulary), (b * chars,))
+    target_len = torch.full((b,), chars)
+    times = []
+    for i in range(steps + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            log_probs, out_len = model(x, lengths)
+        loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), targets, target_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:  # two warm-up steps
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    return {
+        "params_m": count_parameters(model) / 1e6,
+        "batch": b,
+        "step_s": step,
+        "audio_s_per_s": b * utt_seconds / step,
+        "tflops": 3 * b * forward_flops(cfg, frames) / step / 1e12,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="training/recipes/default.toml")
+    p.add_argument("--steps", type=int, default=6, help="measured steps (median reported)")
+    p.add_argument("--utt-seconds", type=float, default=4.0, help="utterance length, s")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    rc = load_recipe(args.config)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(rc.threads or os.cpu_count() or 1)
+    bf16 = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{os.cpu_count()}"
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    variants = [("recipe (chunked)", rc.model)]
+    if rc.model.chunk_frames:
+        variants.append(("full context", dataclasses.replace(
+            rc.model, chunk_frames=0, context_frames=0)))  # fmt: skip
+    print(f"device: {name}; {'bf16 autocast' if bf16 else 'fp32'}; {args.config}")
+    header = f"{'model':<18} {'params':>7} {'batch':>5} {'step s':>7}"
+    header += f" {'audio s/s':>10} {'TFLOP/s':>8}"
+    print(header + (f" {'% of bf16 peak':>14}" if peak else ""))
+    for label, cfg in variants:
+        r = measure(cfg, rc.data.batch_seconds, rc.data.max_batch, args.utt_seconds,
+                    args.steps, device, bf16)  # fmt: skip
+        line = (f"{label:<18} {r['params_m']:>6.2f}M {r['batch']:>5d} {r['step_s']:>7.3f}"
+                f" {r['audio_s_per_s']:>10.1f} {r['tflops']:>8.3f}")  # fmt: skip
+        if peak:
+            line += f" {100 * r['tflops'] / peak:>13.2f}%"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
