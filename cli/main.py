@@ -15,7 +15,7 @@ import os
 import sys
 
 # Subcommands in the order `echoic --help` lists them.
-COMMANDS = ("synth", "train", "export", "transcribe", "eval", "serve", "stream", "demo")
+COMMANDS = ("synth", "train", "export", "transcribe", "eval", "lm", "serve", "stream", "demo")
 
 
 class UserError(Exception):
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         print("echoic: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the one place errors become exit codes
-        if os.environ.get("ECHOIC_DEBUG") == "1" or not isinstance(e, _known_errors()):
+        hint = isinstance(e, ImportError) and "pip install" in str(e)
+        if os.environ.get("ECHOIC_DEBUG") == "1" or not (hint or isinstance(e, _known_errors())):
             raise
         print(f"echoic {args.command}: error: {e}", file=sys.stderr)
         return 1

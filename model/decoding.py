@@ -1,11 +1,51 @@
-"""CTC decoding of log-probabilities into text (greedy; numpy only).
+"""CTC decoding of log-probabilities into transcripts: greedy, or beam search with an n-gram LM.
 
 CTC's collapse rule: take the best symbol per frame, merge runs of the same
 symbol, then drop blanks. A blank between two equal symbols keeps them apart,
 which is how the model spells double letters: "a a <b> a" -> "aa".
+
+Transcripts carry word times and confidences read off one alignment (a symbol
+per frame: greedy's best path, or the beam search's winning path):
+
+- Times. CTC is peaky: a character fires on one frame or a short run, with
+  blanks around it, and where it fires can lag or lead the sound by a frame or
+  two. A word spans from the first frame of its first character's run to the
+  last frame of its last character's run, inclusive: start = first *
+  frame_seconds, end = (last + 1) * frame_seconds. Blanks before and after a word
+  are not counted, so words look shorter than the audio they cover.
+- Confidence. A character's confidence is its posterior at its peak (the best
+  frame of its run); a word's is the lowest of its characters', since one
+  doubtful letter makes the word doubtful. An utterance's is the mean of its
+  words'; with no words, the lowest posterior along the path (how sure the
+  model is that nothing was said), and 0 with no frames at all.
+
+Streams. `decoder.stream()` accepts log-prob chunks as they arrive
+(`accept`), gives a partial transcript after each, and a final one at `finalize`.
+Streaming gives exactly the whole-utterance result: greedy carries the run in
+progress across chunk boundaries; beam search drives flashlight's incremental
+decoder. `Transcript.stable_words` counts the leading words later partials are
+not expected to change: for greedy, every word a space has closed; for beam
+search, the words that stayed the same over the last few partials.
+
+Beam search is flashlight-text's lexicon-free CTC decoder (the `serve` and
+`train` extras; greedy decoding needs numpy alone), so any spelling can come
+out. Its LM hook is asked about every character, so a word n-gram model
+(KenLM, ARPA) is put behind an adapter that scores each word when a space or
+the end closes it; words the LM lacks pay `unk_penalty` as soon as their
+spelling leaves every known word's prefix. flashlight's lexicon decoder was the
+alternative: it cannot spell a word outside the LM's unigrams, which turns
+"zebra sat" into "a sat" when the LM has never seen "zebra".
 """
 
 from __future__ import annotations
+
+import math
+import os
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -41,18 +81,481 @@ def greedy_decode(log_probs: np.ndarray, vocab: Vocabulary) -> str:
     return vocab.decode(greedy_ids(log_probs, vocab.blank_id))
 
 
+def _check_lengths(log_probs: np.ndarray, lengths: np.ndarray) -> None:
+    if lengths.shape != log_probs.shape[:1]:
+        raise ValueError(f"lengths must have shape ({log_probs.shape[0]},), got {lengths.shape}")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > log_probs.shape[1]):
+        raise ValueError(f"lengths must lie in [0, {log_probs.shape[1]}], got {lengths.tolist()}")
+
+
 def greedy_decode_batch(log_probs: np.ndarray, lengths: np.ndarray, vocab: Vocabulary) -> list[str]:
     """Greedy transcripts of a padded batch: (B, T, V) and valid frames per row (B,)."""
     log_probs = np.asarray(log_probs)
     lengths = np.asarray(lengths)
     if log_probs.ndim != 3:
         raise ValueError(f"log_probs must have shape (B, T, V), got {log_probs.shape}")
-    if lengths.shape != log_probs.shape[:1]:
-        raise ValueError(f"lengths must have shape ({log_probs.shape[0]},), got {lengths.shape}")
-    if lengths.size and (lengths.min() < 0 or lengths.max() > log_probs.shape[1]):
-        raise ValueError(f"lengths must lie in [0, {log_probs.shape[1]}], got {lengths.tolist()}")
+    _check_lengths(log_probs, lengths)
     _check_vocab(log_probs, vocab)
     return [
         vocab.decode(greedy_ids(row[: int(n)], vocab.blank_id))
         for row, n in zip(log_probs, lengths, strict=True)
     ]
+
+
+# ---------------------------------------------------------------- transcripts
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str
+    start: float  # first frame of the first character, s
+    end: float  # end of the last frame of the last character, s
+    confidence: float  # in [0, 1]: the least sure character's peak posterior
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str  # the words joined by single spaces
+    words: tuple[Word, ...] = ()
+    confidence: float = 0.0  # in [0, 1]: mean word confidence (see the module docstring)
+    stable_words: int = 0  # leading words later partials are not expected to change
+
+
+def _check_log_probs(log_probs: np.ndarray, vocab: Vocabulary, shape: str) -> np.ndarray:
+    """As C-contiguous float32, after checking shape ("(T, V)" or "(B, T, V)") and values."""
+    log_probs = np.asarray(log_probs)
+    if log_probs.ndim != shape.count(",") + 1:
+        raise ValueError(f"log_probs must have shape {shape}, got {log_probs.shape}")
+    _check_vocab(log_probs, vocab)
+    if np.isnan(log_probs).any() or np.isposinf(log_probs).any():
+        raise ValueError("log_probs contain NaN or +inf: the acoustic model's output is broken")
+    return np.ascontiguousarray(log_probs, dtype=np.float32)
+
+
+class _Alignment:
+    """A CTC path as runs of one symbol: symbol, first and last frame, best log-prob in the run."""
+
+    def __init__(self) -> None:
+        self.symbols: list[int] = []
+        self.first: list[int] = []
+        self.last: list[int] = []
+        self.peak: list[float] = []
+        self.frames = 0
+        self.lowest = 0.0  # lowest log-prob along the whole path
+
+    def extend(self, path: np.ndarray, path_log_probs: np.ndarray) -> None:
+        """Append frames: the symbol chosen at each (t,) and its log-prob (t,)."""
+        if not len(path):
+            return
+        starts = np.flatnonzero(np.r_[True, path[1:] != path[:-1]])
+        lasts = np.r_[starts[1:], len(path)] - 1
+        peaks = np.maximum.reduceat(path_log_probs, starts)
+        symbols = path[starts].tolist()
+        skip = 0
+        if self.symbols and self.symbols[-1] == symbols[0]:  # the run goes on across the boundary
+            self.last[-1] = self.frames + int(lasts[0])
+            self.peak[-1] = max(self.peak[-1], float(peaks[0]))
+            skip = 1
+        self.symbols += symbols[skip:]
+        self.first += (starts[skip:] + self.frames).tolist()
+        self.last += (lasts[skip:] + self.frames).tolist()
+        self.peak += peaks[skip:].tolist()
+        self.frames += len(path)
+        self.lowest = min(self.lowest, float(path_log_probs.min()))
+
+    def transcript(self, vocab: Vocabulary, frame_seconds: float) -> tuple[Transcript, int]:
+        """The transcript, and how many of its words a space has closed."""
+        space = vocab.index.get(" ")
+        words: list[Word] = []
+        closed = 0
+        chars: list[str] = []
+        first = last = 0
+        lowest = 0.0
+        runs = zip(self.symbols, self.first, self.last, self.peak, strict=True)
+        for symbol, run_first, run_last, peak in runs:
+            if symbol == vocab.blank_id:
+                continue
+            if symbol == space:
+                if chars:
+                    words.append(_word(chars, first, last, lowest, frame_seconds))
+                    chars = []
+                closed = len(words)
+                continue
+            if not chars:
+                first, lowest = run_first, peak
+            chars.append(vocab.symbols[symbol])
+            last, lowest = run_last, min(lowest, peak)
+        if chars:
+            words.append(_word(chars, first, last, lowest, frame_seconds))
+        if words:
+            confidence = math.fsum(w.confidence for w in words) / len(words)
+        else:
+            confidence = math.exp(self.lowest) if self.frames else 0.0
+        text = " ".join(w.text for w in words)
+        return Transcript(text, tuple(words), min(confidence, 1.0)), closed
+
+
+def _word(chars: list[str], first: int, last: int, log_conf: float, frame_seconds: float) -> Word:
+    return Word(
+        "".join(chars),
+        first * frame_seconds,
+        (last + 1) * frame_seconds,
+        min(math.exp(log_conf), 1.0),
+    )
+
+
+# ---------------------------------------------------------------- streams
+
+
+class StreamingDecoder(ABC):
+    """One utterance decoded as its log-probs arrive: accept(), partial(), finalize()."""
+
+    def __init__(self, vocab: Vocabulary, frame_seconds: float) -> None:
+        self.vocab = vocab
+        self.frame_seconds = frame_seconds
+        self._final: Transcript | None = None
+
+    def accept(self, log_probs: np.ndarray) -> Transcript:
+        """Take the next (t, V) frames of log-probs; return the partial transcript so far."""
+        if self._final is not None:
+            raise RuntimeError("the stream is finalized: start a new one with decoder.stream()")
+        chunk = _check_log_probs(log_probs, self.vocab, "(t, V)")
+        if len(chunk):
+            self._accept(chunk)
+        return self.partial()
+
+    def partial(self) -> Transcript:
+        """The best transcript of what has arrived so far."""
+        return self._final if self._final is not None else self._partial()
+
+    def finalize(self) -> Transcript:
+        """The stream has ended: the final transcript, every word stable."""
+        if self._final is None:
+            final = self._finish()
+            self._final = replace(final, stable_words=len(final.words))
+        return self._final
+
+    @abstractmethod
+    def _accept(self, chunk: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def _partial(self) -> Transcript: ...
+
+    @abstractmethod
+    def _finish(self) -> Transcript: ...
+
+
+class GreedyStream(StreamingDecoder):
+    """Best path, frame by frame. A partial never changes a word a space has closed."""
+
+    def __init__(self, vocab: Vocabulary, frame_seconds: float) -> None:
+        super().__init__(vocab, frame_seconds)
+        self._alignment = _Alignment()
+
+    def _accept(self, chunk: np.ndarray) -> None:
+        best = chunk.argmax(axis=1)  # (t,)
+        self._alignment.extend(best, np.take_along_axis(chunk, best[:, None], axis=1)[:, 0])
+
+    def _partial(self) -> Transcript:
+        transcript, closed = self._alignment.transcript(self.vocab, self.frame_seconds)
+        return replace(transcript, stable_words=closed)
+
+    def _finish(self) -> Transcript:
+        return self._partial()
+
+
+class _Decoder:
+    """decode and decode_batch, in terms of the subclass's streams."""
+
+    vocab: Vocabulary
+    frame_seconds: float
+
+    def stream(self) -> StreamingDecoder:
+        raise NotImplementedError
+
+    def decode(self, log_probs: np.ndarray) -> Transcript:
+        """Transcript of one utterance's (T, V) log-probs."""
+        stream = self.stream()
+        chunk = _check_log_probs(log_probs, self.vocab, "(T, V)")
+        if len(chunk):
+            stream._accept(chunk)  # not accept(): no partial to build
+        return stream.finalize()
+
+    def decode_batch(self, log_probs: np.ndarray, lengths: np.ndarray) -> list[Transcript]:
+        """Transcripts of a padded batch: (B, T, V) and valid frames per row (B,)."""
+        log_probs = _check_log_probs(log_probs, self.vocab, "(B, T, V)")
+        lengths = np.asarray(lengths)
+        _check_lengths(log_probs, lengths)
+        return [self.decode(row[: int(n)]) for row, n in zip(log_probs, lengths, strict=True)]
+
+
+def _check_frame_seconds(frame_seconds: float) -> float:
+    if not (math.isfinite(frame_seconds) and frame_seconds > 0):
+        raise ValueError(f"frame_seconds must be a positive number of seconds, got {frame_seconds}")
+    return float(frame_seconds)
+
+
+class GreedyDecoder(_Decoder):
+    """Best-path decoding. frame_seconds = hop_ms * time_stride / 1000 of the model."""
+
+    def __init__(self, vocab: Vocabulary, *, frame_seconds: float) -> None:
+        self.vocab = vocab
+        self.frame_seconds = _check_frame_seconds(frame_seconds)
+
+    def stream(self) -> GreedyStream:
+        return GreedyStream(self.vocab, self.frame_seconds)
+
+
+def greedy_transcript(log_probs: np.ndarray, vocab: Vocabulary, frame_seconds: float) -> Transcript:
+    """Greedy transcript of (T, V) log-probs, with word times and confidences."""
+    return GreedyDecoder(vocab, frame_seconds=frame_seconds).decode(log_probs)
+
+
+# ---------------------------------------------------------------- beam search
+
+_LN10 = math.log(10.0)
+_FLOOR = -1e4  # log-probs below this (-inf included) reach flashlight as this
+
+
+def _flashlight() -> Any:
+    """flashlight-text's decoder module, or a one-line ImportError saying how to get it."""
+    try:
+        from flashlight.lib.text import decoder
+    except ImportError:
+        raise ImportError(
+            "beam search needs flashlight-text, which is not installed: pip install 'echoic[serve]'"
+        ) from None
+    return decoder
+
+
+class BeamSearchDecoder(_Decoder):
+    """CTC prefix beam search over characters, optionally with a word n-gram LM (ARPA).
+
+    Hypotheses score, in nats,
+
+        ln p_ctc + lm_weight * ln p_lm(words) + word_bonus * #words - unk_penalty * #unknown
+
+    where unknown words are those the LM does not have. The LM terms apply only
+    with `lm_path`; without it this is a plain CTC prefix beam search (alignments
+    of one prefix summed). beam_size: hypotheses kept per frame; token_beam: symbols tried
+    per frame (the most likely ones; None for all); beam_threshold: hypotheses
+    further than this (nats) below the best are dropped.
+
+    The decoder is flashlight-text's lexicon-free one, so any spelling can come
+    out, words the LM has never seen included (they score as <unk>).
+    """
+
+    def __init__(
+        self,
+        vocab: Vocabulary,
+        *,
+        frame_seconds: float,
+        beam_size: int = 32,
+        lm_path: str | os.PathLike[str] | None = None,
+        lm_weight: float = 0.5,
+        word_bonus: float = 1.0,
+        unk_penalty: float = 10.0,
+        beam_threshold: float = 25.0,
+        token_beam: int | None = 8,
+    ) -> None:
+        self.vocab = vocab
+        self.frame_seconds = _check_frame_seconds(frame_seconds)
+        if " " not in vocab.index:
+            raise ValueError("beam search needs a space symbol in the vocabulary to separate words")
+        if beam_size < 1 or (token_beam is not None and token_beam < 1) or beam_threshold <= 0:
+            raise ValueError(
+                f"beam_size and token_beam must be at least 1 and beam_threshold positive, got "
+                f"{beam_size}, {token_beam}, {beam_threshold}"
+            )
+        fl = _flashlight()
+        self._options = fl.LexiconFreeDecoderOptions(
+            beam_size=beam_size,
+            beam_size_token=min(token_beam or vocab.size, vocab.size),
+            beam_threshold=beam_threshold,
+            lm_weight=1.0,  # the word LM below applies lm_weight itself
+            sil_score=0.0,
+            log_add=True,  # merge alignments of one prefix by summing: CTC's prefix probability
+            criterion_type=fl.CriterionType.CTC,
+        )
+        self._lm = None
+        if lm_path is not None:
+            self._lm = _KenLM(lm_path)
+        self._lm_weights = (lm_weight, word_bonus, unk_penalty)
+
+    def stream(self, stable_after: int = 3) -> BeamStream:
+        """A stream; a word is stable once it held its place for `stable_after` chunks."""
+        if stable_after < 1:
+            raise ValueError(f"stable_after must be at least 1, got {stable_after}")
+        fl = _flashlight()
+        space = self.vocab.index[" "]
+        if self._lm is None:
+            lm = fl.ZeroLM()
+        else:
+            lm = _words_lm_class()(self._lm, self.vocab, self._lm_weights)
+        decoder = fl.LexiconFreeDecoder(self._options, lm, space, self.vocab.blank_id, [])
+        return BeamStream(self.vocab, self.frame_seconds, decoder, lm, stable_after)
+
+
+class BeamStream(StreamingDecoder):
+    """flashlight's decode_begin / decode_step / decode_end, one call per chunk."""
+
+    def __init__(
+        self,
+        vocab: Vocabulary,
+        frame_seconds: float,
+        decoder: Any,
+        lm: Any,
+        stable_after: int,
+    ) -> None:
+        super().__init__(vocab, frame_seconds)
+        self._decoder = decoder
+        self._lm = lm  # flashlight holds it by reference only: keep it alive
+        self._log_probs = np.empty((64, vocab.size), dtype=np.float32)  # grows by doubling
+        self._frames = 0
+        self._recent: deque[tuple[tuple[str, float], ...]] = deque(maxlen=stable_after)
+        self._latest = Transcript("")
+        decoder.decode_begin()
+
+    def _accept(self, chunk: np.ndarray) -> None:
+        end = self._frames + len(chunk)
+        if end > len(self._log_probs):
+            grown = np.empty((max(end, 2 * len(self._log_probs)), self.vocab.size), np.float32)
+            grown[: self._frames] = self._log_probs[: self._frames]
+            self._log_probs = grown
+        self._log_probs[self._frames : end] = chunk
+        self._frames = end
+        emissions = np.ascontiguousarray(np.maximum(chunk, _FLOOR))
+        self._decoder.decode_step(emissions.ctypes.data, len(emissions), self.vocab.size)
+        self._latest = self._with_stability(self._best())
+
+    def _best(self) -> Transcript:
+        if not self._frames:
+            return Transcript("")
+        tokens = self._decoder.get_best_hypothesis().tokens  # start token, one per frame[, end]
+        path = np.asarray(tokens[1 : self._frames + 1], dtype=np.int64)
+        log_probs = self._log_probs[: self._frames]
+        alignment = _Alignment()
+        alignment.extend(path, log_probs[np.arange(self._frames), path])
+        return alignment.transcript(self.vocab, self.frame_seconds)[0]
+
+    def _partial(self) -> Transcript:
+        return self._latest
+
+    def _with_stability(self, transcript: Transcript) -> Transcript:
+        """Count the leading words that held their place over the last `stable_after` chunks."""
+        words = tuple((w.text, w.start) for w in transcript.words)
+        self._recent.append(words)
+        stable = 0
+        if len(self._recent) == self._recent.maxlen:
+            stable = max(len(words) - 1, 0)  # the last word may still grow
+            for earlier in self._recent:
+                stable = min(stable, _common_prefix(words, earlier))
+        return replace(transcript, stable_words=stable)
+
+    def _finish(self) -> Transcript:
+        self._decoder.decode_end()
+        return self._best()
+
+
+def _common_prefix(a: tuple, b: tuple) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _KenLM:
+    """A word ARPA model loaded through flashlight's KenLM wrapper, shared by all streams."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from echoic.model.lm import UNK, arpa_words
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"language model {os.fspath(path)!r} does not exist")
+        words = arpa_words(path)
+        if UNK not in words:
+            words.append(UNK)  # KenLM's own <unk> answers for it
+        from flashlight.lib.text.decoder.kenlm import KenLM
+        from flashlight.lib.text.dictionary import Dictionary
+
+        self.model = KenLM(os.fspath(path), Dictionary(words))
+        self.ids = {w: i for i, w in enumerate(words) if not w.startswith("<")}
+        self.unk = words.index(UNK)
+        self.prefixes = frozenset(w[:k] for w in self.ids for k in range(1, len(w) + 1))
+
+
+@cache
+def _words_lm_class() -> type:
+    """The word-LM adapter; a subclass of flashlight's LM, so defined once flashlight loads."""
+    fl = _flashlight()
+
+    class WordsFromCharacters(fl.LM):
+        """Scores whole words at each space and at the end; characters in between score 0.
+
+        flashlight's lexicon-free decoder asks its LM about every symbol it emits,
+        so a word model cannot be handed to it directly. Each decoder state maps to
+        (KenLM state, the word spelled so far, the score of reaching it, whether
+        that word was charged as unknown); states are children of their parent per
+        symbol, so one prefix has one state and flashlight merges exactly the
+        alignments of one prefix.
+
+        A word the LM does not know scores as <unk>, which is one probability for
+        every unknown word however long: without more, gluing several words into
+        one (dropping the spaces) would cost less than scoring each. So an unknown
+        word also pays `unk_penalty`, charged on the character where its spelling
+        stops being the start of any known word, which lets the beam drop it early.
+        """
+
+        def __init__(self, kenlm: _KenLM, vocab: Vocabulary, weights: tuple[float, float, float]):
+            fl.LM.__init__(self)
+            self._kenlm = kenlm
+            self._symbols = vocab.symbols
+            self._space = vocab.index[" "]
+            weight, self._bonus, self._unk_penalty = weights
+            self._weight = weight * _LN10  # KenLM scores are log10
+            self._states: dict[Any, tuple[Any, str, float, bool]] = {}
+
+        def start(self, start_with_nothing: bool) -> Any:
+            state = fl.LMState()
+            self._states = {state: (self._kenlm.model.start(False), "", 0.0, False)}
+            return state
+
+        def score(self, state: Any, token: int) -> tuple[Any, float]:
+            child = state.child(token)
+            known = self._states.get(child)
+            if known is None:
+                ken, spelled, _, charged = self._states[state]
+                if token != self._space:
+                    spelled += self._symbols[token]
+                    if charged or spelled in self._kenlm.prefixes:
+                        known = (ken, spelled, 0.0, charged)
+                    else:
+                        known = (ken, spelled, -self._unk_penalty, True)
+                elif spelled:
+                    ken, word_score = self._word(ken, spelled, charged)
+                    known = (ken, "", word_score, False)
+                else:
+                    known = (ken, "", 0.0, False)
+                self._states[child] = known
+            return child, known[2]
+
+        def finish(self, state: Any) -> tuple[Any, float]:
+            ken, spelled, _, charged = self._states[state]
+            score = 0.0
+            if spelled:
+                ken, score = self._word(ken, spelled, charged)
+            ken, end = self._kenlm.model.finish(ken)
+            return state, score + self._weight * end
+
+        def _word(self, ken: Any, word: str, charged: bool) -> tuple[Any, float]:
+            index = self._kenlm.ids.get(word)
+            score = self._bonus
+            if index is None:
+                index = self._kenlm.unk
+                score -= 0.0 if charged else self._unk_penalty
+            ken, log10p = self._kenlm.model.score(ken, index)
+            return ken, score + self._weight * log10p
+
+    return WordsFromCharacters
