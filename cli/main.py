@@ -56,6 +56,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.training.synth", "SynthError"),
         ("echoic.training.distributed", "DistributedError"),
         ("echoic.training.checkpoint", "CheckpointError"),
+        ("echoic.model.card", "ModelError"),
+        ("echoic.model.export", "ExportError"),
     ):
         if mod in sys.modules:
             known.append(getattr(sys.modules[mod], name))

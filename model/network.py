@@ -146,15 +146,47 @@ class ClippedReLURNN(nn.Module):
         self.bias_hh_l0 = nn.Parameter(torch.empty(hidden_size).uniform_(-k, k))
 
     def forward(self, x: Tensor, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        b, t, _ = x.shape
         xw = F.linear(x, self.weight_ih_l0, self.bias_ih_l0 + self.bias_hh_l0)  # (B, T, H)
-        h = x.new_zeros(b, self.hidden_size) if h0 is None else h0[0]
-        outs = []
-        for i in range(t):
-            h = torch.clamp(xw[:, i] + F.linear(h, self.weight_hh_l0), 0.0, self.clip)
-            outs.append(h)
-        out = torch.stack(outs, 1) if outs else xw.new_zeros(b, 0, self.hidden_size)
+        h = x.new_zeros(x.shape[0], self.hidden_size) if h0 is None else h0[0]
+        out, h = _clipped_relu_steps(xw, h, self.weight_hh_l0, self.clip)  # (B, T, H), (B, H)
         return out, h.unsqueeze(0)
+
+
+# Loops over time or chunks are scripted when traced (ONNX export), so the exported
+# graph loops as many times as its input needs instead of as many as the example had.
+
+
+@torch.jit.script_if_tracing
+def _clipped_relu_steps(xw: Tensor, h: Tensor, w_hh: Tensor, clip: float) -> tuple[Tensor, Tensor]:
+    """ClippedReLURNN's recurrence over input projections xw (B, T, H) from h (B, H)."""
+    outs: list[Tensor] = []
+    for i in range(xw.shape[1]):
+        h = torch.clamp(xw[:, i] + F.linear(h, w_hh), 0.0, clip)
+        outs.append(h)
+    out = torch.stack(outs, 1) if len(outs) > 0 else xw  # xw is (B, 0, H) when T = 0
+    return out, h
+
+
+@torch.jit.script_if_tracing
+def _lstm_over_chunks(
+    x: Tensor, h: Tensor, c: Tensor, weights: list[Tensor], chunk: int, training: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A one-layer nn.LSTM, given its weights, over the K chunks of x (B, K*C, D).
+
+    nn.LSTM returns its cell state only after the last step, so this runs chunk by
+    chunk to collect it after each one. Returns outputs (B, K*C, H) and h, c after
+    each chunk, each (B, K, H).
+    """
+    outs: list[Tensor] = []
+    hs: list[Tensor] = []
+    cs: list[Tensor] = []
+    for k in range(x.shape[1] // chunk):
+        piece = x[:, k * chunk : (k + 1) * chunk]
+        out, h, c = torch.lstm(piece, [h, c], weights, True, 1, 0.0, training, False, True)
+        outs.append(out)
+        hs.append(h)
+        cs.append(c)
+    return torch.cat(outs, 1), torch.cat(hs).transpose(0, 1), torch.cat(cs).transpose(0, 1)
 
 
 def _make_rnn(cfg: ModelConfig, input_size: int) -> nn.Module:
@@ -173,6 +205,12 @@ def _reverse_within(x: Tensor, lengths: Tensor) -> Tensor:
     lengths = lengths.unsqueeze(1)
     idx = torch.where(steps < lengths, lengths - 1 - steps, steps)  # (N, T)
     return torch.gather(x, 1, idx.unsqueeze(-1).expand_as(x))
+
+
+def _ceil_div(n: int | Tensor, d: int) -> int | Tensor:
+    """ceil(n / d) for n >= 0, an int or a tensor. Not -(-n // d): in an exported graph
+    integer division truncates, so that form would round negative quotients the wrong way."""
+    return (n + d - 1) // d
 
 
 State = tuple[Tensor, ...]  # per direction-carrying layer: (h,) or (h, c), each (1, B, H)
@@ -194,32 +232,36 @@ class RecurrentLayer(nn.Module):
         self.fwd = _make_rnn(cfg, input_size)
         self.bwd = _make_rnn(cfg, input_size) if cfg.bidirectional else None
 
-    def _forward_dir(self, x: Tensor, chunk: int, state: State) -> tuple[Tensor, list[State]]:
-        """Run the forward direction over all chunks; return outputs and each chunk's end state."""
-        if self.cfg.rnn_type != "lstm":
+    def _forward_dir(self, x: Tensor, state: State) -> tuple[Tensor, State]:
+        """Run the forward direction over all chunks of x (B, K*C, D).
+
+        Returns its outputs (B, K*C, H) and its state after each chunk, each part
+        (B, K, H). A model that is not chunked has one window (K = 1).
+        """
+        chunk = self.cfg.chunk_frames if self.cfg.bidirectional else 0
+        lstm = self.cfg.rnn_type == "lstm"
+        if not chunk:  # one window: the state after it is the one the RNN returns
+            out, last = self.fwd(x, state if lstm else state[0].contiguous())
+            return out, tuple(s.transpose(0, 1) for s in (last if lstm else (last,)))
+        if not lstm:  # the state of a GRU or plain RNN is its output
             out, _ = self.fwd(x, state[0].contiguous())  # (B, K*C, H)
-            ends = out[:, chunk - 1 :: chunk].transpose(0, 1).unsqueeze(1)  # (K, 1, B, H)
-            return out, [(e,) for e in ends]
-        outs, ends = [], []
-        for k in range(x.shape[1] // chunk):
-            o, state = self.fwd(x[:, k * chunk : (k + 1) * chunk], state)
-            outs.append(o)
-            ends.append(state)
-        return torch.cat(outs, 1), ends
+            return out, (out[:, chunk - 1 :: chunk],)
+        weights = self.fwd.all_weights[0]  # [w_ih, w_hh, b_ih, b_hh], as nn.LSTM passes them
+        out, h, c = _lstm_over_chunks(x, state[0], state[1], weights, chunk, self.training)
+        return out, (h, c)
 
     def forward(
         self, x: Tensor, mask: Tensor, ctx: Tensor, ctx_mask: Tensor, state: State, chunk: int
     ) -> tuple[Tensor, Tensor, State]:
         b, kc, _ = x.shape
-        k, r = ctx.shape[1], ctx.shape[2]
+        k, r = ctx.shape[1], self.cfg.context_frames
         x, ctx = self.norm(x, mask, ctx)
-        out_f, ends = self._forward_dir(x, chunk, state)  # (B, K*C, H)
-        final = ends[-1]
+        out_f, ends = self._forward_dir(x, state)  # (B, K*C, H), each (B, K, H)
+        final = tuple(e[:, -1].unsqueeze(0) for e in ends)  # each (1, B, H)
         ctx_out = ctx.new_zeros(b, k, r, self.cfg.rnn_hidden)
         if r:
             # Right context of window k continues the forward state at the end of chunk k.
-            h0 = tuple(torch.cat([e[i] for e in ends], 1) for i in range(len(final)))
-            h0 = tuple(s.reshape(1, k, b, -1).transpose(1, 2).reshape(1, b * k, -1) for s in h0)
+            h0 = tuple(e.reshape(1, b * k, -1) for e in ends)  # each (1, B*K, H)
             ctx_f, _ = self.fwd(ctx.reshape(b * k, r, -1), h0 if len(h0) > 1 else h0[0])
             ctx_out = ctx_f.reshape(b, k, r, -1)
         if self.bwd is None:
@@ -299,8 +341,7 @@ class DeepSpeech2(nn.Module):
         idx = (torch.arange(k, device=x.device) * chunk + chunk).unsqueeze(1) + torch.arange(
             r, device=x.device
         )  # (K, R): frames of each window's right context
-        ctx = x[:, idx.reshape(-1)].reshape(b, k, r, x.shape[-1])
-        ctx_mask = valid[:, idx.reshape(-1)].reshape(b, k, r)
+        ctx, ctx_mask = x[:, idx], valid[:, idx]  # (B, K, R, D), (B, K, R)
         ctx = ctx * ctx_mask.unsqueeze(-1)
         new_state = []
         for i, layer in enumerate(self.rnns):
@@ -325,13 +366,17 @@ class DeepSpeech2(nn.Module):
         """Whole utterances: raw features (B, T, F), lengths (B,) -> log-probs (B, T', V), T'."""
         cfg = self.cfg
         b, t, _ = features.shape
-        out_len = -(-lengths // cfg.time_stride)  # ceil
-        t_out = -(-t // cfg.time_stride)
+        out_len = _ceil_div(lengths, cfg.time_stride)
+        t_out = _ceil_div(t, cfg.time_stride)
         valid = torch.arange(t, device=features.device).unsqueeze(0) < lengths.unsqueeze(1)
         x = self._normalise(features, valid)
-        # Unidirectional layers are causal, so chunking cannot change them: one window.
-        chunk = cfg.chunk_frames if (cfg.bidirectional and cfg.chunk_frames) else max(t_out, 1)
-        k = -(-max(t_out, 1) // chunk)
+        # At least one output frame, so the recurrent layers never see an empty sequence;
+        # this is max(t_out, 1) in a form that an ONNX trace keeps symbolic.
+        frames = t_out + (t_out < 1)
+        if cfg.bidirectional and cfg.chunk_frames:
+            chunk, k = cfg.chunk_frames, _ceil_div(frames, cfg.chunk_frames)
+        else:  # unidirectional layers are causal, so chunking cannot change them: one window
+            chunk, k = frames, 1
         need = (k * chunk + cfg.context_frames - 1) * cfg.time_stride + cfg.receptive_field
         x = F.pad(x, (0, 0, cfg.pad_left, need - t - cfg.pad_left))  # (B, need, F)
         log_probs, _ = self._windows(self._conv(x), out_len, chunk, k, self.initial_state(b))

@@ -10,8 +10,8 @@ import pytest
 CASES = [
     pytest.param(
         "echoic.model.audio, echoic.model.text, echoic.model.features, echoic.model.decoding,"
-        " echoic.model.configs",
-        ("torch", "grpc", "onnxruntime"),
+        " echoic.model.configs, echoic.model.card, echoic.model.engine, echoic.model.lm",
+        ("torch", "grpc"),
         id="model-torch-free-parts",
     ),
     pytest.param("echoic.model.network", ("grpc", "onnxruntime"), id="model-network"),

@@ -1,0 +1,435 @@
+"""ONNX export, the model card, and the ONNX Runtime engine that serves the result.
+
+Real parts throughout: a tiny network saved as a real checkpoint, exported by
+`export_model`, loaded by `Engine`, fed with features of generated audio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from echoic.cli.main import main
+from echoic.model.card import CARD_KEY, ModelCard, ModelError, read_card
+from echoic.model.configs import to_dict
+from echoic.model.engine import Engine, WindowFeeder
+from echoic.model.export import ExportError, build_card, export_model
+from echoic.model.features import FeatureConfig, FeatureStream, compute_features
+from echoic.model.network import DeepSpeech2, ModelConfig
+from echoic.training import checkpoint
+
+TINY = ModelConfig(
+    features=FeatureConfig(mel_bins=20),
+    conv_channels=(4, 4),
+    conv_kernel_freq=(5, 3),
+    conv_kernel_time=(5, 3),
+    conv_stride_freq=(2, 1),
+    conv_stride_time=(2, 1),
+    rnn_layers=2,
+    rnn_hidden=12,
+)
+MODELS = {
+    "bigru-chunk4-ctx2": dict(chunk_frames=4, context_frames=2),
+    "bilstm-chunk3-ctx2": dict(rnn_type="lstm", chunk_frames=3, context_frames=2),
+    "unigru-rowconv3": dict(bidirectional=False, context_frames=3),
+    "birnn-relu-chunk4": dict(rnn_type="rnn", chunk_frames=4, context_frames=1),
+    "bigru-full-context": dict(),
+}
+STREAMABLE = [m for m in MODELS if m != "bigru-full-context"]
+
+
+def _model(**changes) -> DeepSpeech2:
+    """A tiny network with non-trivial normalisation and batch-norm statistics."""
+    torch.manual_seed(0)
+    model = DeepSpeech2(dataclasses.replace(TINY, **changes))
+    with torch.no_grad():
+        model.feature_mean.uniform_(-1, 1)
+        model.feature_std.uniform_(0.5, 2)
+        for m in model.modules():
+            if hasattr(m, "running_mean"):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _save_checkpoint(path: Path, model: DeepSpeech2) -> Path:
+    """A checkpoint with the keys `training.train` writes that export reads."""
+    return checkpoint.save_atomic(
+        {
+            "format": checkpoint.FORMAT,
+            "model": model.state_dict(),
+            "model_config": to_dict(model.cfg),
+            "config_hash": "0123456789abcdef",
+            "step": 42,
+        },
+        path,
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """Model id -> (checkpoint, exported model directory), each exported once per module."""
+    root = tmp_path_factory.mktemp("export")
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(model_id: str) -> tuple[Path, Path]:
+        if model_id not in cache:
+            ckpt = _save_checkpoint(root / f"{model_id}.pt", _model(**MODELS[model_id]))
+            cache[model_id] = ckpt, export_model(ckpt, root / "repo" / model_id / "1")
+        return cache[model_id]
+
+    return get
+
+
+def _audio(seconds: float, seed: int) -> np.ndarray:
+    """A chirp in noise at 16 kHz: speech-like enough to give every feature bin energy."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    chirp = 0.3 * np.sin(2 * np.pi * (200 + 900 * t) * t)
+    return (chirp + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def _torch_offline(ckpt: Path, feats: list[np.ndarray]) -> list[np.ndarray]:
+    model, _ = checkpoint.load_model(ckpt)
+    with torch.no_grad():
+        batch = torch.nn.utils.rnn.pad_sequence(
+            [torch.from_numpy(f) for f in feats], batch_first=True
+        )
+        log_probs, lengths = model(batch, torch.tensor([len(f) for f in feats]))
+    return [lp[: int(n)].numpy() for lp, n in zip(log_probs, lengths, strict=True)]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True) if x.size)
+
+
+# ---------------------------------------------------------------- the card
+
+
+def test_model_card_round_trips(exported) -> None:
+    ckpt, model_dir = exported("bigru-chunk4-ctx2")
+    model, saved = checkpoint.load_model(ckpt)
+    want = build_card(model, saved, name="echoic-ds2", version="1", chunk=4)
+    offline, stream = read_card(model_dir / "model.onnx"), read_card(model_dir / "stream.onnx")
+    assert offline == stream == want == ModelCard.from_json(want.to_json())
+    cfg = model.cfg
+    assert offline.vocabulary == cfg.vocabulary and offline.blank_id == 0
+    assert offline.features == cfg.features and offline.sample_rate == 16000
+    assert (offline.chunk_frames, offline.context_frames) == (4, 2)
+    assert offline.window_input_frames == cfg.window_input_frames(4)
+    assert (offline.time_stride, offline.pad_left) == (cfg.time_stride, cfg.pad_left)
+    assert [(s.input, s.output, s.shape) for s in offline.states] == [
+        ("state_h.0", "next_state_h.0", (1, "batch", 12)),
+        ("state_h.1", "next_state_h.1", (1, "batch", 12)),
+    ]
+    # Exactly the buffer's float32 values: a client pads with them to get normalised 0.
+    assert np.array_equal(np.float32(offline.feature_mean), model.feature_mean.numpy())
+    assert (offline.config_hash, offline.training_step) == ("0123456789abcdef", 42)
+    metadata = {p.key: p.value for p in onnx.load(model_dir / "model.onnx").metadata_props}
+    assert metadata["echoic.name"] == "echoic-ds2" and metadata["echoic.version"] == "1"
+    assert json.loads(metadata[CARD_KEY])["format"] == "echoic-model-card-1"
+
+
+def test_name_and_version_options(exported, tmp_path: Path) -> None:
+    ckpt, _ = exported("unigru-rowconv3")
+    numbered = export_model(ckpt, tmp_path / "uni" / "7", stream_chunk=5)
+    assert (read_card(numbered / "model.onnx").version, Engine(numbered).card.chunk_frames) == (
+        "7",
+        5,
+    )
+    named = export_model(ckpt, tmp_path / "elsewhere", name="uni-small", version="2024.1")
+    card = read_card(named / "stream.onnx")
+    assert (card.name, card.version) == ("uni-small", "2024.1")
+
+
+# ---------------------------------------------------------------- offline
+
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_offline_onnx_equals_torch(exported, model_id: str) -> None:
+    ckpt, model_dir = exported(model_id)
+    engine = Engine(model_dir, intra_op_threads=1)
+    rng = np.random.default_rng(1)
+    for lengths in ([1], [40, 13], [77, 2, 50, 31]):
+        feats = [rng.standard_normal((n, 20)).astype(np.float32) for n in lengths]
+        assert _max_diff(engine.offline(feats), _torch_offline(ckpt, feats)) <= 1e-4
+
+
+def test_offline_handles_empty_utterances(exported) -> None:
+    _, model_dir = exported("bigru-chunk4-ctx2")
+    engine = Engine(model_dir)
+    empty, some = np.zeros((0, 20), np.float32), np.ones((9, 20), np.float32)
+    assert [x.shape for x in engine.offline([empty, some])] == [(0, 29), (5, 29)]
+    assert [x.shape for x in engine.offline([empty])] == [(0, 29)]
+    assert engine.offline([]) == []
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def _stream_audio(engine: Engine, audios: list[np.ndarray], piece_ms: list[int]) -> list:
+    """Stream several recordings at once, as the server does: audio arrives in pieces,
+    features come from FeatureStream, and each step batches the ready streams."""
+    streams = [FeatureStream(engine.card.features) for _ in audios]
+    feeders = [WindowFeeder(engine.card) for _ in audios]
+    states = [engine.initial_state(1) for _ in audios]
+    outputs: list[list[np.ndarray]] = [[] for _ in audios]
+    sent = [0] * len(audios)
+    tick = 0
+    while not all(f.done for f in feeders):
+        for i, (stream, feeder, audio) in enumerate(zip(streams, feeders, audios, strict=True)):
+            if feeder.finished:
+                continue
+            n = piece_ms[(i + tick) % len(piece_ms)] * 16
+            feeder.accept(stream.accept(audio[sent[i] : sent[i] + n]))
+            sent[i] += n
+            if sent[i] >= len(audio):
+                feeder.finish()
+        tick += 1
+        ready = [i for i, f in enumerate(feeders) if f.ready()]
+        if not ready:
+            continue
+        windows, out_frames = zip(*(feeders[i].next_window() for i in ready), strict=True)
+        batch = engine.gather_states([states[i] for i in ready])
+        log_probs, new = engine.stream_step(np.stack(windows), np.array(out_frames), batch)
+        for row, (i, state) in enumerate(zip(ready, engine.scatter_states(new), strict=True)):
+            states[i] = state
+            outputs[i].append(log_probs[row, : min(feeders[i].chunk, out_frames[row])])
+    for feeder in feeders:
+        assert feeder.output_frames == feeder.total_output_frames
+    return [np.concatenate(o) for o in outputs]
+
+
+@pytest.mark.parametrize("model_id", STREAMABLE)
+def test_streaming_onnx_equals_offline_onnx(exported, model_id: str) -> None:
+    ckpt, model_dir = exported(model_id)
+    engine = Engine(model_dir, intra_op_threads=1)
+    audios = [_audio(s, seed) for seed, s in enumerate([1.03, 0.31, 0.6, 0.05])]
+    streamed = _stream_audio(engine, audios, piece_ms=[30, 70, 10, 250])
+    feats = [compute_features(a, engine.card.features) for a in audios]
+    offline = engine.offline(feats)
+    assert _max_diff(streamed, offline) <= 1e-4
+    assert _max_diff(streamed, _torch_offline(ckpt, feats)) <= 1e-4
+
+
+def test_window_feeder_waits_for_whole_windows(exported) -> None:
+    _, model_dir = exported("bigru-chunk4-ctx2")
+    card = Engine(model_dir).card
+    feeder = WindowFeeder(card)
+    real_frames_needed = card.window_input_frames - card.pad_left
+    feeder.accept(np.zeros((real_frames_needed - 1, 20), np.float32))
+    assert not feeder.ready()
+    feeder.accept(np.zeros((1, 20), np.float32))
+    window, out_frames = feeder.next_window()
+    assert window.shape == (card.window_input_frames, 20) and out_frames == 6
+    assert np.array_equal(window[0], np.float32(card.feature_mean))  # left padding
+    assert not feeder.ready()
+    feeder.accept(np.zeros((18, 20), np.float32))  # 33 frames: 17 output frames
+    before_end = []
+    while feeder.ready():
+        before_end.append(feeder.next_window()[1])
+    feeder.finish()  # the rest, padded with the mean, with fewer valid output frames
+    at_end = [feeder.next_window()[1] for _ in range(2)]
+    assert (before_end, at_end) == ([6, 6], [5, 1])
+    assert feeder.done and feeder.output_frames == feeder.total_output_frames == 17
+
+
+# ---------------------------------------------------------------- refusing to export
+
+
+def _nan_weights(model: DeepSpeech2) -> None:
+    with torch.no_grad():
+        model.head.weight[0, 0] = math.nan
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "tolerance", "message"),
+    [
+        pytest.param(_nan_weights, 1e-4, "not finite", id="nan-weights"),
+        pytest.param(None, 1e-12, "tolerance 1e-12", id="tolerance-too-tight"),
+    ],
+)
+def test_export_refuses_a_model_onnx_does_not_reproduce(
+    tmp_path: Path, corrupt, tolerance: float, message: str
+) -> None:
+    model = _model(**MODELS["bigru-chunk4-ctx2"])
+    if corrupt:
+        corrupt(model)
+    ckpt = _save_checkpoint(tmp_path / "bad.pt", model)
+    repo = tmp_path / "repo"
+    with pytest.raises(ExportError, match=re.escape(message)):
+        export_model(ckpt, repo / "bad" / "1", tolerance=tolerance)
+    assert list((repo / "bad").iterdir()) == []  # not even the temporary directory
+
+
+def test_export_refuses_an_existing_directory(exported, tmp_path: Path) -> None:
+    ckpt, _ = exported("bigru-chunk4-ctx2")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists"):
+        export_model(ckpt, tmp_path / "1")
+    assert [p.name for p in (tmp_path / "1").iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize(
+    ("model_id", "chunk", "message"),
+    [
+        pytest.param("bigru-chunk4-ctx2", 8, "trained with", id="bidi-other-chunk"),
+        pytest.param("bigru-full-context", 4, "cannot stream", id="full-context-chunk"),
+        pytest.param("unigru-rowconv3", 0, "at least 1", id="zero-chunk"),
+    ],
+)
+def test_bad_stream_chunk(exported, tmp_path: Path, model_id: str, chunk: int, message: str):
+    ckpt, _ = exported(model_id)
+    with pytest.raises(ExportError, match=message):
+        export_model(ckpt, tmp_path / "1", stream_chunk=chunk)
+    assert not (tmp_path / "1").exists()
+
+
+def test_export_is_deterministic(exported, tmp_path: Path) -> None:
+    ckpt, first = exported("bilstm-chunk3-ctx2")
+    again = export_model(ckpt, tmp_path / "1")
+    for name in ("model.onnx", "stream.onnx", "export.json"):
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------- bad model directories
+
+
+def _edit_card(path: Path, edit: Callable[[dict], dict | None]) -> None:
+    proto = onnx.load(path)
+    props = {p.key: p.value for p in proto.metadata_props}
+    card = edit(json.loads(props.pop(CARD_KEY)))
+    if card is not None:
+        props[CARD_KEY] = json.dumps(card)
+    del proto.metadata_props[:]
+    for key, value in props.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(proto, path)
+
+
+def _drop_last_symbol(card: dict) -> dict:
+    return card | {"vocabulary": card["vocabulary"][:-1]}
+
+
+BROKEN = [
+    pytest.param(lambda d: shutil.rmtree(d), "", id="missing-dir"),
+    pytest.param(lambda d: (d / "model.onnx").unlink(), "model.onnx", id="missing-model-onnx"),
+    pytest.param(
+        lambda d: (d / "model.onnx").write_bytes(b"\x08garbage" * 64), "model.onnx", id="garbage"
+    ),
+    pytest.param(
+        lambda d: _edit_card(d / "model.onnx", lambda c: None), "model.onnx", id="no-card"
+    ),
+    pytest.param(
+        lambda d: _edit_card(d / "model.onnx", _drop_last_symbol),
+        "model.onnx",
+        id="card-vocabulary-not-V",
+    ),
+    pytest.param(
+        lambda d: _edit_card(d / "model.onnx", lambda c: c | {"format": "other-9"}),
+        "model.onnx",
+        id="card-format-unknown",
+    ),
+    pytest.param(
+        lambda d: _edit_card(d / "model.onnx", lambda c: c | {"chunk_frames": "four"}),
+        "model.onnx",
+        id="card-invalid",
+    ),
+    pytest.param(
+        lambda d: _edit_card(d / "stream.onnx", lambda c: c | {"version": "2"}),
+        "stream.onnx",
+        id="stream-card-differs",
+    ),
+    pytest.param(
+        lambda d: (d / "stream.onnx").write_bytes(b"not onnx"), "stream.onnx", id="stream-garbage"
+    ),
+]
+
+
+@pytest.mark.parametrize(("breakage", "culprit"), BROKEN)
+def test_bad_model_directory(exported, tmp_path: Path, breakage, culprit: str) -> None:
+    _, good = exported("bigru-chunk4-ctx2")
+    model_dir = shutil.copytree(good, tmp_path / "model")
+    breakage(model_dir)
+    with pytest.raises(ModelError, match=re.escape(str(model_dir / culprit))):
+        Engine(model_dir)
+
+
+def test_read_card_names_the_mismatched_file(exported, tmp_path: Path) -> None:
+    _, good = exported("bigru-chunk4-ctx2")
+    path = shutil.copy(good / "model.onnx", tmp_path / "model.onnx")
+    _edit_card(Path(path), _drop_last_symbol)
+    with pytest.raises(ModelError, match=re.escape(f"{path}: log_probs has shape")):
+        read_card(path)
+
+
+@pytest.mark.parametrize(
+    ("model_id", "why"),
+    [
+        pytest.param("bigru-full-context", "full-context", id="not-streamable"),
+        pytest.param("bigru-chunk4-ctx2", "missing", id="stream-onnx-deleted"),
+    ],
+)
+def test_streaming_without_stream_onnx(exported, tmp_path: Path, model_id: str, why: str):
+    _, good = exported(model_id)
+    model_dir = shutil.copytree(good, tmp_path / "model")
+    (model_dir / "stream.onnx").unlink(missing_ok=True)
+    engine = Engine(model_dir)
+    assert not engine.streamable and engine.offline([np.zeros((5, 20), np.float32)])
+    with pytest.raises(ModelError, match=re.escape(str(model_dir / "stream.onnx")) + ".*" + why):
+        engine.initial_state(1)
+
+
+def test_unavailable_provider_is_a_clear_error(exported) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDAExecutionProvider is available here")
+    _, model_dir = exported("bigru-chunk4-ctx2")
+    with pytest.raises(ModelError, match=r"CUDAExecutionProvider is not available.*echoic\[gpu\]"):
+        Engine(model_dir, providers=("CUDAExecutionProvider", "CPUExecutionProvider"))
+
+
+# ---------------------------------------------------------------- boundaries and CLI
+
+
+def test_engine_and_card_are_torch_free() -> None:
+    code = (
+        "import sys, echoic.model.engine, echoic.model.card\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_cli_export(exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt, _ = exported("unigru-rowconv3")
+    assert (
+        main(["export", str(ckpt), str(tmp_path / "uni" / "3"), "--stream-chunk", "5", "--json"])
+        == 0
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["version"], summary["chunk_frames"]) == ("3", 5)
+    assert summary["files"] == ["export.json", "model.onnx", "stream.onnx"]
+    assert max(c["max_abs_diff"] for c in summary["parity"]["offline"]) <= 1e-4
+    assert summary["parity"]["stream"]["max_abs_diff"] <= 1e-4
+    assert main(["export", str(ckpt), str(tmp_path / "uni" / "3")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("echoic export: error:") and "already exists" in err and err.count("\n") == 1
+    )
