@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "training" / "recipes" / "tiny.toml"
@@ -60,3 +64,35 @@ def speech_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text.write_text(SENTENCES)
     synthesize_corpus(text, root / "corpus", SynthConfig(seed=7), progress=False)
     return root / "corpus" / "manifest.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(speech_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny recipe trained for 30 steps on `speech_corpus`, exported: a real model dir."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("tiny-model")
+    echoic = [sys.executable, "-m", "echoic.cli.main"]
+    subprocess.run(
+        [*echoic, "train", "--config", str(TINY_RECIPE), "--no-progress", "threads=1",
+         f"data.train_manifest={speech_corpus}", f"out_dir={root / 'run'}"],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    out = root / "echoic-tiny" / "1"
+    subprocess.run(
+        [*echoic, "export", str(root / "run" / "last.pt"), str(out)],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="session")
+def corpus_audio(speech_corpus: Path) -> list[tuple[str, np.ndarray]]:
+    """(text, 16 kHz float32 samples) of every utterance in `speech_corpus`."""
+    import json
+
+    from echoic.model.audio import load_audio
+
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()]
+    return [(r["text"], load_audio(r["audio_filepath"], 16000)) for r in rows]

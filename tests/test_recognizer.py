@@ -1,0 +1,76 @@
+"""Recognizer: offline batches and batched streams of a real exported model agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from echoic.model.recognizer import DecoderConfig, Recognizer
+
+
+@pytest.fixture(scope="module")
+def recognizer(tiny_model_dir: Path) -> Recognizer:
+    return Recognizer(tiny_model_dir, intra_op_threads=1)
+
+
+def test_stream_equals_offline(recognizer: Recognizer, corpus_audio) -> None:
+    audios = [a for _, a in corpus_audio[:4]]
+    offline = recognizer.log_probs(audios)
+    for audio, expected in zip(audios, offline, strict=True):
+        s = recognizer.stream()
+        rows = []
+        s._decoder.accept = lambda lp, rows=rows, d=s._decoder: (rows.append(lp), d.partial())[1]
+        for i in range(0, len(audio), 1234):
+            s.accept_audio(audio[i : i + 1234])
+            while recognizer.step([s]):
+                pass
+        s.finish()
+        while recognizer.step([s]):
+            pass
+        streamed = np.concatenate(rows)
+        assert streamed.shape == expected.shape
+        assert np.abs(streamed - expected).max() <= 1e-4
+
+
+def test_batched_streams_have_no_cross_talk(recognizer: Recognizer, corpus_audio) -> None:
+    audios = [a for _, a in corpus_audio[:6]]
+    alone = [recognizer.stream_all(a).text for a in audios]
+    streams = [recognizer.stream() for _ in audios]
+    pieces = [np.array_split(a, 7 + i) for i, a in enumerate(audios)]
+    batch_sizes = []
+    for k in range(max(len(p) for p in pieces)):
+        for s, p in zip(streams, pieces, strict=True):
+            if k < len(p):
+                s.accept_audio(p[k])
+            elif not s.finished:
+                s.finish()
+        batch_sizes.append(recognizer.step(streams))
+    for s in streams:
+        s.finish()
+    while recognizer.step(streams):
+        pass
+    assert [s.result().text for s in streams] == alone
+    assert all(s.is_final for s in streams)
+    assert max(batch_sizes) > 1
+    assert alone == [t.text for t in recognizer.transcribe(audios)]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "beam"])
+def test_word_times_lie_inside_the_audio(tiny_model_dir: Path, corpus_audio, kind: str) -> None:
+    rec = Recognizer(tiny_model_dir, DecoderConfig(kind=kind), intra_op_threads=1)
+    _, audio = corpus_audio[0]
+    t = rec.transcribe([audio])[0]
+    for w in t.words:
+        assert 0 <= w.start < w.end <= len(audio) / 16000 + 0.1
+        assert 0 <= w.confidence <= 1
+
+
+def test_empty_audio_gives_an_empty_transcript(recognizer: Recognizer) -> None:
+    assert recognizer.transcribe([np.zeros(0, np.float32)])[0].text == ""
+    s = recognizer.stream()
+    s.finish()
+    while recognizer.step([s]):
+        pass
+    assert s.is_final and s.result().text == ""
