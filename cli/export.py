@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _explain_missing(e: ModuleNotFoundError) -> NoReturn:
     """Export needs torch and onnx (the train extra) and onnxruntime (serve) for parity."""
-    from echoic.cli.main import missing_extra
+    from echoic.cli.errors import missing_extra
 
     if e.name in ("torch", "onnx", "onnxruntime"):
         raise missing_extra("serve" if e.name == "onnxruntime" else "train", e.name) from e
@@ -60,7 +60,7 @@ def _explain_missing(e: ModuleNotFoundError) -> NoReturn:
 
 
 def run(args: argparse.Namespace) -> int:
-    from echoic.cli.main import UserError
+    from echoic.cli.errors import UserError
     from echoic.model.card import ModelError
 
     try:

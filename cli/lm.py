@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from echoic.cli.main import UserError
+    from echoic.cli.errors import UserError
     from echoic.model.lm import build_arpa
 
     if args.order < 1:

@@ -14,17 +14,12 @@ import importlib
 import os
 import sys
 
+from echoic.cli.errors import UserError, missing_extra
+
 # Subcommands in the order `echoic --help` lists them.
 COMMANDS = ("synth", "train", "export", "transcribe", "eval", "lm", "serve", "stream", "demo")
 
-
-class UserError(Exception):
-    """An error the user can fix; printed as one line without a traceback."""
-
-
-def missing_extra(extra: str, module: str) -> UserError:
-    """The one-line hint for a missing optional dependency."""
-    return UserError(f"{module} is not installed: pip install 'echoic[{extra}]'")
+__all__ = ["UserError", "build_parser", "main", "missing_extra"]
 
 
 def build_parser() -> argparse.ArgumentParser:

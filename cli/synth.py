@@ -124,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _make_text(args: argparse.Namespace) -> int:
-    from echoic.cli.main import UserError
+    from echoic.cli.errors import UserError
     from echoic.training.corpus import make_fortune_text
 
     try:
@@ -150,7 +150,7 @@ def _make_text(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from echoic.cli.main import UserError
+    from echoic.cli.errors import UserError
 
     if args.make_text:
         return _make_text(args)

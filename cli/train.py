@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         from echoic.training.train import config_summary, load_recipe, train
     except ModuleNotFoundError as e:
         if e.name in ("torch", "jiwer"):
-            from echoic.cli.main import missing_extra
+            from echoic.cli.errors import missing_extra
 
             raise missing_extra("train", e.name) from e
         raise
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(config_summary(cfg))
         return 0
     if not cfg.data.train_manifest:
-        from echoic.cli.main import UserError
+        from echoic.cli.errors import UserError
 
         raise UserError("no training data: set data.train_manifest=PATH (a JSON-lines manifest)")
     path = train(cfg, progress=not args.no_progress)

@@ -78,6 +78,7 @@ class Recognizer:
         self.vocab = self.card.vocab
         self.frame_seconds = self.card.output_frame_ms / 1000.0
         self.decoder_config = decoder or DecoderConfig()
+        self.lm_path: str | None = None  # the word LM in use (beam search)
         self.decoder = self._make_decoder(self.decoder_config)
 
     @property
@@ -90,6 +91,7 @@ class Recognizer:
         lm = cfg.lm_path or None
         if lm is None and cfg.use_lm and (self.engine.model_dir / LM_FILE).is_file():
             lm = str(self.engine.model_dir / LM_FILE)
+        self.lm_path = lm if cfg.use_lm else None
         return BeamSearchDecoder(
             self.vocab,
             frame_seconds=self.frame_seconds,
@@ -98,11 +100,6 @@ class Recognizer:
             lm_weight=cfg.lm_weight,
             word_bonus=cfg.word_bonus,
         )
-
-    @property
-    def lm_path(self) -> str | None:
-        lm = getattr(self.decoder, "_lm", None)
-        return str(lm.path) if lm is not None and hasattr(lm, "path") else None
 
     # ---- offline -------------------------------------------------------------------
 

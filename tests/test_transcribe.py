@@ -1,0 +1,97 @@
+"""`echoic transcribe` and `echoic eval` in process, on a real exported model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+
+ECHOIC = [sys.executable, "-m", "echoic.cli.main"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*ECHOIC, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Good 16 kHz files, a 44.1 kHz stereo FLAC of good audio, and three bad files."""
+    root = tmp_path_factory.mktemp("mixed")
+    for i, (_, audio) in enumerate(corpus_audio[:3]):
+        sf.write(root / f"good{i}.wav", audio, 16000, subtype="PCM_16")
+    hi = soxr.resample(corpus_audio[3][1], 16000, 44100)
+    sf.write(root / "stereo44k.flac", np.stack([hi, 0.5 * hi], axis=1), 44100)
+    (root / "corrupt.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage" + bytes(range(50)))
+    (root / "empty.wav").write_bytes(b"")
+    (root / "noise.flac").write_bytes(np.random.default_rng(0).bytes(4000))
+    return root
+
+
+def test_bad_files_are_reported_and_the_rest_transcribed(
+    tiny_model_dir: Path, mixed_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    args = ["transcribe", str(mixed_folder), "--model", str(tiny_model_dir), "--format", "jsonl"]
+    run = _run(*args, "--output", str(out), "--no-progress")
+    assert run.returncode == 1, run.stderr
+    rows = {
+        Path(r["audio_filepath"]).name: r for r in map(json.loads, out.read_text().splitlines())
+    }
+    assert sorted(n for n, r in rows.items() if "error" in r) == [
+        "corrupt.wav", "empty.wav", "noise.flac",
+    ]  # fmt: skip
+    for name in ("good0.wav", "good1.wav", "good2.wav", "stereo44k.flac"):
+        assert "text" in rows[name] and rows[name]["duration"] > 0.5
+    for name in ("corrupt.wav", "empty.wav", "noise.flac"):
+        assert name in run.stderr
+    assert "4 of 7 files" in run.stderr and "3 failed" in run.stderr
+    # Resumable: a second run transcribes only the files that failed (and fail again).
+    again = _run(*args, "--output", str(out), "--no-progress")
+    assert "4 already done" in again.stderr
+    assert len(out.read_text().splitlines()) == 10
+
+
+def test_stereo_44k_equals_the_16k_original(mixed_folder: Path, corpus_audio) -> None:
+    from echoic.model.audio import load_audio
+
+    converted = load_audio(mixed_folder / "stereo44k.flac", 16000)
+    mono = 0.75 * corpus_audio[3][1]  # the mean of the two channels (1 and 0.5)
+    assert len(converted) == len(mono)
+    assert np.abs(converted - mono).max() < 0.01
+
+
+@pytest.mark.parametrize("fmt", ["text", "srt"])
+def test_text_and_srt_outputs(tiny_model_dir: Path, mixed_folder: Path, tmp_path: Path, fmt):
+    good = mixed_folder / "good0.wav"
+    args = ["transcribe", str(good), "--model", str(tiny_model_dir), "--format", fmt]
+    run = _run(*args, "--output-dir", str(tmp_path), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    if fmt == "text":
+        assert run.stdout.startswith(f"{good}\t")
+    else:
+        cue = (tmp_path / "good0.srt").read_text()
+        assert cue == "" or " --> " in cue.splitlines()[1]
+
+
+def test_srt_needs_an_output_dir(tiny_model_dir: Path, mixed_folder: Path) -> None:
+    run = _run("transcribe", str(mixed_folder / "good0.wav"), "--format", "srt")
+    assert run.returncode == 1 and "--output-dir" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_missing_model_directory_is_one_line(tmp_path: Path, mixed_folder: Path) -> None:
+    run = _run("transcribe", str(mixed_folder / "good0.wav"), "--model", str(tmp_path / "nope"))
+    assert run.returncode == 1 and "nope" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_eval_reports_error_rates(tiny_model_dir: Path, speech_corpus: Path) -> None:
+    run = _run("eval", "--model", str(tiny_model_dir), "--manifest", str(speech_corpus), "--json")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["utterances"] == 30 and 0 < result["cer"] <= 1.5
+    assert result["real_time_factor"] > 0 and len(result["worst"]) == 5
