@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Reproduce the bundled default model from nothing (see README, "The default model"):
+# synthetic corpus -> training -> LM -> export -> evaluation. Every step resumes or
+# skips what is already done, so the script can be rerun after an interruption.
+#   bash scripts/train_default.sh            # CPU: about 2 hours on 2 cores
+# Extra arguments go to `echoic train` (e.g. device=cuda, or mpirun via ECHOIC_LAUNCH).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+E=.venv/bin/echoic
+D=data/default
+[ -f $D/text/train.txt ] || $E synth --make-text $D/text --seed 1
+$E synth --text $D/text/train.txt --out $D/train --voices-per-sentence 2 --noise-prob 0.25 --seed 11
+$E synth --text $D/text/heldout.txt --out $D/heldout --noise-prob 0.25 --seed 12
+${ECHOIC_LAUNCH:-} $E train --config training/recipes/default.toml "$@"
+$E lm $D/text/train.txt $D/lm.arpa --order 3 --prune-singletons
+rm -rf runs/default-export
+$E export runs/default/last.pt runs/default-export/1 --name echoic-en-default --version 1
+cp $D/lm.arpa runs/default-export/1/lm.arpa
+rm -rf model/default && cp -r runs/default-export/1 model/default
+$E eval --model model/default --manifest $D/heldout/manifest.jsonl
+$E eval --model model/default --manifest $D/heldout/manifest.jsonl --decoder beam
