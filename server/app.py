@@ -1,0 +1,183 @@
+"""Build, run and stop the gRPC server.
+
+    server, port = await create_server(ServerConfig(model_dir=..., port=0))
+    ...                          # talk to 127.0.0.1:port
+    await server.stop(grace=5)
+
+`create_server` loads the models, binds the port (0 = any free one), starts the
+gRPC server, the metrics endpoint and the repository poller, and returns once it
+serves. `serve(config)` is the process around it (`echoic serve`): it runs until
+SIGTERM or SIGINT, then stops taking new calls, reports NOT_SERVING to health
+checks and gives the open streams `grace_seconds` to finish.
+
+Besides `echoic.v1.Transcriber` the server offers the standard
+`grpc.health.v1.Health` service ("" and "echoic.v1.Transcriber") and server
+reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+from echoic.server.config import ServerConfig, ServerError
+from echoic.server.metrics import Metrics
+from echoic.server.models import ModelRegistry
+from echoic.server.service import TranscriberService
+
+log = logging.getLogger("echoic.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transcriber"].full_name  # "echoic.v1.Transcriber"
+
+
+class Server:
+    """A running echoic server: the gRPC server plus its models, metrics and poller."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        grpc_server: grpc.aio.Server,
+        registry: ModelRegistry,
+        metrics: Metrics,
+        health: health_aio.HealthServicer,
+        service: TranscriberService,
+        executor: ThreadPoolExecutor,
+    ) -> None:
+        self.config = config
+        self.grpc_server = grpc_server
+        self.registry = registry
+        self.metrics = metrics
+        self.health = health
+        self.service = service
+        self._executor = executor
+        self.port = 0  # gRPC port
+        self.metrics_port: int | None = None  # Prometheus port, None when off
+        self._stopped = False
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls, give open ones `grace` s (default: config.grace_seconds), stop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace_seconds if grace is None else grace
+        await self.health.enter_graceful_shutdown()  # health checks say NOT_SERVING from now
+        await self.grpc_server.stop(grace)
+        await self.registry.close()
+        self.metrics.stop_http()
+        await asyncio.to_thread(self._executor.shutdown)  # a model call in flight ends first
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None:
+        return None
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise ServerError(f"{path}: cannot read the {what} ({e.strerror or e})") from e
+
+    cert, key = read(config.tls_cert, "TLS certificate"), read(config.tls_key, "TLS key")
+    client_ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+async def create_server(config: ServerConfig) -> tuple[Server, int]:
+    """Load the models and start serving; returns the running server and its gRPC port."""
+    credentials = _credentials(config)  # unreadable certificates fail before any model loads
+    metrics = Metrics()
+    # Model calls run here, one at a time per model version; a few versions can overlap.
+    executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="echoic-engine")
+    registry = ModelRegistry(config, metrics, executor)
+    try:
+        await registry.start()
+    except BaseException:
+        await registry.close()
+        executor.shutdown(wait=False)
+        raise
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a busy port is an error, not a second server beside it
+    ]
+    grpc_server = grpc.aio.server(options=options)
+    service = TranscriberService(config, registry, metrics)
+    pb_grpc.add_TranscriberServicer_to_server(service, grpc_server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        grpc_server,
+    )  # fmt: skip
+    server = Server(config, grpc_server, registry, metrics, health, service, executor)
+    address = f"{config.host}:{config.port}"
+    try:
+        if credentials is None:
+            port = grpc_server.add_insecure_port(address)
+        else:
+            port = grpc_server.add_secure_port(address, credentials)
+        if config.metrics_port is not None:
+            server.metrics_port = metrics.start_http(config.metrics_host, config.metrics_port)
+    except BaseException as e:
+        await registry.close()
+        metrics.stop_http()
+        executor.shutdown(wait=False)
+        if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
+            raise ServerError(f"cannot listen on {address}: {e}") from e
+        if isinstance(e, OSError):
+            raise ServerError(
+                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}"
+            ) from e
+        raise
+    server.port = port
+    await grpc_server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "listening on %s:%d (%s)%s", config.host, port, "TLS" if config.tls_cert else "plaintext",
+        f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "",
+    )  # fmt: skip
+    return server, port
+
+
+async def _serve(config: ServerConfig) -> None:
+    server, _port = await create_server(config)
+    loop = asyncio.get_running_loop()
+    stopping: asyncio.Task | None = None
+
+    def on_signal(signum: int) -> None:
+        nonlocal stopping
+        if stopping is None:
+            log.info(
+                "%s: draining open streams for up to %g s",
+                signal.Signals(signum).name, config.grace_seconds,
+            )  # fmt: skip
+            stopping = loop.create_task(server.stop())
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await server.wait_for_termination()
+    if stopping is not None:
+        await stopping
+    log.info("stopped")
+
+
+def serve(config: ServerConfig) -> None:
+    """Run a server until SIGTERM or SIGINT, then drain it (what `echoic serve` runs)."""
+    asyncio.run(_serve(config))

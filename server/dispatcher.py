@@ -1,0 +1,185 @@
+"""Batch dispatch: one queue and one loop per loaded model version.
+
+Every stream with a window ready, and every Recognize request (run as a stream
+fed all its audio at once), puts that window in its model version's queue and
+awaits it. The dispatcher loop takes whatever is queued the moment the engine is
+free (up to `max_batch` streams; with `max_wait_ms` > 0 it first waits that long
+for a fuller batch), runs ONE batched `Recognizer.step` - a single stream.onnx
+call plus each stream's decoding - in a worker thread, and wakes each stream to
+read its rows. Under light load a window waits for nobody; under heavy load
+batches grow instead of queues.
+
+A stream has at most one window in the queue (it awaits each), so a stream with
+several windows ready takes one per batch and cannot starve the others. Full
+utterances of a model that cannot stream (no stream.onnx) go through the same
+queue as offline jobs and are batched with each other through model.onnx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from echoic.model.recognizer import Recognizer, Stream
+from echoic.server.metrics import Metrics
+
+log = logging.getLogger("echoic.server")
+
+
+class DispatcherClosed(Exception):
+    """The model version was unloaded or the server is stopping."""
+
+
+@dataclass
+class _Work:
+    kind: str  # "stream": one window of `payload` (a Stream); "offline": features (T, F)
+    payload: Any
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        recognizer: Recognizer,
+        *,
+        max_batch: int,
+        max_wait_ms: float,
+        executor: Executor,
+        metrics: Metrics,
+        labels: tuple[str, str],
+    ) -> None:
+        self._recognizer = recognizer
+        self._max_batch = max_batch
+        self._max_wait = max_wait_ms / 1000.0
+        self._executor = executor
+        self._metrics = metrics
+        self._labels = labels
+        chunk_frames = recognizer.card.chunk_frames or 1
+        self._window_seconds = chunk_frames * recognizer.frame_seconds  # audio per window, s
+        self._queue: deque[_Work] = deque()
+        self._inflight: list[_Work] = []  # the batch in the engine now
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dispatch {labels}")
+        self.batches = 0  # batched calls run, count
+
+    async def step(self, stream: Stream) -> None:
+        """Run the stream's next ready window in the next batch; return once it is decoded."""
+        await self._submit("stream", stream)
+
+    async def offline(self, features: np.ndarray) -> np.ndarray:
+        """Log-probs (T', V) of one whole utterance's features, batched through model.onnx."""
+        return await self._submit("offline", features)
+
+    async def _submit(self, kind: str, payload: Any) -> Any:
+        if self._closed:
+            raise DispatcherClosed("the model version is unloading")
+        work = _Work(kind, payload, asyncio.get_running_loop().create_future())
+        self._queue.append(work)
+        self._wakeup.set()
+        return await work.future
+
+    async def close(self) -> None:
+        """Stop the loop; queued work fails with DispatcherClosed."""
+        self._closed = True
+        inflight = list(self._inflight)
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        for work in [*inflight, *self._queue]:
+            if not work.future.done():
+                work.future.set_exception(DispatcherClosed("the model version was unloaded"))
+        self._queue.clear()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                if self._max_wait and len(self._queue) < self._max_batch:
+                    await self._wait_for_more()
+                batch = self._take_batch()
+                if not batch:
+                    continue
+                self._inflight = batch
+                started = time.perf_counter()
+                for work in batch:
+                    self._metrics.queue_wait.labels(*self._labels).observe(started - work.queued_at)
+                try:
+                    results = await loop.run_in_executor(self._executor, self._run_batch, batch)
+                except Exception as e:  # noqa: BLE001 - handed to every waiting stream
+                    log.exception("batched model call failed (%d items)", len(batch))
+                    for work in batch:
+                        if not work.future.done():
+                            work.future.set_exception(e)
+                    continue
+                finally:
+                    self._inflight = []
+                compute = time.perf_counter() - started
+                self.batches += 1
+                self._observe(batch, compute)
+                for work, result in zip(batch, results, strict=True):
+                    if not work.future.done():  # a cancelled client's window is dropped
+                        work.future.set_result(result)
+
+    async def _wait_for_more(self) -> None:
+        deadline = time.perf_counter() + self._max_wait
+        while len(self._queue) < self._max_batch:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _take_batch(self) -> list[_Work]:
+        """Up to max_batch live items of the kind at the head of the queue."""
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()  # its client went away
+        if not self._queue:
+            return []
+        kind = self._queue[0].kind
+        batch: list[_Work] = []
+        rest: deque[_Work] = deque()
+        while self._queue and len(batch) < self._max_batch:
+            work = self._queue.popleft()
+            if work.future.done():
+                continue
+            (batch if work.kind == kind else rest).append(work)
+        self._queue.extendleft(reversed(rest))
+        return batch
+
+    def _run_batch(self, batch: Sequence[_Work]) -> list[Any]:
+        """In a worker thread: one batched model call for the whole batch."""
+        if batch[0].kind == "stream":
+            self._recognizer.step([work.payload for work in batch])
+            return [None] * len(batch)
+        return self._recognizer.engine.offline([work.payload for work in batch])
+
+    def _observe(self, batch: Sequence[_Work], compute: float) -> None:
+        m, labels = self._metrics, self._labels
+        m.batch_size.labels(*labels).observe(len(batch))
+        m.compute.labels(*labels).observe(compute)
+        if batch[0].kind == "stream":
+            audio = len(batch) * self._window_seconds
+        else:
+            hop = self._recognizer.card.hop_ms / 1000.0
+            audio = sum(len(work.payload) for work in batch) * hop
+        if audio > 0:
+            m.real_time_factor.labels(*labels).observe(compute / audio)

@@ -1,0 +1,282 @@
+"""The loaded models: one directory, or a repository polled for new versions (hot reload).
+
+A repository is `MODEL_REPO/<name>/<version>/`, each version a directory written
+by `echoic export`. Names and versions starting with "." are ignored (export
+builds `.<version>.XXXX.partial` and renames it into place when complete).
+Versions compare as numbers (2 < 10); names that are not numbers sort before
+all numbers, alphabetically.
+
+Per model name one version serves new requests: the newest one that loads.
+Every `poll_seconds` the repository is scanned; a newer version loads beside
+the serving one (in a worker thread: the event loop never blocks on a load),
+then takes the new requests, while the streams already open on the old version
+finish there (it is *draining*); once its last stream ends it is unloaded. A
+version that fails to load is logged and skipped, and the old one keeps
+serving; it is tried again when its files change. Removing the serving
+version's directory falls back to the newest remaining one; removing a model's
+whole directory drains and unloads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+from echoic.model.engine import Engine
+from echoic.model.recognizer import LM_FILE, DecoderConfig, Recognizer, default_model_dir
+from echoic.server.config import ServerConfig, ServerError
+from echoic.server.dispatcher import Dispatcher
+from echoic.server.metrics import Metrics
+
+log = logging.getLogger("echoic.server")
+
+LOADED, DRAINING = "loaded", "draining"
+
+
+class ModelLookupError(LookupError):
+    """A request names a model or version that is not served; the message lists what is."""
+
+
+def version_key(version: str) -> tuple[int, int, str]:
+    return (1, int(version), "") if version.isdigit() else (0, 0, version)
+
+
+def scan_repository(repo: Path) -> dict[str, dict[str, Path]]:
+    """name -> version -> directory, skipping dot-names and plain files."""
+    found: dict[str, dict[str, Path]] = {}
+    for name_dir in sorted(repo.iterdir()):
+        if name_dir.name.startswith(".") or not name_dir.is_dir():
+            continue
+        versions = {
+            v.name: v for v in name_dir.iterdir() if not v.name.startswith(".") and v.is_dir()
+        }
+        if versions:
+            found[name_dir.name] = versions
+    return found
+
+
+def _signature(path: Path) -> tuple:
+    """Changes when the directory's files do (a failed load is retried then)."""
+    try:
+        return tuple(
+            sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir())
+        )
+    except OSError:
+        return ()
+
+
+@dataclass(frozen=True)
+class DecoderChoice:
+    kind: str = "greedy"  # "greedy" or "beam"
+    beam_size: int = 32  # hypotheses kept per frame (beam)
+    use_lm: bool = True  # beam: use the model directory's lm.arpa when present
+
+
+class LoadedModel:
+    """One model version in memory: its engine, decoders and dispatcher, and who uses it."""
+
+    def __init__(
+        self, name: str, version: str, path: Path, greedy: Recognizer, dispatcher: Dispatcher
+    ) -> None:
+        self.name, self.version, self.path = name, version, path
+        self.engine = greedy.engine
+        self.card = greedy.card
+        self.dispatcher = dispatcher
+        self.greedy = greedy
+        self.state = LOADED
+        self.active = 0  # open streams and requests on this version, count
+        self.has_lm = (path / LM_FILE).is_file()
+        self._recognizers: dict[DecoderChoice, Recognizer] = {DecoderChoice(): self.greedy}
+        self._lock = asyncio.Lock()
+
+    @property
+    def streamable(self) -> bool:
+        return self.engine.streamable
+
+    async def recognizer(self, choice: DecoderChoice) -> Recognizer:
+        """The recognizer for a decoder choice (sharing this version's engine), built once."""
+        if choice.kind == "greedy":
+            return self.greedy
+        async with self._lock:
+            if choice not in self._recognizers:
+                cfg = DecoderConfig(kind="beam", beam_size=choice.beam_size, use_lm=choice.use_lm)
+                self._recognizers[choice] = await asyncio.to_thread(Recognizer, self.engine, cfg)
+            return self._recognizers[choice]
+
+
+class ModelRegistry:
+    def __init__(self, config: ServerConfig, metrics: Metrics, executor: Executor) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._executor = executor
+        self.serving: dict[str, LoadedModel] = {}  # name -> the version new requests get
+        self.loaded: list[LoadedModel] = []  # every version in memory, serving or draining
+        self._failed: dict[Path, tuple] = {}  # directory -> its signature when it failed
+        self._tasks: set[asyncio.Task] = set()
+        self._poll_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ start, stop
+
+    async def start(self) -> None:
+        """Load the configured model(s); ServerError when nothing can be served."""
+        cfg = self._config
+        if cfg.model_repo is not None:
+            repo = Path(cfg.model_repo).resolve()
+            if not repo.is_dir():
+                raise ServerError(f"{repo}: no such model repository directory")
+            await self.sync()
+            if not self.serving:
+                raise ServerError(
+                    f"{repo}: no loadable model (expected {repo}/<name>/<version>/ directories "
+                    "written by `echoic export`; see the log for why each failed)"
+                )
+            if cfg.poll_seconds > 0:
+                self._poll_task = asyncio.create_task(self._poll(), name="model repository poll")
+            return
+        path = Path(cfg.model_dir) if cfg.model_dir is not None else default_model_dir()
+        if cfg.model_dir is None and not (path / "model.onnx").is_file():
+            raise ServerError(
+                f"no model given and the bundled default model is not installed ({path}); "
+                "pass --model DIR or --model-repo DIR (directories written by `echoic export`)"
+            )
+        model = await self._load(None, None, path.resolve())
+        self._switch(model)
+
+    async def close(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+        for model in list(self.loaded):
+            await self._unload(model)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.poll_seconds)
+            try:
+                await self.sync()
+            except Exception:  # noqa: BLE001 - a bad scan must not stop polling
+                log.exception("scanning the model repository failed")
+
+    # ------------------------------------------------------------------ requests
+
+    def resolve(self, name: str, version: str) -> LoadedModel:
+        if not name:
+            if len(self.serving) == 1:
+                name = next(iter(self.serving))
+            else:
+                raise ModelLookupError(
+                    "this server serves several models; set config.model to one of: "
+                    + ", ".join(sorted(self.serving))
+                )
+        model = self.serving.get(name)
+        if model is None:
+            served = ", ".join(sorted(self.serving)) or "none"
+            raise ModelLookupError(f"unknown model {name!r}: this server serves {served}")
+        if version and version != model.version:
+            draining = any(m.name == name and m.version == version for m in self.loaded)
+            why = "is draining (being replaced)" if draining else "is not loaded"
+            raise ModelLookupError(
+                f"model {name!r} version {version!r} {why}; the served version is "
+                f"{model.version!r}: leave model_version empty or ask for {model.version!r}"
+            )
+        return model
+
+    def acquire(self, model: LoadedModel) -> None:
+        model.active += 1
+
+    def release(self, model: LoadedModel) -> None:
+        model.active -= 1
+        if model.state == DRAINING and model.active == 0:
+            self._spawn(self._unload(model))
+
+    # ------------------------------------------------------------------ hot reload
+
+    async def sync(self) -> None:
+        """Scan the repository once and load, switch or drain to match it."""
+        repo = Path(self._config.model_repo).resolve()
+        found = await asyncio.to_thread(scan_repository, repo)
+        for name, versions in found.items():
+            current = self.serving.get(name)
+            for version in sorted(versions, key=version_key, reverse=True):
+                path = versions[version]
+                if current is not None and current.version == version:
+                    break  # the newest loadable version is the one serving
+                if self._failed.get(path) == _signature(path):
+                    continue
+                try:
+                    model = await self._load(name, version, path)
+                except Exception as e:  # noqa: BLE001 - any broken directory is skipped
+                    self._failed[path] = _signature(path)
+                    keep = f"; {current.name} {current.version} keeps serving" if current else ""
+                    log.error("model %s version %s not loaded: %s%s", name, version, e, keep)
+                    continue
+                self._failed.pop(path, None)
+                self._switch(model)
+                break
+        for name in set(self.serving) - set(found):
+            gone = self.serving.pop(name)
+            log.info("model %s: its directory is gone; draining version %s", name, gone.version)
+            self._drain(gone)
+
+    async def _load(self, name: str | None, version: str | None, path: Path) -> LoadedModel:
+        cfg = self._config
+        log.info("loading %s", path)
+        engine = await asyncio.to_thread(
+            Engine, path, providers=cfg.providers, intra_op_threads=cfg.intra_op_threads
+        )
+        name = name or engine.card.name
+        version = version or engine.card.version
+        if (engine.card.name, engine.card.version) != (name, version):
+            log.info(
+                "%s: served as %s version %s (its card says %s version %s)",
+                path, name, version, engine.card.name, engine.card.version,
+            )  # fmt: skip
+        greedy = Recognizer(engine)
+        dispatcher = Dispatcher(
+            greedy,
+            max_batch=cfg.max_batch,
+            max_wait_ms=cfg.max_wait_ms,
+            executor=self._executor,
+            metrics=self._metrics,
+            labels=(name, version),
+        )
+        return LoadedModel(name, version, path, greedy, dispatcher)
+
+    def _switch(self, model: LoadedModel) -> None:
+        old = self.serving.get(model.name)
+        self.serving[model.name] = model
+        self.loaded.append(model)
+        self._metrics.set_model_state(model.name, model.version, LOADED)
+        log.info(
+            "serving %s version %s from %s%s", model.name, model.version, model.path,
+            f" (replacing version {old.version})" if old else "",
+        )  # fmt: skip
+        if old is not None:
+            self._drain(old)
+
+    def _drain(self, model: LoadedModel) -> None:
+        model.state = DRAINING
+        self._metrics.set_model_state(model.name, model.version, DRAINING)
+        if model.active == 0:
+            self._spawn(self._unload(model))
+        else:
+            log.info(
+                "%s version %s: draining %d open stream(s)", model.name, model.version, model.active
+            )
+
+    async def _unload(self, model: LoadedModel) -> None:
+        if model not in self.loaded:
+            return
+        self.loaded.remove(model)
+        if self.serving.get(model.name) is model:
+            del self.serving[model.name]
+        await model.dispatcher.close()
+        self._metrics.set_model_state(model.name, model.version, None)
+        log.info("unloaded %s version %s", model.name, model.version)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,272 @@
+"""The `echoic.v1.Transcriber` service: Recognize, StreamingRecognize, ListModels.
+
+Each call is admitted (or refused with RESOURCE_EXHAUSTED at once when
+`max_streams` calls are open), pinned to the model version it resolved to for its
+whole life, and counted by method and status code. Errors a client can fix
+become INVALID_ARGUMENT, OUT_OF_RANGE or DEADLINE_EXCEEDED with a sentence
+saying what to change; anything else is INTERNAL and logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from echoic.model.audio import AudioError
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+from echoic.server.config import ServerConfig
+from echoic.server.dispatcher import DispatcherClosed
+from echoic.server.metrics import Metrics
+from echoic.server.models import LoadedModel, ModelLookupError, ModelRegistry, version_key
+from echoic.server.session import RequestError, Session, invalid, parse_config
+
+log = logging.getLogger("echoic.server")
+T = TypeVar("T")
+_STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
+
+
+class ClientGone(Exception):
+    """The client cancelled the call or went away; its resources are freed."""
+
+
+class TranscriberService(pb_grpc.TranscriberServicer):
+    def __init__(self, config: ServerConfig, registry: ModelRegistry, metrics: Metrics) -> None:
+        self._config = config
+        self._registry = registry
+        self._metrics = metrics
+        self.active = 0  # admitted StreamingRecognize and Recognize calls, count
+
+    # ------------------------------------------------------------------ rpcs
+
+    async def Recognize(
+        self, request: pb.RecognizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RecognizeResponse:
+        return await self._guard("Recognize", context, lambda: self._recognize(request))
+
+    async def StreamingRecognize(self, request_iterator: Any, context: grpc.aio.ServicerContext):
+        await self._guard("StreamingRecognize", context, lambda: self._stream(context))
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        return await self._guard("ListModels", context, self._list_models, admit=False)
+
+    # ------------------------------------------------------------------ bodies
+
+    async def _recognize(self, request: pb.RecognizeRequest) -> pb.RecognizeResponse:
+        opts = parse_config(request.config)
+        if not request.audio_content:
+            raise invalid("audio_content is empty: send the whole audio in the request")
+        model = self._registry.resolve(opts.model, opts.version)
+        self._registry.acquire(model)
+        try:
+            recognizer = await model.recognizer(opts.decoder)
+            session = Session(model, recognizer, opts, name="audio_content")
+            await asyncio.to_thread(self._decode_whole, session, request.audio_content)
+            ended = time.perf_counter()
+            results = await session.advance()
+            self._metrics.final_latency.labels("Recognize").observe(time.perf_counter() - ended)
+            return pb.RecognizeResponse(
+                results=results, audio_processed_seconds=session.seconds, model=_ref(model)
+            )
+        finally:
+            self._registry.release(model)
+
+    def _decode_whole(self, session: Session, data: bytes) -> None:
+        """In a worker thread: decode all the audio, feed it and finish the stream."""
+        samples = np.concatenate([session.audio.feed(data), session.audio.finish()])
+        limit = self._config.max_audio_seconds
+        seconds = len(samples) / session.model.card.sample_rate
+        if limit and seconds > limit:
+            raise invalid(
+                f"the audio is {seconds:.1f} s long but this server accepts at most {limit:g} s "
+                "per Recognize request: split it, or stream it with StreamingRecognize"
+            )
+        self._accept(session, samples)
+        session.finish()
+
+    async def _stream(self, context: grpc.aio.ServicerContext) -> None:
+        first = await self._read(context)
+        if first is grpc.aio.EOF:
+            raise invalid(
+                "the stream ended before its config: send a StreamingRecognizeRequest with "
+                "streaming_config first, then audio_content"
+            )
+        if first.WhichOneof("streaming_request") != "streaming_config":
+            raise invalid(
+                "the first StreamingRecognizeRequest must carry streaming_config, not audio: "
+                "send the config first, then audio_content"
+            )
+        sc = first.streaming_config
+        opts = parse_config(
+            sc.config, interim=sc.interim_results, interval_ms=sc.interim_interval_ms
+        )
+        model = self._registry.resolve(opts.model, opts.version)
+        if not model.streamable:
+            raise invalid(
+                f"model {model.name!r} version {model.version!r} cannot stream (a full-context "
+                "BiRNN without stream.onnx): send the whole audio with Recognize instead"
+            )
+        self._registry.acquire(model)
+        try:
+            recognizer = await model.recognizer(opts.decoder)
+            session = Session(model, recognizer, opts, name="audio_content")
+            ref = _ref(model)
+            while True:
+                message = await self._read(context)
+                if message is grpc.aio.EOF:
+                    if context.cancelled():
+                        raise ClientGone
+                    self._accept(session, session.audio.finish())
+                    session.finish()
+                    ended = time.perf_counter()
+                else:
+                    kind = message.WhichOneof("streaming_request")
+                    if kind == "streaming_config":
+                        raise invalid(
+                            "streaming_config was sent twice: send it only in the first "
+                            "message, then only audio_content"
+                        )
+                    self._accept(session, session.audio.feed(message.audio_content))
+                    self._check_stream_limits(session)
+                for result in await session.advance():
+                    response = pb.StreamingRecognizeResponse(
+                        results=[result], audio_processed_seconds=session.decoded_seconds, model=ref
+                    )
+                    try:
+                        await context.write(response)
+                    except Exception as e:  # noqa: BLE001 - grpc raises its internal error type
+                        # A call that cannot be written to is over: cancelled, past its
+                        # deadline or disconnected (a cancel can reach us as a plain EOF).
+                        raise ClientGone from e
+                if message is grpc.aio.EOF:
+                    latency = time.perf_counter() - ended
+                    self._metrics.final_latency.labels("StreamingRecognize").observe(latency)
+                    return
+        finally:
+            self._registry.release(model)
+
+    def _check_stream_limits(self, session: Session) -> None:
+        limit = self._config.max_audio_seconds
+        if limit and session.audio.source_seconds > limit:
+            raise RequestError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"the stream went over this server's limit of {limit:g} s of audio: "
+                "close it and open a new stream for the rest",
+            )
+        if session.audio.buffered and session.audio.bytes_in > self._config.max_message_bytes:
+            raise RequestError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"{session.audio.bytes_in} bytes of FLAC/container audio are buffered (it is "
+                f"decoded at the end), over this server's {self._config.max_message_bytes} "
+                "bytes: stream WAV or LINEAR16 instead",
+            )
+
+    def _accept(self, session: Session, samples: np.ndarray) -> None:
+        session.accept(samples)
+        if len(samples):
+            m = session.model
+            seconds = len(samples) / m.card.sample_rate
+            self._metrics.audio_seconds.labels(m.name, m.version).inc(seconds)
+
+    async def _read(self, context: grpc.aio.ServicerContext) -> Any:
+        timeout = self._config.idle_timeout_seconds
+        try:
+            return await asyncio.wait_for(context.read(), timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the stream sent nothing for {timeout:g} s: send audio at least that often "
+                "(silence included), or half-close the stream when the audio ends",
+            ) from None
+
+    async def _list_models(self) -> pb.ListModelsResponse:
+        models = sorted(self._registry.loaded, key=lambda m: (m.name, version_key(m.version)))
+        return pb.ListModelsResponse(models=[_info(m) for m in models])
+
+    # ------------------------------------------------------------------ errors and accounting
+
+    async def _guard(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        body: Callable[[], Awaitable[T]],
+        *,
+        admit: bool = True,
+    ) -> T:
+        code = grpc.StatusCode.OK
+        admitted = False
+        try:
+            if admit:
+                if self.active >= self._config.max_streams:
+                    raise RequestError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the server is at its limit of {self._config.max_streams} concurrent "
+                        "streams and requests: retry later with backoff, or use another replica",
+                    )
+                self.active += 1
+                admitted = True
+                self._metrics.active_streams.labels(method).inc()
+            return await body()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except ClientGone:
+            code = grpc.StatusCode.CANCELLED
+            return None  # nobody is listening for a status
+        except Exception as e:  # noqa: BLE001 - every error becomes a status code here
+            code, message = _status(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method)
+            await context.abort(code, message)
+            raise  # not reached: abort() raises
+        finally:
+            if admitted:
+                self.active -= 1
+                self._metrics.active_streams.labels(method).dec()
+            self._metrics.requests.labels(method, code.name).inc()
+
+
+def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, RequestError):
+        return e.code, str(e)
+    if isinstance(e, (AudioError, ModelLookupError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, DispatcherClosed):
+        return grpc.StatusCode.UNAVAILABLE, f"{e}: retry the request"
+    if isinstance(e, ImportError) and "pip install" in str(e):
+        return grpc.StatusCode.FAILED_PRECONDITION, f"not available on this server: {e}"
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log"
+
+
+def _ref(model: LoadedModel) -> pb.ModelRef:
+    return pb.ModelRef(name=model.name, version=model.version)
+
+
+def _info(model: LoadedModel) -> pb.ModelInfo:
+    card = model.card
+    frame = card.output_frame_ms / 1000.0
+    return pb.ModelInfo(
+        name=model.name,
+        version=model.version,
+        state=_STATES[model.state],
+        sample_rate_hertz=card.sample_rate,
+        streamable=model.streamable,
+        vocabulary_size=len(card.vocabulary),
+        frame_seconds=frame,
+        chunk_seconds=card.chunk_frames * frame if model.streamable else 0.0,
+        lookahead_seconds=card.context_frames * frame if model.streamable else 0.0,
+        has_language_model=model.has_lm,
+        active_streams=model.active,
+        path=str(model.path),
+        rnn_type=card.rnn_type,
+        bidirectional=card.bidirectional,
+        parameters=card.parameters,
+    )

@@ -1,0 +1,314 @@
+"""One request or stream on the server: its config, its audio, its utterances, its results.
+
+A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and an
+`UtteranceStream` (samples -> transcripts), and turns what the stream decodes
+into `SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
+decoded audio, a final one at each endpoint and at the end of the audio.
+
+Endpointing (as in sherpa-onnx and Riva), checked after every model step:
+rule 1 ends an utterance after `trailing_silence_ms` of trailing silence (CTC
+blanks and spaces after its last word) once it has a word; rule 2 ends it when it
+reaches `max_utterance_ms` (an utterance of silence alone ends without a result,
+so silence never produces empty finals). The stream then goes on with a fresh
+utterance: the CTC decoder restarts, while the acoustic model's recurrent state
+and window position carry on, since the audio is one continuous signal (nothing
+is dropped or re-padded at the boundary, and no step is spent warming up a new
+state).
+Word times are seconds from the start of the stream's audio.
+
+Errors a client can fix are `RequestError(code, message)`; the service turns
+them into gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from echoic.model.audio import AudioError
+from echoic.model.decoding import Transcript
+from echoic.model.features import compute_features
+from echoic.model.recognizer import Recognizer, Stream
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.audio_input import AudioInput, check_rate
+from echoic.server.models import DecoderChoice, LoadedModel
+
+_ENCODINGS = {
+    pb.RecognitionConfig.ENCODING_UNSPECIFIED: "auto",
+    pb.RecognitionConfig.LINEAR16: "linear16",
+    pb.RecognitionConfig.WAV: "wav",
+    pb.RecognitionConfig.FLAC: "flac",
+}
+MAX_BEAM = 1024  # hypotheses per frame, count: more is a typo, not a setting
+
+
+class RequestError(Exception):
+    """A request the server refuses: a gRPC status code and a sentence saying what to change."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Options:
+    """A RecognitionConfig, checked and in server units."""
+
+    encoding: str  # "auto", "linear16", "wav" or "flac"
+    sample_rate: int | None  # Hz of the audio sent; None = from the header
+    channels: int  # channels of LINEAR16 audio, count
+    model: str  # model name; "" = the only one served
+    version: str  # model version; "" = the serving one
+    words: bool  # fill word times and confidences
+    decoder: DecoderChoice
+    trailing_silence: float  # endpointing rule 1, s; 0 = off
+    max_utterance: float  # endpointing rule 2, s; 0 = off
+    interim: bool = False  # send interim results
+    interim_interval: float = 0.0  # least decoded audio between interim results, s
+
+
+def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interval_ms: int = 0):
+    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong."""
+    if config.encoding not in _ENCODINGS:
+        raise invalid(
+            f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), WAV or FLAC"
+        )
+    encoding = _ENCODINGS[config.encoding]
+    rate = config.sample_rate_hertz or None
+    if rate is None and encoding == "linear16":
+        raise invalid("LINEAR16 audio has no header: set sample_rate_hertz (e.g. 16000)")
+    if rate is not None:
+        try:
+            check_rate(rate, "sample_rate_hertz")
+        except AudioError as e:
+            raise invalid(str(e)) from None
+    if not 0 <= config.audio_channel_count <= 255:
+        raise invalid(f"audio_channel_count must be 1-255, got {config.audio_channel_count}")
+    d = config.decoder
+    if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
+        raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
+    if not 0 <= d.beam_size <= MAX_BEAM:
+        raise invalid(f"beam_size must be 0 (the default, 32) to {MAX_BEAM}, got {d.beam_size}")
+    choice = (
+        DecoderChoice("beam", d.beam_size or 32, not d.disable_lm)
+        if d.kind == pb.DecoderConfig.BEAM
+        else DecoderChoice()
+    )
+    e = config.endpointing
+    for field, value in (
+        ("endpointing.trailing_silence_ms", e.trailing_silence_ms),
+        ("endpointing.max_utterance_ms", e.max_utterance_ms),
+        ("interim_interval_ms", interval_ms),
+        ("max_alternatives", config.max_alternatives),
+    ):
+        if value < 0:
+            raise invalid(f"{field} must be >= 0, got {value}")
+    return Options(
+        encoding=encoding,
+        sample_rate=rate,
+        channels=config.audio_channel_count or 1,
+        model=config.model,
+        version=config.model_version,
+        words=config.enable_word_time_offsets,
+        decoder=choice,
+        trailing_silence=e.trailing_silence_ms / 1000.0,
+        max_utterance=e.max_utterance_ms / 1000.0,
+        interim=interim,
+        interim_interval=interval_ms / 1000.0,
+    )
+
+
+class UtteranceStream(Stream):
+    """A `Stream` cut into utterances at endpoints: the decoder restarts, the model runs on."""
+
+    def __init__(self, recognizer: Recognizer) -> None:
+        super().__init__(recognizer)
+        self.utterance_index = 0  # utterances ended so far, count
+        self._utterance_start_frame = 0  # output frame where the current utterance starts
+
+    @property
+    def utterance_start(self) -> float:
+        """Where the current utterance starts in the audio, s."""
+        return self._utterance_start_frame * self._recognizer.frame_seconds
+
+    @property
+    def utterance_seconds(self) -> float:
+        """Audio decoded in the current utterance, s."""
+        return self.decoded_seconds - self.utterance_start
+
+    def end_utterance(self) -> Transcript:
+        """Finalize the current utterance and start the next at the current position.
+
+        An utterance without words (silence) is dropped: it is not counted, and the
+        caller does not report it.
+        """
+        final = self._decoder.finalize()
+        self._decoder = self._recognizer.decoder.stream()
+        self._result = Transcript("")
+        self._utterance_start_frame = self.frames_decoded
+        if final.words:
+            self.utterance_index += 1
+        return final
+
+
+def result_proto(
+    transcript: Transcript,
+    *,
+    final: bool,
+    index: int,
+    start: float,
+    end: float,
+    words: bool,
+) -> pb.SpeechRecognitionResult:
+    """A result whose word times are shifted by `start` (s) to count from the audio's start."""
+    n = len(transcript.words)
+    stable = n if final else min(transcript.stable_words, n)
+    alternative = pb.SpeechRecognitionAlternative(
+        transcript=transcript.text, confidence=transcript.confidence
+    )
+    if words:
+        alternative.words.extend(
+            pb.WordInfo(
+                word=w.text, start_time=start + w.start, end_time=start + w.end,
+                confidence=w.confidence,
+            )
+            for w in transcript.words
+        )  # fmt: skip
+    return pb.SpeechRecognitionResult(
+        alternatives=[alternative],
+        is_final=final,
+        stability=1.0 if final else (stable / n if n else 0.0),
+        stable_words=stable,
+        utterance_index=index,
+        utterance_start_time=start,
+        utterance_end_time=end,
+    )
+
+
+class Session:
+    """The audio and transcripts of one request or stream on one model version."""
+
+    def __init__(
+        self, model: LoadedModel, recognizer: Recognizer, options: Options, name: str
+    ) -> None:
+        self.model = model
+        self.options = options
+        self.audio = AudioInput(
+            options.encoding,
+            model.card.sample_rate,
+            sample_rate=options.sample_rate,
+            channels=options.channels,
+            name=name,
+        )
+        self._recognizer = recognizer
+        self.stream = UtteranceStream(recognizer) if model.streamable else None
+        self._offline: list[np.ndarray] = []  # samples, for a model that cannot stream
+        self.samples = 0  # samples at the model's rate accepted, count
+        self._last_interim = 0.0  # decoded audio at the last interim result, s
+        self.finished = False  # the audio has ended
+        self.done = False  # the last final result has been produced
+
+    @property
+    def seconds(self) -> float:
+        """Audio received, s."""
+        return self.samples / self.model.card.sample_rate
+
+    @property
+    def decoded_seconds(self) -> float:
+        """Audio decoded so far, s (all of it once the audio has ended and been decoded)."""
+        if self.stream is None or self.stream.is_final:
+            return self.seconds if self.done else 0.0
+        return min(self.stream.decoded_seconds, self.seconds)
+
+    def accept(self, samples: np.ndarray) -> None:
+        self.samples += len(samples)
+        if self.stream is not None:
+            self.stream.accept_audio(samples)
+        elif len(samples):
+            self._offline.append(samples)
+
+    def finish(self) -> None:
+        self.finished = True
+        if self.stream is not None:
+            self.stream.finish()
+
+    async def advance(self) -> list[pb.SpeechRecognitionResult]:
+        """Decode every ready window (through the dispatcher); the results to send now."""
+        if self.stream is None:
+            return await self._advance_offline()
+        out: list[pb.SpeechRecognitionResult] = []
+        stream, opts = self.stream, self.options
+        while stream.is_ready():
+            await self.model.dispatcher.step(stream)
+            if stream.is_final:
+                break
+            if self._endpoint():
+                start, index = stream.utterance_start, stream.utterance_index
+                end = stream.decoded_seconds
+                final = stream.end_utterance()
+                if final.words:
+                    out.append(self._result(final, True, index, start, end))
+                self._last_interim = stream.decoded_seconds
+            elif opts.interim and (
+                stream.decoded_seconds - self._last_interim >= opts.interim_interval
+            ):
+                self._last_interim = stream.decoded_seconds
+                out.append(self._result(stream.result(), False))
+        if stream.is_final and not self.done:
+            self.done = True
+            final = stream.result()
+            if stream.utterance_index == 0 or final.words:
+                out.append(self._result(final, True))
+        return out
+
+    def _endpoint(self) -> bool:
+        stream, opts = self.stream, self.options
+        spoken = stream.utterance_seconds
+        if opts.max_utterance and spoken >= opts.max_utterance:
+            return True
+        if opts.trailing_silence:
+            words = stream.result().words
+            return bool(words) and spoken - words[-1].end >= opts.trailing_silence
+        return False
+
+    def _result(
+        self,
+        transcript: Transcript,
+        final: bool,
+        index: int | None = None,
+        start: float | None = None,
+        end: float | None = None,
+    ) -> pb.SpeechRecognitionResult:
+        stream = self.stream
+        return result_proto(
+            transcript,
+            final=final,
+            index=stream.utterance_index if index is None else index,
+            start=stream.utterance_start if start is None else start,
+            end=self.decoded_seconds if end is None else min(end, self.seconds),
+            words=self.options.words,
+        )
+
+    async def _advance_offline(self) -> list[pb.SpeechRecognitionResult]:
+        """A model without stream.onnx: the whole utterance once the audio has ended."""
+        if self.done or not self.finished:
+            return []
+        audio = np.concatenate(self._offline) if self._offline else np.zeros(0, np.float32)
+        card = self.model.card
+        features = compute_features(audio, card.features)
+        log_probs = await self.model.dispatcher.offline(features)
+        transcript = await asyncio.to_thread(self._recognizer.decoder.decode, log_probs)
+        self.done = True
+        return [
+            result_proto(
+                transcript, final=True, index=0, start=0.0, end=self.seconds,
+                words=self.options.words,
+            )
+        ]  # fmt: skip

@@ -1,0 +1,739 @@
+"""The gRPC server: real servers on port 0, real channels, the tiny exported model.
+
+The tiny model's transcripts are junk, but distinct per utterance, which is what
+equality and no-cross-talk checks need.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+pytest.importorskip("prometheus_client", reason="the server needs the serve extra")
+
+import soundfile as sf  # noqa: E402
+import soxr  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
+
+from echoic.model.audio import decode_audio  # noqa: E402
+from echoic.model.recognizer import Recognizer  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from echoic.server.background import BackgroundServer  # noqa: E402
+from echoic.server.config import ServerConfig  # noqa: E402
+
+Code = grpc.StatusCode
+Config = pb.RecognitionConfig
+RPC_TIMEOUT = 30.0  # s, per call: generous for a loaded 2-core machine; failures are fast
+CHUNK = 3200  # bytes per streamed message: 100 ms of 16 kHz PCM16
+OPEN = 6 * CHUNK  # bytes after which the tiny model has decoded a window (an interim result)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    return np.round(np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def container(samples: np.ndarray, rate: int, fmt: str, subtype: str = "PCM_16") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def linear16(rate: int = 16000, **kw) -> Config:
+    return Config(encoding=Config.LINEAR16, sample_rate_hertz=rate, **kw)
+
+
+def recognize(stub, audio: bytes, config: Config) -> pb.RecognizeResponse:
+    request = pb.RecognizeRequest(config=config, audio_content=audio)
+    return stub.Recognize(request, timeout=RPC_TIMEOUT)
+
+
+def stream_messages(
+    audio: bytes,
+    config: Config,
+    *,
+    interim: bool = False,
+    interval_ms: int = 0,
+    pause: tuple[int, threading.Event] | None = None,
+) -> Iterator[pb.StreamingRecognizeRequest]:
+    """Config, then audio in CHUNK-byte messages; with `pause` = (byte offset, event),
+    wait for the event before sending the bytes from that offset on."""
+    yield pb.StreamingRecognizeRequest(
+        streaming_config=pb.StreamingRecognitionConfig(
+            config=config, interim_results=interim, interim_interval_ms=interval_ms
+        )
+    )
+    for i in range(0, len(audio), CHUNK):
+        if pause is not None and i >= pause[0] and not pause[1].is_set():
+            assert pause[1].wait(RPC_TIMEOUT), "the test never released the stream"
+        yield pb.StreamingRecognizeRequest(audio_content=audio[i : i + CHUNK])
+
+
+def stream(stub, audio: bytes, config: Config, **kw) -> list[pb.StreamingRecognizeResponse]:
+    return list(stub.StreamingRecognize(stream_messages(audio, config, **kw), timeout=RPC_TIMEOUT))
+
+
+def finals(responses) -> list[str]:
+    return [
+        r.results[0].alternatives[0].transcript
+        for r in responses
+        if r.results and r.results[0].is_final
+    ]
+
+
+def texts(response: pb.RecognizeResponse) -> list[str]:
+    return [r.alternatives[0].transcript for r in response.results]
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details() or ""
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def running(model_dir: Path | None = None, **overrides) -> Iterator[BackgroundServer]:
+    """A server on 127.0.0.1:<free port>, one ONNX thread, stopped on exit."""
+    settings = dict(port=0, intra_op_threads=1, idle_timeout_seconds=10.0, grace_seconds=0.0)
+    if model_dir is not None:
+        settings["model_dir"] = model_dir
+    settings.update(overrides)
+    with BackgroundServer(ServerConfig(**settings)) as server:
+        yield server
+
+
+@contextmanager
+def channel_to(server: BackgroundServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield channel
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def clips(speech_corpus: Path) -> list[tuple[bytes, np.ndarray]]:
+    """(WAV file bytes, 16 kHz samples) of four corpus utterances."""
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][:4]
+    out = []
+    for row in rows:
+        data = Path(row["audio_filepath"]).read_bytes()
+        out.append((data, decode_audio(data, 16000)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def recognizer(tiny_model_dir: Path) -> Recognizer:
+    return Recognizer(tiny_model_dir, intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def expected(recognizer: Recognizer, clips) -> list[str]:
+    """In-process transcripts (model.onnx, whole utterances) of `clips`."""
+    return [t.text for t in recognizer.transcribe([samples for _, samples in clips])]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[BackgroundServer]:
+    with running(tiny_model_dir, metrics_port=0) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(server: BackgroundServer) -> Iterator[pb_grpc.TranscriberStub]:
+    with channel_to(server) as channel:
+        yield pb_grpc.TranscriberStub(channel)
+
+
+# ---------------------------------------------------------------- transcripts
+
+
+def test_recognize_and_stream_equal_in_process_transcribe(stub, clips, expected) -> None:
+    assert len(set(expected)) == len(expected), "the tiny model should tell the clips apart"
+    for (wav, samples), want in zip(clips[:2], expected[:2], strict=True):
+        response = recognize(stub, wav, Config(encoding=Config.WAV, enable_word_time_offsets=True))
+        assert texts(response) == [want]
+        result = response.results[0]
+        assert result.is_final and result.stability == 1.0
+        assert response.model.name == "echoic-tiny" and response.model.version == "1"
+        assert response.audio_processed_seconds == pytest.approx(len(samples) / 16000)
+        words = result.alternatives[0].words
+        assert [w.word for w in words] == want.split()
+        assert all(0 <= w.start_time < w.end_time <= len(samples) / 16000 + 0.05 for w in words)
+        assert all(0.0 <= w.confidence <= 1.0 for w in words)
+
+        responses = stream(stub, wav, Config(encoding=Config.WAV))
+        assert finals(responses) == [want]
+        assert {(r.model.name, r.model.version) for r in responses} == {("echoic-tiny", "1")}
+        # LINEAR16 of the same samples takes the same path after decoding.
+        assert finals(stream(stub, pcm16(samples), linear16())) == [want]
+
+
+def test_beam_search_equals_in_process_beam_search(stub, tiny_model_dir, clips) -> None:
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    from echoic.model.recognizer import DecoderConfig
+
+    beam = Recognizer(tiny_model_dir, DecoderConfig(kind="beam", beam_size=8), intra_op_threads=1)
+    wav, samples = clips[1]
+    want = beam.transcribe([samples])[0].text
+    config = Config(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8))
+    assert texts(recognize(stub, wav, config)) == [want]
+    assert finals(stream(stub, wav, config, interim=True)) == [want]
+
+
+def test_interim_results_then_one_final(stub, clips, expected) -> None:
+    wav, samples = clips[0]
+    responses = stream(stub, wav, Config(), interim=True)
+    results = [r.results[0] for r in responses]
+    assert len(results) >= 3 and not any(r.is_final for r in results[:-1])
+    assert results[-1].is_final and results[-1].stability == 1.0
+    assert results[-1].alternatives[0].transcript == expected[0]
+    assert all(0.0 <= r.stability <= 1.0 for r in results)
+    processed = [r.audio_processed_seconds for r in responses]
+    assert processed == sorted(processed) and processed[-1] == pytest.approx(len(samples) / 16000)
+    # One interim per second of audio at most, when asked for that.
+    sparse = stream(stub, wav, Config(), interim=True, interval_ms=1000)
+    assert len(sparse) - 1 <= len(samples) / 16000 + 1 and len(sparse) < len(responses)
+
+
+def test_endpointing_splits_utterances_alike_in_stream_and_recognize(stub, clips) -> None:
+    (_, a), (_, b) = clips[0], clips[1]
+    audio = pcm16(np.concatenate([a, np.zeros(24000, np.float32), b]))  # 1.5 s pause between
+    for endpointing, least in (
+        (pb.EndpointingConfig(trailing_silence_ms=800), 2),
+        (pb.EndpointingConfig(max_utterance_ms=1000), 3),
+    ):
+        config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
+        response = recognize(stub, audio, config)
+        results = list(response.results)
+        assert len(results) >= least
+        assert [r.utterance_index for r in results] == list(range(len(results)))
+        assert all(r.is_final and r.alternatives[0].transcript for r in results)
+        for earlier, later in zip(results, results[1:], strict=False):
+            assert earlier.utterance_end_time <= later.utterance_start_time
+            assert (
+                earlier.alternatives[0].words[-1].end_time
+                <= later.alternatives[0].words[0].start_time
+            )
+        assert finals(stream(stub, audio, config)) == texts(response)
+
+
+# ---------------------------------------------------------------- audio formats
+
+
+def _encode(samples16k: np.ndarray, encoding: str, rate: int, channels: int):
+    samples = soxr.resample(samples16k, 16000, rate) if rate != 16000 else samples16k
+    if channels == 2:
+        samples = np.stack([samples, 0.5 * samples], axis=1)
+    if encoding == "LINEAR16":
+        data = pcm16(samples)
+        config = Config(
+            encoding=Config.LINEAR16, sample_rate_hertz=rate, audio_channel_count=channels
+        )
+    else:
+        data = container(samples, rate, "FLAC" if encoding == "FLAC" else "WAV")
+        config = Config(encoding=Config.AudioEncoding.Value(encoding))
+    return data, config
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate", "channels"),
+    [
+        pytest.param("LINEAR16", 8000, 1, id="linear16-8k"),
+        pytest.param("LINEAR16", 22050, 1, id="linear16-22.05k"),
+        pytest.param("LINEAR16", 44100, 2, id="linear16-44.1k-stereo"),
+        pytest.param("LINEAR16", 48000, 1, id="linear16-48k"),
+        pytest.param("WAV", 48000, 2, id="wav-48k-stereo"),
+        pytest.param("FLAC", 16000, 1, id="flac-16k"),
+        pytest.param("FLAC", 44100, 1, id="flac-44.1k"),
+        pytest.param("ENCODING_UNSPECIFIED", 22050, 1, id="auto-wav-22.05k"),
+    ],
+)
+def test_rates_and_encodings(stub, recognizer, clips, encoding, rate, channels) -> None:
+    data, config = _encode(clips[2][1], encoding, rate, channels)
+    kind = {"LINEAR16": "linear16", "ENCODING_UNSPECIFIED": "auto"}.get(encoding, encoding.lower())
+    rate_arg = rate if kind == "linear16" else None
+    samples = decode_audio(data, 16000, encoding=kind, sample_rate=rate_arg, channels=channels)
+    want = recognizer.transcribe([samples])[0].text
+    assert texts(recognize(stub, data, config)) == [want]
+    assert finals(stream(stub, data, config)) == [want]
+
+
+# ---------------------------------------------------------------- bad input
+
+TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.float32))
+WAV_GARBAGE = b"RIFF\x24\x00\x00\x00WAVEjunkjunkjunkjunk" + bytes(64)
+
+
+def _config_message(config: Config) -> pb.StreamingRecognizeRequest:
+    return pb.StreamingRecognizeRequest(
+        streaming_config=pb.StreamingRecognitionConfig(config=config)
+    )
+
+
+def _audio_message(data: bytes) -> pb.StreamingRecognizeRequest:
+    return pb.StreamingRecognizeRequest(audio_content=data)
+
+
+BAD_STREAMS = [
+    pytest.param([_audio_message(TONE)], "streaming_config", id="audio-before-config"),
+    pytest.param([], "config", id="no-config"),
+    pytest.param(
+        [_config_message(linear16()), _config_message(linear16())], "twice", id="config-twice"
+    ),
+    pytest.param([_config_message(Config(encoding=7))], "encoding", id="unsupported-encoding"),
+    pytest.param(
+        [_config_message(Config(encoding=Config.WAV)), _audio_message(b"\x00garbage" * 8)],
+        "WAV",
+        id="wav-garbage",
+    ),  # fmt: skip
+    pytest.param(
+        [_config_message(Config(encoding=Config.FLAC)), _audio_message(b"fLaC" + bytes(200))],
+        "decode",
+        id="flac-garbage",
+    ),  # fmt: skip
+    pytest.param([_config_message(linear16(model="nope"))], "unknown model", id="unknown-model"),
+    pytest.param(
+        [_config_message(linear16()), _audio_message(TONE[:-1])], "stray", id="half-a-sample"
+    ),
+]
+
+
+@pytest.mark.parametrize(("messages", "says"), BAD_STREAMS)
+def test_bad_streams_are_invalid_argument(stub, messages, says) -> None:
+    code, details = status_of(
+        lambda: list(stub.StreamingRecognize(iter(messages), timeout=RPC_TIMEOUT))
+    )
+    assert code == Code.INVALID_ARGUMENT and says in details, details
+    assert texts(recognize(stub, TONE, linear16())) is not None  # and it serves the next client
+
+
+BAD_REQUESTS = [
+    pytest.param(Config(encoding=7), TONE, "encoding", id="unsupported-encoding"),
+    pytest.param(Config(encoding=Config.LINEAR16), TONE, "sample_rate_hertz", id="no-rate"),
+    pytest.param(linear16(rate=1000), TONE, "sample rate", id="rate-too-low"),
+    pytest.param(linear16(rate=16000, audio_channel_count=-1), TONE, "channel", id="bad-channels"),
+    pytest.param(Config(encoding=Config.WAV), WAV_GARBAGE, "decode", id="wav-garbage"),
+    pytest.param(Config(encoding=Config.FLAC), b"fLaC" + bytes(300), "decode", id="flac-garbage"),
+    pytest.param(Config(encoding=Config.FLAC), container(np.zeros(800), 16000, "WAV"), "WAV",
+                 id="wav-sent-as-flac"),
+    pytest.param(Config(), TONE, "LINEAR16", id="raw-pcm-without-encoding"),
+    pytest.param(linear16(), b"", "empty", id="no-audio"),
+    pytest.param(linear16(model="nope"), TONE, "unknown model", id="unknown-model"),
+    pytest.param(linear16(model_version="7"), TONE, "not loaded", id="unknown-version"),
+    pytest.param(
+        linear16(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=5000)), TONE,
+        "beam_size", id="beam-too-wide",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("config", "audio", "says"), BAD_REQUESTS)
+def test_bad_requests_are_invalid_argument(stub, config, audio, says) -> None:
+    code, details = status_of(lambda: recognize(stub, audio, config))
+    assert code == Code.INVALID_ARGUMENT and says in details, details
+    assert recognize(stub, TONE, linear16()).results  # and it serves the next client
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_concurrent_streams_are_batched_without_cross_talk(tiny_model_dir, clips, expected):
+    # A short batching wait makes batches of the four streams certain on a busy machine.
+    with running(tiny_model_dir, max_batch=4, max_wait_ms=50) as server, channel_to(server) as ch:
+        stub = pb_grpc.TranscriberStub(ch)
+        got: dict[int, list[str]] = {}
+
+        def one(i: int) -> None:
+            wav = clips[i][0]
+            got[i] = (
+                finals(stream(stub, wav, Config()))
+                if i % 2
+                else texts(recognize(stub, wav, Config()))
+            )
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(RPC_TIMEOUT)
+        assert {i: got.get(i) for i in range(4)} == {i: [expected[i]] for i in range(4)}
+        registry = server.server.metrics.registry
+        labels = {"model": "echoic-tiny", "version": "1"}
+        batches = registry.get_sample_value("echoic_batch_size_count", labels)
+        singles = registry.get_sample_value("echoic_batch_size_bucket", labels | {"le": "1.0"})
+        assert batches and singles < batches, "no batch held more than one stream"
+        assert server.server.registry.loaded[0].dispatcher.batches == batches
+
+
+# ---------------------------------------------------------------- the rest of the surface
+
+
+def test_list_models(stub, tiny_model_dir) -> None:
+    (info,) = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+    assert (info.name, info.version, info.state) == ("echoic-tiny", "1", pb.ModelInfo.LOADED)
+    assert info.sample_rate_hertz == 16000 and info.streamable and info.vocabulary_size == 29
+    assert info.chunk_seconds > 0 and info.frame_seconds > 0
+    assert Path(info.path) == tiny_model_dir.resolve()
+
+
+def test_metrics_endpoint_serves_every_metric(server, stub) -> None:
+    recognize(stub, TONE, linear16())
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    for name in (
+        'echoic_requests_total{code="OK",method="Recognize"}',
+        "echoic_active_streams",
+        "echoic_audio_seconds_total",
+        "echoic_batch_size_bucket",
+        "echoic_queue_wait_seconds_bucket",
+        "echoic_compute_seconds_bucket",
+        "echoic_final_result_latency_seconds_bucket",
+        "echoic_real_time_factor_bucket",
+        'echoic_model_versions_loaded{model="echoic-tiny",state="loaded",version="1"} 1.0',
+    ):
+        assert name in text, name
+
+
+def test_health_and_reflection(server) -> None:
+    with channel_to(server) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "echoic.v1.Transcriber"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        (reply,) = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"echoic.v1.Transcriber", "grpc.health.v1.Health"} <= names
+
+
+def test_server_imports_no_torch() -> None:
+    code = (
+        "import sys, echoic.server.app, echoic.server.background, echoic.cli.serve; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'onnx'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+# ---------------------------------------------------------------- limits
+
+
+def _held_stream(stub, release: threading.Event, responses: list, errors: list) -> threading.Thread:
+    """A stream that sends its config and some audio, then waits for `release`."""
+
+    def run() -> None:
+        messages = stream_messages(TONE * 2, linear16(), interim=True, pause=(OPEN, release))
+        try:
+            responses.extend(stub.StreamingRecognize(messages, timeout=RPC_TIMEOUT))
+        except grpc.RpcError as e:
+            errors.append(e.code())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_limits(tiny_model_dir) -> None:
+    with running(
+        tiny_model_dir, max_streams=2, max_audio_seconds=1.0, max_message_bytes=64 * 1024
+    ) as server, channel_to(server) as channel:  # fmt: skip
+        stub = pb_grpc.TranscriberStub(channel)
+        service = server.server.service
+        release, responses, errors = threading.Event(), [], []
+        held = [_held_stream(stub, release, responses, errors) for _ in range(2)]
+        wait_until(lambda: service.active == 2, what="two open streams")
+        code, details = status_of(lambda: recognize(stub, TONE, linear16()))
+        assert code == Code.RESOURCE_EXHAUSTED and "limit of 2" in details
+        release.set()
+        for t in held:
+            t.join(RPC_TIMEOUT)
+        assert errors == [] and len(finals(responses)) == 2
+        assert recognize(stub, TONE, linear16()).results  # admitted again
+
+        long = TONE * 3  # 1.5 s
+        code, details = status_of(lambda: stream(stub, long, linear16()))
+        assert code == Code.OUT_OF_RANGE and "1 s" in details
+        code, details = status_of(lambda: recognize(stub, long, linear16()))
+        assert code == Code.INVALID_ARGUMENT and "at most 1 s" in details
+        code, _ = status_of(lambda: recognize(stub, bytes(100_000), linear16()))
+        assert code == Code.RESOURCE_EXHAUSTED  # over max_message_bytes, refused by gRPC
+        assert recognize(stub, TONE, linear16()).results
+
+
+def test_idle_stream_gets_deadline_exceeded(tiny_model_dir) -> None:
+    with running(tiny_model_dir, idle_timeout_seconds=0.3) as server, channel_to(server) as ch:
+        stub = pb_grpc.TranscriberStub(ch)
+        never = threading.Event()
+        messages = stream_messages(TONE, linear16(), pause=(CHUNK, never))
+        code, details = status_of(lambda: list(stub.StreamingRecognize(messages, timeout=10)))
+        never.set()
+        assert code == Code.DEADLINE_EXCEEDED and "0.3 s" in details
+        assert recognize(stub, TONE, linear16()).results
+
+
+def test_cancelled_client_frees_its_stream(server, stub) -> None:
+    metrics, service = server.server.metrics, server.server.service
+    model = server.server.registry.serving["echoic-tiny"]
+    release = threading.Event()
+    call = stub.StreamingRecognize(
+        stream_messages(TONE * 2, linear16(), interim=True, pause=(OPEN, release)),
+        timeout=RPC_TIMEOUT,
+    )
+    next(call)  # an interim result: the stream is open on the server
+    assert service.active == 1 and model.active == 1
+    gauge = metrics.registry.get_sample_value
+    assert gauge("echoic_active_streams", {"method": "StreamingRecognize"}) == 1
+    call.cancel()
+    release.set()
+    wait_until(lambda: service.active == 0 and model.active == 0, what="the stream to be freed")
+    assert gauge("echoic_active_streams", {"method": "StreamingRecognize"}) == 0
+    wait_until(
+        lambda: gauge(
+            "echoic_requests_total", {"method": "StreamingRecognize", "code": "CANCELLED"}
+        ),
+        what="the cancellation to be counted",
+    )
+    assert recognize(stub, TONE, linear16()).results
+
+
+# ---------------------------------------------------------------- hot reload
+
+
+def _versions(stub) -> list[tuple[str, int]]:
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+    return [(m.version, m.state) for m in models]
+
+
+def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo / "tiny" / "1")
+    (repo / "tiny" / ".9.partial").mkdir()  # an export in progress: ignored
+    with running(model_repo=repo, poll_seconds=0.1) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        stop, failures, seen = threading.Event(), [], []
+
+        def load() -> None:  # Recognize requests all through the reload
+            while not stop.is_set():
+                try:
+                    response = recognize(stub, clips[3][0], Config())
+                    seen.append((response.model.version, texts(response)))
+                except grpc.RpcError as e:
+                    failures.append((e.code(), e.details()))
+
+        release = threading.Event()
+        old: dict[int, list] = {i: [] for i in range(2)}
+        started = [threading.Event() for _ in range(2)]
+
+        def old_stream(i: int) -> None:
+            wav = clips[i][0]
+            messages = stream_messages(wav, Config(), interim=True, pause=(OPEN, release))
+            try:
+                for response in stub.StreamingRecognize(messages, timeout=RPC_TIMEOUT):
+                    old[i].append(response)
+                    started[i].set()
+            except grpc.RpcError as e:
+                failures.append((e.code(), e.details()))
+
+        threads = [threading.Thread(target=load)]
+        threads += [threading.Thread(target=old_stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for event in started:
+            assert event.wait(RPC_TIMEOUT), "a stream on version 1 never started"
+
+        # Version 2 appears atomically (as `echoic export` writes it) while they are open.
+        shutil.copytree(tiny_model_dir, repo / "tiny" / ".2.tmp")
+        (repo / "tiny" / ".2.tmp").rename(repo / "tiny" / "2")
+        draining = [("1", pb.ModelInfo.DRAINING), ("2", pb.ModelInfo.LOADED)]
+        wait_until(lambda: _versions(stub) == draining, what="version 2 beside draining 1")
+        assert recognize(stub, clips[0][0], Config()).model.version == "2"
+        assert stream(stub, clips[0][0], Config())[-1].model.version == "2"
+
+        release.set()  # the old streams finish, on version 1
+        for t in threads[1:]:
+            t.join(RPC_TIMEOUT)
+        for i in range(2):
+            assert {r.model.version for r in old[i]} == {"1"}
+            assert finals(old[i]) == [expected[i]]
+        wait_until(lambda: _versions(stub) == [("2", pb.ModelInfo.LOADED)], what="1 to unload")
+        code, details = status_of(lambda: recognize(stub, TONE, Config(model_version="1")))
+        assert code == Code.INVALID_ARGUMENT and "not loaded" in details
+
+        # A broken version 3 is skipped; version 2 keeps serving.
+        (repo / "tiny" / "3").mkdir()
+        (repo / "tiny" / "3" / "model.onnx").write_bytes(b"not a model")
+        time.sleep(0.5)  # several polls
+        assert _versions(stub) == [("2", pb.ModelInfo.LOADED)]
+        stop.set()
+        threads[0].join(RPC_TIMEOUT)
+
+    assert failures == []
+    assert {v for v, _ in seen} <= {"1", "2"} and seen[-1][0] == "2"
+    assert all(t == [expected[3]] for _, t in seen)
+
+
+# ---------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM)."""
+    pytest.importorskip("cryptography", reason="cryptography (the dev extra) makes test certs")
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    root = tmp_path_factory.mktemp("tls")
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def build(subject, issuer, key, signer, *extensions):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(signer, hashes.SHA256())
+
+    def save(stem: str, cert, key) -> None:
+        (root / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (root / f"{stem}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = build(
+        name("echoic test CA"), name("echoic test CA"), ca_key, ca_key,
+        (x509.BasicConstraints(ca=True, path_length=None), True),
+    )  # fmt: skip
+    save("ca", ca, ca_key)
+    for stem, usage, san in (
+        ("server", ExtendedKeyUsageOID.SERVER_AUTH,
+         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("echoic-client")]),
+    ):  # fmt: skip
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = build(
+            name(stem), ca.subject, key, ca_key,
+            (x509.BasicConstraints(ca=False, path_length=None), True),
+            (x509.ExtendedKeyUsage([usage]), False),
+            (x509.SubjectAlternativeName(san), False),
+        )  # fmt: skip
+        save(stem, cert, key)
+    return {p.name: p for p in root.iterdir()}
+
+
+def _list_models_over_tls(port: int, certificates, *, client_cert: bool) -> None:
+    read = lambda name: certificates[name].read_bytes()  # noqa: E731
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read("ca.pem"),
+        private_key=read("client.key") if client_cert else None,
+        certificate_chain=read("client.pem") if client_cert else None,
+    )
+    with grpc.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        assert stub.ListModels(pb.ListModelsRequest(), timeout=10).models
+
+
+def test_tls_and_mutual_tls(tiny_model_dir, certificates) -> None:
+    tls = dict(tls_cert=certificates["server.pem"], tls_key=certificates["server.key"])
+    with running(tiny_model_dir, **tls) as server:
+        _list_models_over_tls(server.port, certificates, client_cert=False)
+        with grpc.insecure_channel(server.address) as plain:  # plaintext is refused
+            code, _ = status_of(
+                lambda: pb_grpc.TranscriberStub(plain).ListModels(pb.ListModelsRequest(), timeout=5)
+            )
+            assert code == Code.UNAVAILABLE
+    with running(tiny_model_dir, tls_client_ca=certificates["ca.pem"], **tls) as server:
+        _list_models_over_tls(server.port, certificates, client_cert=True)
+        code, _ = status_of(
+            lambda: _list_models_over_tls(server.port, certificates, client_cert=False)
+        )
+        assert code == Code.UNAVAILABLE
+
+
+# ---------------------------------------------------------------- the process
+
+
+def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir) -> None:
+    command = [sys.executable, "-m", "echoic.cli.main", "serve", "--model", str(tiny_model_dir),
+               "--port", "0", "--threads", "1", "--grace-seconds", "20"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        for line in process.stderr:
+            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                port = int(match.group(1))
+                break
+        assert port, "the server never said where it listens"
+        drain = threading.Thread(target=process.stderr.read)  # keep the pipe flowing
+        drain.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TranscriberStub(channel)
+            release = threading.Event()
+            call = stub.StreamingRecognize(
+                stream_messages(TONE * 2, linear16(), interim=True, pause=(OPEN, release)),
+                timeout=RPC_TIMEOUT,
+            )
+            next(call)  # the stream is open
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert process.poll() is None, "the server exited with a stream open"
+            release.set()
+            assert [r for r in call if r.results[0].is_final]
+        assert process.wait(timeout=30) == 0
+        drain.join(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        process.stderr.close()
