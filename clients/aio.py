@@ -1,0 +1,232 @@
+"""The asyncio client: `AsyncClient`, the same calls as `Client` on grpc.aio.
+
+One event loop thread carries hundreds of concurrent streams, which is what
+load generators and asyncio applications want:
+
+    async with AsyncClient("localhost:50051") as client:
+        print((await client.recognize("talk.wav")).text)
+        async for response in client.stream_file("talk.wav", realtime=True):
+            ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from echoic.clients.audio import Chunk
+from echoic.clients.client import (
+    ClientError,
+    RetryPolicy,
+    channel_credentials,
+    channel_options,
+)
+from echoic.clients.messages import (
+    AudioSource,
+    Recognition,
+    final_response,
+    open_file_stream,
+    payload_of,
+    pieces,
+    recognition_config,
+    recognize_requests,
+    streaming_requests,
+)
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+
+
+async def apaced(chunks: Iterable[Chunk]) -> AsyncIterator[Chunk]:
+    """`audio.paced` for an event loop: chunk k is released once its audio has 'happened'."""
+    loop = asyncio.get_running_loop()
+    start, sent = loop.time(), 0.0
+    for chunk in chunks:
+        sent += chunk.seconds
+        delay = start + sent - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield chunk
+
+
+async def _aiter(items: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+async def _requests(
+    config: pb.RecognitionConfig,
+    chunks: Iterable[bytes | Chunk] | AsyncIterable[bytes | Chunk],
+    interim_results: bool,
+    interim_interval_ms: int,
+) -> AsyncIterator[pb.StreamingRecognizeRequest]:
+    yield pb.StreamingRecognizeRequest(
+        streaming_config=pb.StreamingRecognitionConfig(
+            config=config,
+            interim_results=interim_results,
+            interim_interval_ms=interim_interval_ms,
+        )
+    )
+    async for chunk in _aiter(chunks):
+        data = chunk.data if isinstance(chunk, Chunk) else chunk
+        if data:
+            yield pb.StreamingRecognizeRequest(audio_content=bytes(data))
+
+
+class AsyncClient:
+    """`Client` for asyncio; create it inside the running event loop."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_server_name: str | None = None,
+        timeout: float | None = 120.0,
+        connect_timeout: float = 10.0,
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen
+    ) -> None:
+        self.target, self.timeout, self.connect_timeout, self.retry = (
+            target, timeout, connect_timeout, retry,
+        )  # fmt: skip
+        options = channel_options(tls_server_name)
+        if tls or tls_ca or tls_cert or tls_key:
+            creds = channel_credentials(tls_ca, tls_cert, tls_key)
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = pb_grpc.TranscriberStub(self._channel)
+
+    async def _unary(self, call: Any, request: Any, timeout: float | None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(self.retry.attempts):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await call(request, timeout=left)
+            except grpc.aio.AioRpcError as e:
+                wait = self.retry.backoff(attempt)
+                last = attempt + 1 == self.retry.attempts
+                if (
+                    last
+                    or e.code() not in self.retry.codes
+                    or (deadline is not None and time.monotonic() + wait >= deadline)
+                ):
+                    raise ClientError.from_rpc(e, self.target) from e
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
+    async def recognize(
+        self,
+        audio: AudioSource,
+        *,
+        encoding: str | int | None = None,
+        sample_rate: int = 0,
+        channels: int = 0,
+        timeout: float | None = None,
+        **config: Any,
+    ) -> Recognition:
+        """See `Client.recognize`."""
+        payload = payload_of(audio, encoding, sample_rate, channels)
+        cfg, request = recognize_requests(payload, config)
+        if request is not None:
+            response = await self._unary(self._stub.Recognize, request, timeout)
+        else:
+
+            async def by_stream(requests: list, timeout: float | None) -> pb.RecognizeResponse:
+                call = self._stub.StreamingRecognize(iter(requests), timeout=timeout)
+                return final_response([r async for r in call])
+
+            messages = list(streaming_requests(cfg, pieces(payload.data), interim_results=False))
+            response = await self._unary(by_stream, messages, timeout)
+        return Recognition.from_response(response)
+
+    async def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
+        response = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+        return list(response.models)
+
+    async def wait_until_reachable(self, timeout: float | None = None) -> None:
+        timeout = self.connect_timeout if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise ClientError(
+                f"server {self.target} is unavailable (not reachable within {timeout:g} s)",
+                grpc.StatusCode.UNAVAILABLE,
+            ) from None
+
+    async def stream(
+        self,
+        chunks: Iterable[bytes | Chunk] | AsyncIterable[bytes | Chunk],
+        *,
+        encoding: str | int | None = "linear16",
+        sample_rate: int = 0,
+        channels: int = 0,
+        interim_results: bool = True,
+        interim_interval_ms: int = 0,
+        config: pb.RecognitionConfig | None = None,
+        **options: Any,
+    ) -> AsyncIterator[pb.StreamingRecognizeResponse]:
+        """See `Client.stream`; an async generator (closing it cancels the call)."""
+        if config is not None and options:
+            raise TypeError(f"give a config or its keywords, not both: {', '.join(options)}")
+        if config is None:
+            config = recognition_config(
+                encoding=encoding, sample_rate=sample_rate, channels=channels, **options
+            )
+        await self.wait_until_reachable()
+        call = self._stub.StreamingRecognize(
+            _requests(config, chunks, interim_results, interim_interval_ms)
+        )
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as e:
+            raise ClientError.from_rpc(e, self.target) from e
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
+    async def stream_file(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        realtime: bool = True,
+        chunk_ms: float = 100.0,
+        encoding: str | None = None,
+        interim_results: bool = True,
+        interim_interval_ms: int = 0,
+        **options: Any,
+    ) -> AsyncIterator[pb.StreamingRecognizeResponse]:
+        """See `Client.stream_file`."""
+        config, chunks = open_file_stream(
+            path, realtime=False, chunk_ms=chunk_ms, encoding=encoding, config=options
+        )
+        source = apaced(chunks) if realtime else chunks
+        async for response in self.stream(
+            source,
+            config=config,
+            interim_results=interim_results,
+            interim_interval_ms=interim_interval_ms,
+        ):
+            yield response
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

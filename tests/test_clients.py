@@ -1,0 +1,373 @@
+"""echoic.clients, `echoic stream` and `echoic transcribe --server` against a real server.
+
+The server runs in this process (`BackgroundServer`: grpc.aio on its own
+event-loop thread, port 0) with the tiny exported model; the clients talk to it
+over a real loopback channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+
+from echoic.clients import AsyncClient, Client, ClientError, RetryPolicy
+from echoic.clients.audio import Chunk, paced
+
+pytest.importorskip("grpc_health", reason="the server needs the serve extra")
+pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+
+from echoic.server.background import BackgroundServer  # noqa: E402
+from echoic.server.config import ServerConfig  # noqa: E402
+from tests.test_server import certificates  # noqa: E402, F401 - a fixture; belongs in conftest
+
+ECHOIC = [sys.executable, "-m", "echoic.cli.main"]
+QUICK = RetryPolicy(attempts=3, initial_backoff=0.05, max_backoff=0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*ECHOIC, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def start_server(model_dir: Path, port: int = 0) -> BackgroundServer:
+    return BackgroundServer(
+        ServerConfig(model_dir=model_dir, port=port, max_batch=8, grace_seconds=1.0)
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path):
+    with start_server(tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer):
+    with Client(server.address, retry=QUICK, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def recognizer(tiny_model_dir: Path):
+    from echoic.model.recognizer import Recognizer
+
+    return Recognizer(tiny_model_dir, intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def wavs(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("client-wavs")
+    paths = []
+    for i, (_, audio) in enumerate(corpus_audio[:3]):
+        sf.write(root / f"utt{i}.wav", audio, 16000, subtype="PCM_16")
+        paths.append(root / f"utt{i}.wav")
+    return paths
+
+
+def _in_process_text(recognizer, path: Path) -> str:
+    from echoic.model.audio import load_audio
+
+    return recognizer.transcribe([load_audio(path, recognizer.sample_rate)])[0].text
+
+
+# ------------------------------------------------------------------ Client
+
+
+def test_recognize_equals_in_process_transcription(client, recognizer, wavs) -> None:
+    for path in wavs:
+        result = client.recognize(path)
+        assert result.text == _in_process_text(recognizer, path)
+        assert result.audio_seconds == pytest.approx(sf.info(path).duration, abs=1e-3)
+        assert [w.text for w in result.words] == result.text.split()
+        assert all(0 <= w.start <= w.end <= result.audio_seconds + 0.1 for w in result.words)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("samples", id="float-samples-44k-stereo"),
+        pytest.param("aiff", id="aiff-file-decoded-by-the-client"),
+        pytest.param("streamed", id="too-big-for-one-message"),
+    ],
+)
+def test_every_way_in_gives_the_same_text(
+    client, recognizer, wavs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    audio, _ = sf.read(wavs[0], dtype="float32")
+    expected = _in_process_text(recognizer, wavs[0])
+    if how == "samples":
+        hi = soxr.resample(audio, 16000, 44100)
+        got = client.recognize(np.stack([hi, hi], axis=1), sample_rate=44100)
+    elif how == "aiff":
+        sf.write(tmp_path / "a.aiff", audio, 16000, format="AIFF", subtype="PCM_16")
+        got = client.recognize(tmp_path / "a.aiff")
+    else:
+        monkeypatch.setattr("echoic.clients.messages.MAX_UNARY_AUDIO_BYTES", 1000)
+        monkeypatch.setattr("echoic.clients.messages.STREAM_PIECE_BYTES", 4000)
+        got = client.recognize(wavs[0])
+    assert got.text == expected
+
+
+def test_stream_file_final_equals_recognize(client, wavs) -> None:
+    responses = list(client.stream_file(wavs[1], realtime=False, chunk_ms=80))
+    finals = [r for resp in responses for r in resp.results if r.is_final]
+    assert len(finals) == 1
+    assert finals[0].alternatives[0].transcript == client.recognize(wavs[1]).text
+    assert responses[-1].audio_processed_seconds == pytest.approx(
+        sf.info(wavs[1]).duration, abs=0.1
+    )
+
+
+def test_list_models(client, tiny_model_dir: Path) -> None:
+    (model,) = client.list_models()
+    assert model.streamable and model.sample_rate_hertz == 16000
+    assert model.path == str(tiny_model_dir)
+
+
+def test_server_errors_arrive_as_client_errors(client) -> None:
+    with pytest.raises(ClientError) as e:
+        client.recognize(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "decode" in str(e.value)
+    with pytest.raises(ClientError) as e:
+        client.recognize(b"\x00\x01" * 800, encoding="linear16", sample_rate=16000, model="nope")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "nope" in str(e.value)
+
+
+def test_async_client(server: BackgroundServer, wavs, client) -> None:
+    async def go() -> tuple[str, str]:
+        async with AsyncClient(server.address, retry=QUICK) as aclient:
+            whole = await aclient.recognize(wavs[2])
+            finals = [
+                r.alternatives[0].transcript
+                async for resp in aclient.stream_file(wavs[2], realtime=False)
+                for r in resp.results
+                if r.is_final
+            ]
+            return whole.text, " ".join(finals)
+
+    whole, streamed = asyncio.run(go())
+    assert whole == streamed == client.recognize(wavs[2]).text
+
+
+def test_paced_releases_each_chunk_when_its_audio_has_happened() -> None:
+    now = [100.0]
+    released = []
+    chunks = [Chunk(b"x", 0.1), Chunk(b"y", 0.1), Chunk(b"z", 0.05)]
+    for chunk in paced(
+        chunks, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s)
+    ):
+        released.append((chunk.data, round(now[0] - 100.0, 6)))
+    assert released == [(b"x", 0.1), (b"y", 0.2), (b"z", 0.25)]
+
+
+def test_mutual_tls(tiny_model_dir: Path, certificates, wavs) -> None:  # noqa: F811
+    tls = dict(tls_cert=certificates["server.pem"], tls_key=certificates["server.key"])
+    config = ServerConfig(model_dir=tiny_model_dir, port=0, tls_client_ca=certificates["ca.pem"],
+                          **tls)  # fmt: skip
+    files = (("tls_ca", "ca.pem"), ("tls_cert", "client.pem"), ("tls_key", "client.key"))
+    mine = {k: str(certificates[f]) for k, f in files}
+    with BackgroundServer(config) as server:
+        with Client(server.address, retry=QUICK, **mine) as c:
+            text = c.recognize(wavs[0]).text
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in mine.items()]
+        run = _run("stream", str(wavs[0]), "--server", server.address, "--fast", *flags)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.rstrip().endswith(f"] {text}".rstrip())
+        with Client(server.address, retry=QUICK, tls_ca=mine["tls_ca"]) as no_cert:
+            with pytest.raises(ClientError) as e:
+                no_cert.list_models()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+# ------------------------------------------------------------------ retries
+
+
+def test_unary_calls_retry_until_the_server_comes_up(tiny_model_dir: Path, wavs) -> None:
+    port = free_port()
+    patient = RetryPolicy(attempts=100, initial_backoff=0.1, max_backoff=0.3)  # ~30 s
+    outcome: dict[str, object] = {}
+
+    def call() -> None:
+        with Client(f"127.0.0.1:{port}", retry=patient, timeout=60) as c:
+            try:
+                outcome["text"] = c.recognize(wavs[0]).text
+            except ClientError as e:  # reported below rather than lost in the thread
+                outcome["error"] = e
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.5)  # the client is retrying: nothing listens on the port yet
+    late = start_server(tiny_model_dir, port=port)
+    try:
+        thread.join(timeout=60)
+    finally:
+        late.stop()
+    assert not thread.is_alive()
+    assert "error" not in outcome, outcome
+    assert outcome["text"] is not None
+
+
+def test_retries_are_bounded(wavs) -> None:
+    started = time.monotonic()
+    with Client(f"127.0.0.1:{free_port()}", retry=QUICK, timeout=10) as c:
+        with pytest.raises(ClientError) as e:
+            c.list_models()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "unavailable" in str(e.value)
+    assert time.monotonic() - started < 10
+
+
+# ------------------------------------------------------------------ echoic stream
+
+
+@pytest.mark.parametrize(
+    ("fmt", "encoding"),
+    [
+        pytest.param("WAV", [], id="decoded-to-linear16"),
+        pytest.param("WAV", ["--encoding", "wav"], id="wav-bytes-as-they-are"),
+        pytest.param("FLAC", ["--encoding", "flac"], id="flac-bytes-as-they-are"),
+    ],
+)
+def test_stream_command_prints_the_final_transcript(
+    server: BackgroundServer, client, wavs, tmp_path: Path, fmt: str, encoding: list[str]
+) -> None:
+    audio = tmp_path / f"a.{fmt.lower()}"
+    sf.write(audio, sf.read(wavs[0], dtype="int16")[0], 16000, format=fmt, subtype="PCM_16")
+    run = _run("stream", str(audio), "--server", server.address, "--fast", "--chunk-ms", "50",
+               *encoding)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    text = client.recognize(wavs[0]).text
+    (line,) = run.stdout.splitlines()
+    assert line.startswith("[0.00-") and line.endswith(f"] {text}".rstrip())
+
+
+def test_stream_command_json_lines(server: BackgroundServer, client, wavs) -> None:
+    run = _run("stream", str(wavs[1]), "--server", server.address, "--fast", "--json")
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    final = rows[-1]["results"][0]
+    assert final["is_final"] is True and len(rows) > 1  # interim results came before it
+    assert final["alternatives"][0]["transcript"] == client.recognize(wavs[1]).text
+    assert rows[-1]["model"]["version"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--server", "127.0.0.1:1", "--connect-timeout", "0.5"], "unavailable",
+                     id="no-server"),
+        pytest.param(["--chunk-ms", "0"], "--chunk-ms", id="bad-chunk"),
+    ],
+)  # fmt: skip
+def test_stream_command_errors_are_one_line(wavs, args: list[str], message: str) -> None:
+    run = _run("stream", str(wavs[0]), "--fast", *args)
+    assert run.returncode == 1
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_stream_command_unreadable_file(server: BackgroundServer, tmp_path: Path) -> None:
+    (tmp_path / "bad.wav").write_bytes(b"not audio at all")
+    run = _run("stream", str(tmp_path / "bad.wav"), "--server", server.address, "--fast")
+    assert run.returncode == 1 and "bad.wav" in run.stderr and "Traceback" not in run.stderr
+
+
+# ------------------------------------------------------------------ echoic transcribe --server
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Good files (WAV, 44.1 kHz stereo FLAC, AIFF) and three bad ones."""
+    root = tmp_path_factory.mktemp("mixed-server")
+    for i, (_, audio) in enumerate(corpus_audio[:2]):
+        sf.write(root / f"good{i}.wav", audio, 16000, subtype="PCM_16")
+    hi = soxr.resample(corpus_audio[2][1], 16000, 44100)
+    sf.write(root / "stereo44k.flac", np.stack([hi, 0.5 * hi], axis=1), 44100)
+    sf.write(root / "good.aiff", corpus_audio[3][1], 16000, format="AIFF", subtype="PCM_16")
+    (root / "corrupt.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage" + bytes(range(50)))
+    (root / "empty.wav").write_bytes(b"")
+    (root / "noise.flac").write_bytes(np.random.default_rng(0).bytes(4000))
+    return root
+
+
+def test_transcribe_through_the_server(
+    server: BackgroundServer, recognizer, mixed_folder: Path, tmp_path: Path
+) -> None:
+    from echoic.cli.batch_io import transcript_record
+    from echoic.model.audio import load_audio
+
+    out = tmp_path / "out.jsonl"
+    args = ["transcribe", str(mixed_folder), "--server", server.address, "--format", "jsonl",
+            "--output", str(out), "--no-progress", "--concurrency", "3"]  # fmt: skip
+    run = _run(*args)
+    assert run.returncode == 1, run.stderr
+    rows = {
+        Path(r["audio_filepath"]).name: r for r in map(json.loads, out.read_text().splitlines())
+    }
+    bad = ["corrupt.wav", "empty.wav", "noise.flac"]
+    assert sorted(n for n, r in rows.items() if "error" in r) == bad
+    for name in bad:
+        assert name in run.stderr and name in rows[name]["error"]
+    assert "4 of 7 files" in run.stderr and "3 failed" in run.stderr
+    for name in ("good0.wav", "good1.wav", "stereo44k.flac", "good.aiff"):
+        path = mixed_folder / name
+        audio = load_audio(path, 16000)
+        here = transcript_record(str(path), recognizer.transcribe([audio])[0], len(audio) / 16000)
+        got = rows[name]
+        assert got.keys() == here.keys() and got["text"] == here["text"]
+        assert got["duration"] == pytest.approx(here["duration"], abs=0.002)
+        assert [w.keys() for w in got["words"]] == [w.keys() for w in here["words"]]
+        assert [w["word"] for w in got["words"]] == [w["word"] for w in here["words"]]
+    # Resumable: a second run sends only the files that failed (and fail again).
+    again = _run(*args)
+    assert "4 already done" in again.stderr and again.returncode == 1
+    assert len(out.read_text().splitlines()) == 10
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--model", "nope"], "does not serve model 'nope'", id="unknown-model"),
+        pytest.param(["--lm-weight", "2"], "--lm-weight", id="server-side-decoder-option"),
+    ],
+)
+def test_transcribe_through_the_server_refuses_what_it_cannot_do(
+    server: BackgroundServer, wavs, args: list[str], message: str
+) -> None:
+    run = _run("transcribe", str(wavs[0]), "--server", server.address, "--no-progress", *args)
+    assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_transcribe_stops_when_the_server_is_unreachable(wavs) -> None:
+    run = _run("transcribe", str(wavs[0]), "--server", f"127.0.0.1:{free_port()}", "--no-progress")
+    assert run.returncode == 1 and "unavailable" in run.stderr and "Traceback" not in run.stderr
+
+
+# ------------------------------------------------------------------ boundaries
+
+
+def test_client_side_modules_import_no_torch_or_onnxruntime() -> None:
+    code = (
+        "import sys, echoic.clients, echoic.clients.batch, echoic.cli.stream\n"
+        "heavy = ('torch', 'onnxruntime', 'echoic.model', 'echoic.server')\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(heavy))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == ""
