@@ -11,7 +11,7 @@
 #   docker run --gpus all -p 50051:50051 echoic:gpu
 #
 # Arguments after the image name are added to `echoic serve --host 0.0.0.0
-# --port 50051 --metrics-port 9090` (see `echoic serve --help`). The gRPC port
+# --port 50051 --metrics-port 9090 --metrics-host 0.0.0.0` (see `echoic serve --help`). The gRPC port
 # inside the container stays 50051, where the HEALTHCHECK asks the standard
 # grpc.health.v1 service (plaintext: with --tls-cert, set your own HEALTHCHECK).
 
@@ -47,7 +47,7 @@ WORKDIR /home/echoic
 EXPOSE 50051 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=4); sys.exit(r.status != h.HealthCheckResponse.SERVING)"]
-ENTRYPOINT ["echoic", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090", "--gpu"]
+ENTRYPOINT ["echoic", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--gpu"]
 
 # ---------------------------------------------------------------- serve: CPU (default target)
 FROM ${PYTHON_IMAGE} AS serve
@@ -62,4 +62,4 @@ WORKDIR /home/echoic
 EXPOSE 50051 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=4); sys.exit(r.status != h.HealthCheckResponse.SERVING)"]
-ENTRYPOINT ["echoic", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090"]
+ENTRYPOINT ["echoic", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090", "--metrics-host", "0.0.0.0"]

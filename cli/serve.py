@@ -73,7 +73,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
     p.add_argument(
         "--metrics-port", type=int, metavar="PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--metrics-host", default=d.metrics_host,
+        help=f"address the metrics endpoint binds to (default {d.metrics_host})",
     )  # fmt: skip
     p.add_argument(
         "--max-batch", type=int, default=d.max_batch, metavar="N",
@@ -148,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms,
             intra_op_threads=args.threads,

@@ -210,6 +210,17 @@ class Stream:
             self._result = self._decoder.finalize()
         return self._result
 
+    def restart_decoder(self) -> Transcript:
+        """Finalize the decoder's utterance and start a new one at the current position.
+
+        The recurrent state and the audio position carry on (an endpoint splits the
+        transcript, not the acoustic context). Returns the finished utterance.
+        """
+        final = self._decoder.finalize()
+        self._decoder = self._recognizer.decoder.stream()
+        self._result = Transcript("", (), 0.0)
+        return final
+
     def _take_window(self) -> tuple[np.ndarray, int]:
         with self._lock:
             return self._feeder.next_window()

@@ -149,9 +149,7 @@ class UtteranceStream(Stream):
         An utterance without words (silence) is dropped: it is not counted, and the
         caller does not report it.
         """
-        final = self._decoder.finalize()
-        self._decoder = self._recognizer.decoder.stream()
-        self._result = Transcript("")
+        final = self.restart_decoder()
         self._utterance_start_frame = self.frames_decoded
         if final.words:
             self.utterance_index += 1
