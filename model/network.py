@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from echoic.model import persistent
 from echoic.model.configs import config_hash, from_dict, to_dict
 from echoic.model.features import FeatureConfig
 from echoic.model.text import DEFAULT_SYMBOLS
@@ -231,6 +232,9 @@ class RecurrentLayer(nn.Module):
         self.norm = SequenceBatchNorm(input_size)
         self.fwd = _make_rnn(cfg, input_size)
         self.bwd = _make_rnn(cfg, input_size) if cfg.bidirectional else None
+        # Recurrent kernels on the GPU, "cudnn", "persistent" or "auto" (training's
+        # rnn_impl). Not part of the model: the same parameters, results equal to float tolerance.
+        self.rnn_impl = "cudnn"
 
     def _forward_dir(self, x: Tensor, state: State) -> tuple[Tensor, State]:
         """Run the forward direction over all chunks of x (B, K*C, D).
@@ -256,7 +260,16 @@ class RecurrentLayer(nn.Module):
         b, kc, _ = x.shape
         k, r = ctx.shape[1], self.cfg.context_frames
         x, ctx = self.norm(x, mask, ctx)
-        out_f, ends = self._forward_dir(x, state)  # (B, K*C, H), each (B, K, H)
+        win = win_len = None
+        if self.bwd is not None:  # each window (chunk + its right context), backward
+            win = torch.cat([x.reshape(b, k, chunk, -1), ctx], 2).reshape(b * k, chunk + r, -1)
+            win_len = (mask.reshape(b, k, chunk).sum(2) + ctx_mask.sum(2)).reshape(b * k)
+        # Persistent kernels run both directions in one launch; None: the modules do.
+        fused = persistent.run_layer(self, x, state, win, win_len)
+        if fused is None:
+            out_f, ends = self._forward_dir(x, state)  # (B, K*C, H), each (B, K, H)
+        else:  # a GRU's or plain RNN's state is its output
+            out_f, ends = fused[0], (fused[0][:, chunk - 1 :: chunk],)
         final = tuple(e[:, -1].unsqueeze(0) for e in ends)  # each (1, B, H)
         ctx_out = ctx.new_zeros(b, k, r, self.cfg.rnn_hidden)
         if r:
@@ -266,11 +279,12 @@ class RecurrentLayer(nn.Module):
             ctx_out = ctx_f.reshape(b, k, r, -1)
         if self.bwd is None:
             return out_f, ctx_out, final
-        # Backward: each window (chunk + its right context) from a zero state at its end.
-        win = torch.cat([x.reshape(b, k, chunk, -1), ctx], 2).reshape(b * k, chunk + r, -1)
-        win_len = (mask.reshape(b, k, chunk).sum(2) + ctx_mask.sum(2)).reshape(b * k)
-        back, _ = self.bwd(_reverse_within(win, win_len))
-        back = _reverse_within(back, win_len).reshape(b, k, chunk + r, -1)
+        # Backward: each window from a zero state at its end.
+        if fused is None:
+            back = _reverse_within(self.bwd(_reverse_within(win, win_len))[0], win_len)
+        else:
+            back = fused[1]
+        back = back.reshape(b, k, chunk + r, -1)
         out = out_f + back[:, :, :chunk].reshape(b, kc, -1)
         return out, ctx_out + back[:, :, chunk:], final
 
@@ -322,6 +336,11 @@ class DeepSpeech2(nn.Module):
         x = self.conv(x.transpose(1, 2).unsqueeze(1))  # (B, C, F', T')
         b, c, f, t = x.shape
         return x.reshape(b, c * f, t).transpose(1, 2)  # (B, T', C*F')
+
+    def set_rnn_impl(self, impl: Literal["auto", "cudnn", "persistent"]) -> None:
+        """Which kernels run the GRU and plain RNN layers on a GPU (see model.persistent)."""
+        for layer in self.rnns:
+            layer.rnn_impl = impl
 
     def initial_state(self, batch: int) -> list[State]:
         n = 2 if self.cfg.rnn_type == "lstm" else 1

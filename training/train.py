@@ -76,7 +76,9 @@ class TrainConfig:
     checkpoint_every: int = 100  # steps between checkpoints
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 autocast on GPU
-    rnn_impl: Literal["auto", "cudnn", "persistent"] = "cudnn"  # recurrent kernels on GPU
+    rnn_impl: Literal["auto", "cudnn", "persistent"] = "cudnn"  # GRU / plain RNN kernels on
+    # GPU: persistent (echoic.model.persistent, cuDNN where they do not fit), auto (persistent
+    # where they fit and are expected faster), cudnn. Same parameters and checkpoints.
     threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks
     stats_utterances: int = 300  # utterances sampled for feature mean/std
 
@@ -232,6 +234,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, pro
         model.feature_mean.copy_(torch.from_numpy(mean))
         model.feature_std.copy_(torch.from_numpy(std))
     model.to(device)
+    model.set_rnn_impl(cfg.rnn_impl)
     loader, sampler = make_loader(
         train_utts,
         cfg.model.features,

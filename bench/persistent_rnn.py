@@ -1,0 +1,276 @@
+"""Persistent RNN kernels vs cuDNN: us per time step and TFLOP/s, forward, backward, both.
+
+    python bench/persistent_rnn.py [--steps 200] [--repeats 20] [--dtype bf16] [--quick]
+
+Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
+
+1. One recurrent layer (input size = H, as in every DS2 layer but the first), one
+   or both directions, B in {1, 4, 16, 64}, H in {1024, 2048}: the persistent
+   kernels (one launch a pass, both directions in it) against nn.RNN(relu) /
+   nn.GRU on cuDNN, under autocast in --dtype as in training. Times are medians
+   of --repeats runs (CUDA events, after warm-up); TFLOP/s counts the input GEMM
+   and the recurrence (backward = 2x forward). A shape the kernels do not fit
+   says why instead.
+2. fp16, one direction, one layer, B in {8, 16}, H in {512, 1024}: where PyTorch
+   may choose cuDNN's own persistent algorithm (the "persist" column says whether
+   cuDNN's kernel names show it).
+3. One DS2 training step (the recipe's model, bf16 autocast, CTC, AdamW) with
+   rnn_impl cudnn, persistent and auto: the first step's loss (must agree to
+   float tolerance) and the median step time, as a ratio to cuDNN.
+
+Use the ratios to set AUTO_MAX_ROWS in echoic/model/persistent/function.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def need_gpu() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("bench/persistent_rnn.py: no CUDA GPU is visible; nothing to measure.")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("bench/persistent_rnn.py: triton is not installed (pip install triton).")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def layer_flops(cell: str, hidden: int, batch: int, steps: int, directions: int) -> float:
+    """Forward multiply-adds x 2: the input GEMM (D = H) and the recurrence."""
+    gates = 3 if cell == "gru" else 1
+    return directions * 2 * batch * steps * gates * hidden * (hidden + hidden)
+
+
+def _module(cell: str, hidden: int, directions: int) -> nn.Module:
+    kind = dict(batch_first=True, bidirectional=directions == 2)
+    if cell == "gru":
+        return nn.GRU(hidden, hidden, **kind)
+    return nn.RNN(hidden, hidden, nonlinearity="relu", **kind)
+
+
+def _phases(run: Callable[[], list[torch.Tensor]], leaves: list, repeats: int) -> dict:
+    """Median seconds of forward, backward (from saved outputs) and both."""
+    outs = run()
+    grads = [torch.randn_like(o) for o in outs]
+
+    def backward() -> None:
+        torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+    def both() -> None:
+        torch.autograd.grad(run(), leaves, grads)
+
+    return {
+        "fwd": median_seconds(run, repeats),
+        "bwd": median_seconds(backward, repeats),
+        "both": median_seconds(both, repeats),
+    }
+
+
+def layer_case(cell: str, hidden: int, batch: int, steps: int, directions: int, dtype, repeats):
+    from echoic.model.persistent import Problem, plan, recurrences
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cudnn = _module(cell, hidden, directions).to(dev)
+    x = torch.randn(batch, steps, hidden, device=dev, requires_grad=True)
+
+    def autocast() -> torch.autocast:
+        return torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32)
+
+    def run_cudnn() -> list[torch.Tensor]:
+        with autocast():
+            return [cudnn(x)[0]]
+
+    result = {"cudnn": _phases(run_cudnn, [x, *cudnn.parameters()], repeats)}
+    found = plan(cell, hidden, dtype, directions, dev.index or 0)
+    if isinstance(found, str):
+        result["unsupported"] = found
+        return result
+    dirs = [_module(cell, hidden, 1).to(dev) for _ in range(directions)]
+    lengths = torch.full((batch,), steps, device=dev)
+    problems = [Problem(dirs[0], x)]
+    if directions == 2:
+        problems.append(Problem(dirs[1], x, None, lengths, reverse=True))
+
+    def run_persistent() -> list[torch.Tensor]:
+        with autocast():
+            return recurrences(cell, problems, backend="triton", config=found)
+
+    leaves = [x, *(p for m in dirs for p in m.parameters())]
+    result["persistent"] = _phases(run_persistent, leaves, repeats)
+    result["config"] = found
+    return result
+
+
+def cudnn_uses_persist(fn: Callable[[], object]) -> bool:
+    """Whether any CUDA kernel that `fn` launches is named like cuDNN's persistent RNN."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("persist" in e.key.lower() for e in prof.key_averages())
+
+
+def fp16_persist_case(cell: str, hidden: int, batch: int, steps: int, repeats: int) -> dict:
+    from echoic.model.persistent import Problem, plan, recurrences
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cudnn = _module(cell, hidden, 1).to(dev).half()
+    x = torch.randn(batch, steps, hidden, device=dev, dtype=torch.half, requires_grad=True)
+
+    def run_cudnn() -> list[torch.Tensor]:
+        return [cudnn(x)[0]]
+
+    result = {
+        "cudnn": _phases(run_cudnn, [x, *cudnn.parameters()], repeats),
+        "persist": cudnn_uses_persist(run_cudnn),
+    }
+    found = plan(cell, hidden, torch.float16, 1, dev.index or 0)
+    if isinstance(found, str):
+        result["unsupported"] = found
+        return result
+    mine = _module(cell, hidden, 1).to(dev).half()
+
+    def run_persistent() -> list[torch.Tensor]:
+        return recurrences(cell, [Problem(mine, x)], backend="triton", config=found)
+
+    result["persistent"] = _phases(run_persistent, [x, *mine.parameters()], repeats)
+    return result
+
+
+def _row(label: str, r: dict, steps: int, flops: float) -> str:
+    c = r["cudnn"]
+    cells = [label]
+    if "unsupported" in r:
+        for phase in ("fwd", "bwd", "both"):
+            cells.append(f"{'-':>8} {c[phase] / steps * 1e6:>8.1f} {'-':>6}")
+        return " | ".join(cells) + f" | does not fit: {r['unsupported'][:60]}"
+    p = r["persistent"]
+    for phase in ("fwd", "bwd", "both"):
+        us_p, us_c = p[phase] / steps * 1e6, c[phase] / steps * 1e6
+        cells.append(f"{us_p:>8.1f} {us_c:>8.1f} {us_c / us_p:>5.2f}x")
+    total = 3 * flops
+    cells.append(f"{total / p['both'] / 1e12:>7.2f} {total / c['both'] / 1e12:>7.2f}")
+    return " | ".join(cells)
+
+
+HEADER = (
+    "{label} | fwd us/step: pers.  cuDNN  speedup | bwd: pers.  cuDNN  speedup"
+    " | both: pers.  cuDNN  speedup | TFLOP/s pers. cuDNN"
+)
+
+
+def ds2_step(impl: str, batch: int, seconds: float, repeats: int) -> dict:
+    """The first step's loss and the median step time of the recipe's model."""
+    from echoic.model.network import DeepSpeech2, ctc_loss
+    from echoic.training.train import OptimConfig, load_recipe, make_optimizer
+
+    cfg = load_recipe(Path(__file__).resolve().parents[1] / "training/recipes/default.toml").model
+    dev = torch.device("cuda")
+    frames = int(seconds * 1000 / cfg.features.hop_ms)
+    chars = int(seconds * 15)
+    torch.manual_seed(0)
+    model = DeepSpeech2(cfg).to(dev).train()
+    model.set_rnn_impl(impl)
+    opt = make_optimizer(model, OptimConfig())
+    torch.manual_seed(1)
+    x = torch.randn(batch, frames, cfg.features.num_features, device=dev)
+    lengths = torch.full((batch,), frames, device=dev)
+    targets = torch.randint(1, len(cfg.vocabulary), (batch * chars,))
+    target_len = torch.full((batch,), chars)
+    losses = []
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            log_probs, out_len = model(x, lengths)
+        loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), targets, target_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+    step()
+    return {"loss": losses[0], "step_s": median_seconds(step, repeats, warmup=2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="time steps per sequence")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="autocast dtype")
+    p.add_argument("--quick", action="store_true", help="H=1024, B in {1, 16} only")
+    p.add_argument("--ds2-batch", type=int, default=16, help="utterances per DS2 step")
+    args = p.parse_args()
+    need_gpu()
+    props = torch.cuda.get_device_properties(0)
+    print(
+        f"device: {props.name} ({props.multi_processor_count} SMs, sm_{props.major}{props.minor});"
+        f" torch {torch.__version__}; {args.dtype}; T = {args.steps}; median of {args.repeats}"
+    )
+    dtype = DTYPES[args.dtype]
+    hiddens = (1024,) if args.quick else (1024, 2048)
+    batches = (1, 16) if args.quick else (1, 4, 16, 64)
+    for cell in ("rnn", "gru"):
+        for directions in (1, 2):
+            print(f"\n{cell}, {directions} direction(s)")
+            print(HEADER.format(label=f"{'H':>5} {'B':>3}"))
+            for hidden in hiddens:
+                for batch in batches:
+                    r = layer_case(cell, hidden, batch, args.steps, directions, dtype, args.repeats)
+                    flops = layer_flops(cell, hidden, batch, args.steps, directions)
+                    print(_row(f"{hidden:>5} {batch:>3}", r, args.steps, flops), flush=True)
+
+    print("\nfp16, one direction, one layer: where cuDNN may use its persistent algorithm")
+    print(HEADER.format(label=f"{'cell':>4} {'H':>5} {'B':>3} persist"))
+    for cell in ("rnn", "gru"):
+        for hidden in (512, 1024):
+            for batch in (8, 16):
+                r = fp16_persist_case(cell, hidden, batch, args.steps, args.repeats)
+                flops = layer_flops(cell, hidden, batch, args.steps, 1)
+                label = f"{cell:>4} {hidden:>5} {batch:>3} {'yes' if r['persist'] else 'no':>7}"
+                print(_row(label, r, args.steps, flops), flush=True)
+
+    print(f"\nDS2 training step (recipe model, bf16, B = {args.ds2_batch}, 4 s utterances)")
+    steps = {
+        impl: ds2_step(impl, args.ds2_batch, 4.0, max(args.repeats, 20))
+        for impl in ("cudnn", "persistent", "auto")
+    }
+    base = steps["cudnn"]
+    print(f"{'rnn_impl':<11} {'first loss':>12} {'rel. diff':>10} {'step ms':>8} {'vs cuDNN':>9}")
+    for impl, r in steps.items():
+        diff = abs(r["loss"] - base["loss"]) / abs(base["loss"])
+        print(
+            f"{impl:<11} {r['loss']:>12.4f} {diff:>10.2e} {r['step_s'] * 1e3:>8.2f}"
+            f" {base['step_s'] / r['step_s']:>8.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

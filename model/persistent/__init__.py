@@ -1,0 +1,38 @@
+"""Persistent RNN kernels (Diamos et al. 2016) for training on Hopper GPUs.
+
+Modules, one concept each:
+
+- `reference`: the recurrences (clipped-ReLU RNN, PyTorch's GRU), forward and
+  backward, as torch step loops: the specification and the CPU backend.
+- `kernels`: the Triton kernels; recurrent weights stay in registers for all
+  steps, a grid-wide barrier per step (release/acquire atomics, with a timeout).
+- `launch`: buffers, grid sizing, co-residency and timeout checks, offline
+  compilation for sm_90 (resources from ptxas).
+- `capacity`: which (cell, H, dtype, directions) fit on the chip.
+- `function`: the autograd function (nn.RNN / nn.GRU parameter names, so
+  checkpoints are the same with either implementation) and `--rnn-impl`'s choice.
+
+Triton is optional: everything here imports without it, and without it (or
+without a GPU) `auto` and `persistent` run the cuDNN modules.
+"""
+
+from echoic.model.persistent.capacity import KernelConfig, PersistentKernelError
+from echoic.model.persistent.function import (
+    AUTO_MAX_ROWS,
+    Problem,
+    choose,
+    plan,
+    recurrences,
+    run_layer,
+)
+
+__all__ = [
+    "AUTO_MAX_ROWS",
+    "KernelConfig",
+    "PersistentKernelError",
+    "Problem",
+    "choose",
+    "plan",
+    "recurrences",
+    "run_layer",
+]

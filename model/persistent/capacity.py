@@ -1,0 +1,115 @@
+"""What fits on a chip: kernel configurations, register budgets and co-residency.
+
+A persistent program keeps its weight slice in registers: G * BLOCK_H * H
+weights (G = 1 for the clipped-ReLU RNN, 3 for the GRU), two 16-bit weights per
+32-bit register or one float32, spread over num_warps * 32 threads, next to the
+registers the step itself needs. The register file of an SM is 64K 32-bit
+registers (256 KB); one thread may use at most 255, so a program of 8 warps can
+take the whole file and a program of 16 warps at most 128 registers a thread.
+The grid holds directions * ceil(H / BLOCK_H) programs, all resident at once,
+one per SM by default: BLOCK_H is the smallest power of two that keeps the grid
+within the SM count.
+
+Whether a configuration fits is decided by compiling it, not by this arithmetic:
+a kernel with register spills does not keep its weights on chip, and a grid
+larger than SMs * resident programs per SM cannot meet at a barrier. `launch`
+checks both before every persistent launch (on the GPU, from the compiled
+kernel's n_regs, n_spills and shared memory and the device's SM count);
+`weight_bytes` and `resident_blocks` are the arithmetic for those checks.
+
+Compiled for sm_90 (Triton 3.9, ptxas -v; H100 SXM and H200, 132 SMs), the
+largest H swept (512, 1024, 1536, 2048) whose kernels keep their weights in
+registers without spills, one direction / both directions in one launch:
+
+    cell  dtype       1 direction  2 directions   weights per SM at the limit (2 dirs)
+    rnn   bf16, fp16  2048         2048           128 KB (block_h 32, 16 warps)
+    rnn   fp32        2048         1024            64 KB
+    gru   bf16, fp16  1024         1024            96 KB (block_h 16, 8 warps)
+    gru   fp32        1024          512            48 KB
+
+A GRU with H = 2048 in bf16 holds 24 MB of recurrent weights a direction: the
+whole register file of an H100 is 33 MB, and the kernels spill at the 192 KB a
+program that one direction needs. Such layers, and anything outside this table,
+run on cuDNN (`auto` and `persistent` alike). Shared memory would add 228 KB an
+SM, but Triton gives no control over keeping a tensor there across a loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from echoic.model.persistent.reference import GATES
+
+SPIN_LIMIT = 1 << 24  # barrier polls (L2 round trips: seconds in all) before a program gives up
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256 (sm_70 to sm_90)
+MAX_HIDDEN = 4096  # the kernels hold a whole state vector in one block of registers
+
+
+class PersistentKernelError(RuntimeError):
+    """A persistent launch cannot run here, or gave up waiting at its grid barrier."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_h: int  # hidden units per program (a power of two)
+    num_warps: int  # warps per program
+    spin_limit: int = SPIN_LIMIT  # barrier polls before a timeout
+
+    def programs(self, hidden: int, directions: int) -> int:
+        return directions * math.ceil(hidden / self.block_h)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def block_h_for(hidden: int, directions: int, sms: int) -> int:
+    """The smallest power of two whose grid (directions * ceil(H / block_h)) fits `sms`."""
+    return next_power_of_2(math.ceil(directions * hidden / sms))
+
+
+def candidates(hidden: int, directions: int, sms: int) -> list[KernelConfig]:
+    """Configurations to try, in order: one program per SM, 8 warps, then 16 warps."""
+    block_h = block_h_for(hidden, directions, sms)
+    return [KernelConfig(block_h, warps) for warps in (8, 16)]
+
+
+def weight_bytes(cell: str, hidden: int, block_h: int, itemsize: int) -> int:
+    """Bytes of recurrent weights that one program holds for all steps."""
+    return GATES[cell] * min(block_h, hidden) * hidden * itemsize
+
+
+def resident_blocks(n_regs: int, num_warps: int, shared: int, props) -> int:
+    """Programs of one kernel that one SM holds at once (the occupancy calculation).
+
+    `props` is a torch.cuda device-properties object; fields it lacks take the
+    values of sm_80 to sm_90 parts.
+    """
+    per_warp = math.ceil(max(n_regs, 1) * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_regs = regs // per_warp // num_warps
+    by_threads = threads // (num_warps * 32)
+    by_smem = smem // (shared + 1024) if shared else by_threads  # 1 KB reserved per block
+    return min(by_regs, by_threads, by_smem, 32)
+
+
+# The table above: (cell, dtype) -> the largest H that fits (one direction, two),
+# from compiling both kernels with `candidates(H, directions, 132)` for sm_90.
+# tests/test_persistent_rnn.py recompiles the edges of this table and checks them.
+SM90_SWEPT_HIDDEN = (512, 1024, 1536, 2048)
+SM90_MAX_HIDDEN: dict[tuple[str, str], tuple[int, int]] = {
+    ("rnn", "bf16"): (2048, 2048),
+    ("rnn", "fp16"): (2048, 2048),
+    ("rnn", "fp32"): (2048, 1024),
+    ("gru", "bf16"): (1024, 1024),
+    ("gru", "fp16"): (1024, 1024),
+    ("gru", "fp32"): (1024, 512),
+}
+
+
+def sm90_fits(cell: str, dtype: str, hidden: int, directions: int) -> bool:
+    """Whether the sm_90 table says these kernels keep their weights on chip."""
+    return hidden <= SM90_MAX_HIDDEN[(cell, dtype)][directions - 1]

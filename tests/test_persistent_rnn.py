@@ -1,0 +1,516 @@
+"""Persistent RNN kernels: the reference math, the autograd function, the network's
+wiring, the Triton kernels (interpreter, offline sm_90 compile) and, on a GPU,
+the kernels against cuDNN.
+
+Checks that need a fresh interpreter (TRITON_INTERPRET=1, a GPU with a timeout,
+no triton at all) run this file as a script: `python -m tests.test_persistent_rnn
+CHECK JSON` prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from echoic.model.features import FeatureConfig
+from echoic.model.network import ClippedReLURNN, DeepSpeech2, ModelConfig, _reverse_within
+from echoic.model.persistent import KernelConfig, Problem, capacity, function, recurrences
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(kind: str, d: int, h: int, dtype=torch.float64, device="cpu") -> nn.Module:
+    if kind == "gru":
+        m = nn.GRU(d, h, batch_first=True)
+    elif kind == "relu":
+        m = nn.RNN(d, h, nonlinearity="relu", batch_first=True)
+    else:
+        m = ClippedReLURNN(d, h, clip=0.4)
+    return m.to(device=device, dtype=dtype)
+
+
+def _modules_path(problems: list[Problem]) -> list[torch.Tensor]:
+    """What the network computes with the modules themselves (cuDNN on a GPU)."""
+    outs = []
+    for p in problems:
+        h0 = None if p.h0 is None else p.h0.unsqueeze(0)
+        if p.reverse:
+            back = p.rnn(_reverse_within(p.x, p.lengths), h0)[0]
+            outs.append(_reverse_within(back, p.lengths))
+        else:
+            outs.append(p.rnn(p.x, h0)[0])
+    return outs
+
+
+def _two_problems(kind: str, d: int, h: int, dtype=torch.float64, device="cpu", batch=3, steps=6):
+    """A forward direction from h0 and a backward one over windows of unequal lengths."""
+    torch.manual_seed(0)
+    fwd, bwd = _module(kind, d, h, dtype, device), _module(kind, d, h, dtype, device)
+    x = torch.randn(batch, steps, d, dtype=dtype, device=device, requires_grad=True)
+    h0 = (0.5 * torch.randn(batch, h, dtype=dtype, device=device)).requires_grad_()
+    win = torch.randn(batch + 1, steps - 1, d, dtype=dtype, device=device, requires_grad=True)
+    lengths = torch.arange(batch + 1, device=device) % (steps - 1) + 1  # 1 .. T-1, and T-1
+    lengths[-1] = steps - 1
+    problems = [Problem(fwd, x, h0), Problem(bwd, win, None, lengths, reverse=True)]
+    leaves = [x, h0, win, *fwd.parameters(), *bwd.parameters()]
+    return problems, leaves
+
+
+def _cell(kind: str) -> str:
+    return "gru" if kind == "gru" else "rnn"
+
+
+def _clip(kind: str) -> float:
+    return 0.4 if kind == "clipped" else float("inf")
+
+
+def _max_errors(outs, expected, leaves) -> tuple[float, float]:
+    """Largest relative difference of the outputs and of all gradients."""
+    torch.manual_seed(1)
+    weights = [torch.randn_like(e) for e in expected]
+    got = torch.autograd.grad(
+        sum((o * w).sum() for o, w in zip(outs, weights, strict=True)), leaves
+    )
+    want = torch.autograd.grad(
+        sum((e * w).sum() for e, w in zip(expected, weights, strict=True)), leaves
+    )
+
+    def rel(a, b):
+        return (
+            (a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-6)
+        ).item()
+
+    return (
+        max(rel(o, e) for o, e in zip(outs, expected, strict=True)),
+        max(rel(a, b) for a, b in zip(got, want, strict=True)),
+    )
+
+
+KINDS = [
+    pytest.param("gru", id="gru"),
+    pytest.param("relu", id="rnn-relu"),
+    pytest.param("clipped", id="rnn-clipped-relu"),
+]
+
+
+# ---- reference math and the autograd function (float64, CPU) ----------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_equals_torch_modules(kind: str) -> None:
+    problems, leaves = _two_problems(kind, d=5, h=7)
+    outs = recurrences(_cell(kind), problems, _clip(kind), backend="reference")
+    out_err, grad_err = _max_errors(outs, _modules_path(problems), leaves)
+    assert out_err < 1e-12
+    assert grad_err < 1e-12
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_function_gradcheck(kind: str) -> None:
+    problems, leaves = _two_problems(kind, d=2, h=3, batch=2, steps=4)
+
+    def run(*_: torch.Tensor) -> tuple[torch.Tensor, ...]:  # gradcheck perturbs `leaves` in place
+        return tuple(recurrences(_cell(kind), problems, _clip(kind), backend="reference"))
+
+    assert torch.autograd.gradcheck(run, leaves, eps=1e-6, atol=1e-7)
+
+
+def test_more_than_two_directions_need_the_reference_backend() -> None:
+    problems, _ = _two_problems("gru", d=2, h=3)
+    with pytest.raises(ValueError, match="at most two"):
+        recurrences("gru", problems * 2, backend="triton")
+
+
+# ---- the network's wiring ----------------------------------------------------------
+
+TINY = ModelConfig(
+    features=FeatureConfig(mel_bins=20),
+    conv_channels=(4, 4),
+    conv_kernel_freq=(5, 3),
+    conv_kernel_time=(5, 3),
+    conv_stride_freq=(2, 1),
+    conv_stride_time=(2, 1),
+    rnn_layers=2,
+    rnn_hidden=12,
+)
+LAYERS = [
+    pytest.param(dict(chunk_frames=4, context_frames=2), id="bigru-chunk4-ctx2"),
+    pytest.param(dict(), id="bigru-whole"),
+    pytest.param(dict(rnn_type="rnn", chunk_frames=5, context_frames=1), id="birnn-chunk5-ctx1"),
+    pytest.param(dict(bidirectional=False, context_frames=3), id="unigru-rowconv3"),
+]
+
+
+def _loss_and_grads(model: DeepSpeech2, feats, lengths) -> tuple[torch.Tensor, list]:
+    log_probs, out_len = model(feats, lengths)
+    loss = (log_probs * torch.linspace(-1, 1, log_probs.shape[-1])).sum()
+    return log_probs, torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("changes", LAYERS)
+def test_network_through_the_function_equals_the_modules(changes: dict, monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = DeepSpeech2(dataclasses.replace(TINY, **changes)).train()
+    feats = torch.randn(3, 41, 20)
+    lengths = torch.tensor([41, 30, 17])
+    keys = list(model.state_dict())
+    expected, want = _loss_and_grads(model, feats, lengths)
+    # The seam: the kernels' choice on a GPU, here the reference backend on the CPU;
+    # this test is about what the layer feeds the function and does with its outputs.
+    calls = []
+    monkeypatch.setattr(function, "choose", lambda *args: calls.append(args) or ("reference", None))
+    model.set_rnn_impl("persistent")
+    got, have = _loss_and_grads(model, feats, lengths)
+    assert len(calls) == TINY.rnn_layers
+    assert (got - expected).abs().max().item() < 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(have, want, strict=True)) < 1e-4
+    assert list(model.state_dict()) == keys  # checkpoints are interchangeable
+
+
+@pytest.mark.parametrize("impl", ["persistent", "auto"])
+def test_cpu_runs_the_modules(impl: str) -> None:
+    torch.manual_seed(0)
+    model = DeepSpeech2(dataclasses.replace(TINY, chunk_frames=4, context_frames=2)).eval()
+    feats, lengths = torch.randn(2, 30, 20), torch.tensor([30, 22])
+    with torch.no_grad():
+        expected, _ = model(feats, lengths)
+        model.set_rnn_impl(impl)
+        got, _ = model(feats, lengths)
+    assert torch.equal(got, expected)
+
+
+def test_imports_and_runs_without_triton() -> None:
+    result = _run_check("no-triton", {}, timeout=120)
+    assert result == {"launch": "ImportError", "reference_ok": True}
+
+
+# ---- the Triton kernels under the interpreter ----------------------------------------
+
+INTERPRETER = [
+    pytest.param("gru", "triton", 0, "float32", id="gru-persistent-fp32"),
+    pytest.param("clipped", "triton", 0, "float32", id="rnn-persistent-fp32"),
+    pytest.param("gru", "triton-steps", 4, "float32", id="gru-steps-4-programs-fp32"),
+    pytest.param("relu", "triton-steps", 4, "float32", id="rnn-steps-4-programs-fp32"),
+    pytest.param("gru", "triton-steps", 8, "bfloat16", id="gru-steps-bf16"),
+    pytest.param("clipped", "triton-steps", 8, "float16", id="rnn-steps-fp16"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "backend", "block_h", "dtype"), INTERPRETER)
+def test_kernels_in_the_interpreter(kind: str, backend: str, block_h: int, dtype: str) -> None:
+    """Persistent mode with one program per direction (its barrier completes when the
+    interpreter runs programs one after another); one launch per step with several."""
+    pytest.importorskip("triton")
+    args = dict(kind=kind, backend=backend, block_h=block_h, dtype=dtype)
+    result = _run_check("interpreter", args, timeout=300, env={"TRITON_INTERPRET": "1"})
+    out_tol, grad_tol = (1e-5, 1e-4) if dtype == "float32" else (3e-2, 5e-2)
+    assert result["out"] < out_tol
+    assert result["grad"] < grad_tol
+
+
+@pytest.mark.slow
+def test_barrier_timeout_fails_cleanly_in_the_interpreter() -> None:
+    """Several programs a direction cannot meet when the interpreter runs them in turn:
+    the first gives up after spin_limit polls, flags it and releases the rest."""
+    pytest.importorskip("triton")
+    result = _run_check("timeout", {}, timeout=300, env={"TRITON_INTERPRET": "1"})
+    assert result == {"error": "PersistentKernelError", "timed_out": True}
+
+
+# ---- sm_90, compiled offline ---------------------------------------------------------
+
+EDGES = [
+    pytest.param(cell, dtype, dirs, id=f"{cell}-{dtype}-x{dirs}")
+    for cell in ("rnn", "gru")
+    for dtype in ("bf16", "fp32")
+    for dirs in (1, 2)
+]
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cell", "dtype", "directions"), EDGES)
+def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property) -> None:
+    """The largest H in capacity's table compiles without spills; the next one spills."""
+    pytest.importorskip("triton")
+    from echoic.model.persistent import launch
+
+    limit = capacity.SM90_MAX_HIDDEN[(cell, dtype)][directions - 1]
+    larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
+    for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
+        usage = {}
+        for cfg in capacity.candidates(hidden, directions, 132):
+            try:
+                res = launch.compile_for_target(cell, TORCH_DTYPES[dtype], hidden, directions, cfg)
+            except (OSError, subprocess.CalledProcessError) as e:
+                pytest.skip(f"no usable ptxas for sm_90: {e}")
+            usage[cfg.num_warps] = res
+            record_property(
+                f"H{hidden}-warps{cfg.num_warps}",
+                [(r.kernel, r.n_regs, r.spill_bytes) for r in res],
+            )
+        clean = [w for w, res in usage.items() if all(r.spill_bytes == 0 for r in res)]
+        assert bool(clean) == fits, (hidden, usage)
+        assert capacity.sm90_fits(cell, dtype, hidden, directions) == fits
+
+
+# ---- on a GPU: against cuDNN -----------------------------------------------------------
+
+GPU_SHAPES = [
+    pytest.param(cell, hidden, dirs, id=f"{cell}-H{hidden}-x{dirs}")
+    for cell in ("rnn", "gru")
+    for hidden in (512, 1024, 2048)
+    for dirs in (1, 2)
+]
+
+
+def _need_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    pytest.importorskip("triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("cell", "hidden", "directions"), GPU_SHAPES)
+def test_gpu_kernels_equal_cudnn_fp32(cell: str, hidden: int, directions: int) -> None:
+    """Forward and all gradients vs nn.RNN(relu) / nn.GRU, T in {1, 7, 700}, B in
+    {1, 3, 4, 16, 64}; shapes that do not fit must be refused (and match the table)."""
+    _need_gpu()
+    args = dict(cell=cell, hidden=hidden, directions=directions)
+    result = _run_check("gpu", args, timeout=600)
+    if "unsupported" in result:
+        assert not capacity.sm90_fits(cell, "fp32", hidden, directions) or result["sms"] != 132
+        pytest.skip(f"does not fit this GPU: {result['unsupported']}")
+    for case, (out_err, grad_err) in result["errors"].items():
+        assert out_err < 1e-4, case
+        assert grad_err < 1e-3, case
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_autocast_as_close_to_fp32_as_cudnn() -> None:
+    _need_gpu()
+    result = _run_check("gpu-bf16", {}, timeout=600)
+    for kernels, cudnn in zip(result["persistent"], result["cudnn"], strict=True):
+        assert kernels <= 2 * cudnn + 1e-3, result
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_what_cannot_run() -> None:
+    """A grid that cannot be co-resident is refused before launch; a barrier that
+    cannot complete (spin_limit 0) times out, flags it and raises."""
+    _need_gpu()
+    result = _run_check("gpu-refusals", {}, timeout=600)
+    assert result == {"too_large": "PersistentKernelError", "timeout": "PersistentKernelError"}
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_matches_cudnn() -> None:
+    _need_gpu()
+    result = _run_check("gpu-train-step", {}, timeout=600)
+    assert abs(result["persistent"] - result["cudnn"]) <= 1e-3 * abs(result["cudnn"])
+    assert result["grad"] < 1e-2
+
+
+# ---- the checks that run in a fresh interpreter ------------------------------------------
+
+
+def _run_check(check: str, args: dict, timeout: int, env: dict | None = None) -> dict:
+    full_env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_persistent_rnn", check, json.dumps(args)],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_no_triton(_: dict) -> dict:
+    sys.modules["triton"] = None  # an import of triton now raises ImportError
+    from echoic.model import network, persistent  # noqa: F401
+
+    try:
+        from echoic.model.persistent import launch  # noqa: F401
+
+        launch_result = "imported"
+    except ImportError:
+        launch_result = "ImportError"
+    problems, leaves = _two_problems("gru", d=3, h=4)
+    outs = recurrences("gru", problems, backend="reference")
+    ok = max(_max_errors(outs, _modules_path(problems), leaves)) < 1e-12
+    return {"launch": launch_result, "reference_ok": ok}
+
+
+def _check_interpreter(args: dict) -> dict:
+    kind, dtype = args["kind"], getattr(torch, args["dtype"])
+    problems, leaves = _two_problems(kind, d=5, h=16, dtype=torch.float32, batch=2, steps=4)
+    low = [dataclasses.replace(p, x=p.x.to(dtype)) for p in problems]
+    config = KernelConfig(args["block_h"], num_warps=4) if args["block_h"] else None
+    outs = recurrences(_cell(kind), low, _clip(kind), args["backend"], config)
+    # Against the reference in float64 on the same (rounded) inputs and weights.
+    ref_problems = []
+    for p in low:
+        rnn = _module(kind, 5, 16)
+        with torch.no_grad():
+            for a, b in zip(rnn.parameters(), p.rnn.parameters(), strict=True):
+                a.copy_(b.to(dtype).double())
+        ref_problems.append(dataclasses.replace(p, rnn=rnn, x=p.x.double()))
+    expected = recurrences(_cell(kind), ref_problems, _clip(kind), "reference")
+    ref_leaves = [ref_problems[0].x, ref_problems[1].x]
+    ref_leaves += [*ref_problems[0].rnn.parameters(), *ref_problems[1].rnn.parameters()]
+    # Gradients w.r.t. x (low precision leaves) and the parameters of both directions.
+    torch.manual_seed(1)
+    weights = [torch.randn_like(e) for e in expected]
+    got = torch.autograd.grad(
+        sum((o.double() * w).sum() for o, w in zip(outs, weights, strict=True)),
+        [low[0].x, low[1].x, *leaves[3:]],
+    )
+    want = torch.autograd.grad(
+        sum((e * w).sum() for e, w in zip(expected, weights, strict=True)), ref_leaves
+    )
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+    return {
+        "out": max(rel(o, e) for o, e in zip(outs, expected, strict=True)),
+        "grad": max(rel(a, b) for a, b in zip(got, want, strict=True)),
+    }
+
+
+def _check_timeout(_: dict) -> dict:
+    from echoic.model.persistent import PersistentKernelError, launch
+
+    problems, _ = _two_problems("gru", d=5, h=16, dtype=torch.float32, batch=2, steps=3)
+    status = {}
+    original = launch._raise_on_timeout
+
+    def spy(flag: torch.Tensor, what: str) -> None:
+        status["flag"] = int(flag.item())
+        original(flag, what)
+
+    launch._raise_on_timeout = spy  # to read the flag the kernel wrote
+    try:
+        recurrences("gru", problems, backend="triton", config=KernelConfig(4, 4, spin_limit=20))
+    except PersistentKernelError:
+        return {"error": "PersistentKernelError", "timed_out": status.get("flag") == 1}
+    return {"error": None, "timed_out": status.get("flag") == 1}
+
+
+def _fp32_exact() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _check_gpu(args: dict) -> dict:
+    _fp32_exact()
+    cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
+    props = torch.cuda.get_device_properties(0)
+    found = function.plan(cell, hidden, torch.float32, directions, 0)
+    if isinstance(found, str):
+        return {"unsupported": found, "sms": props.multi_processor_count}
+    kind = "gru" if cell == "gru" else "relu"
+    errors = {}
+    for steps in (1, 7, 700):
+        for batch in (1, 3, 4, 16, 64):
+            problems, leaves = _gpu_problems(kind, 64, hidden, batch, steps, directions)
+            outs = recurrences(cell, problems, backend="triton", config=found)
+            errors[f"T{steps}-B{batch}"] = _max_errors(outs, _modules_path(problems), leaves)
+    return {"config": dataclasses.asdict(found), "device": props.name, "errors": errors}
+
+
+def _gpu_problems(kind: str, d: int, h: int, batch: int, steps: int, directions: int):
+    """The forward direction from h0, and with two, the backward one over the same
+    input reversed within random lengths (the longest row: all steps)."""
+    torch.manual_seed(0)
+    x = torch.randn(batch, steps, d, device="cuda", requires_grad=True)
+    h0 = (0.5 * torch.randn(batch, h, device="cuda")).requires_grad_()
+    fwd = _module(kind, d, h, torch.float32, "cuda")
+    problems, leaves = [Problem(fwd, x, h0)], [x, h0, *fwd.parameters()]
+    if directions == 2:
+        bwd = _module(kind, d, h, torch.float32, "cuda")
+        lengths = torch.randint(1, steps + 1, (batch,), device="cuda")
+        lengths[0] = steps
+        problems.append(Problem(bwd, x, None, lengths, reverse=True))
+        leaves += list(bwd.parameters())
+    return problems, leaves
+
+
+def _check_gpu_bf16(_: dict) -> dict:
+    """Errors against float32 cuDNN of the kernels and of cuDNN, both under bf16 autocast."""
+    _fp32_exact()
+    problems, leaves = _two_problems("gru", 64, 1024, torch.float32, "cuda", batch=4, steps=51)
+    expected = _modules_path(problems)
+    cfg = function.plan("gru", 1024, torch.bfloat16, 2, 0)
+    result = {}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        kernels = recurrences("gru", problems, backend="triton", config=cfg)
+        cudnn = _modules_path(problems)
+    for name, outs in (("persistent", kernels), ("cudnn", cudnn)):
+        result[name] = _max_errors([o.float() for o in outs], expected, leaves)
+    return result
+
+
+def _check_gpu_refusals(_: dict) -> dict:
+    from echoic.model.persistent import PersistentKernelError
+
+    result = {}
+    for name, hidden, cfg in [
+        ("too_large", 4096, KernelConfig(block_h=1, num_warps=16)),
+        ("timeout", 1024, KernelConfig(block_h=64, num_warps=4, spin_limit=0)),
+    ]:
+        problems, _ = _gpu_problems("relu", 16, hidden, batch=2, steps=9, directions=2)
+        try:
+            recurrences("rnn", problems, backend="triton", config=cfg)
+            result[name] = None
+        except PersistentKernelError:
+            result[name] = "PersistentKernelError"
+    return result
+
+
+def _check_gpu_train_step(_: dict) -> dict:
+    _fp32_exact()
+    cfg = dataclasses.replace(TINY, rnn_hidden=512, rnn_layers=3, chunk_frames=16, context_frames=8)
+    losses, grads = {}, {}
+    for impl in ("cudnn", "persistent"):
+        torch.manual_seed(0)
+        model = DeepSpeech2(cfg).cuda().train()
+        model.set_rnn_impl(impl)
+        torch.manual_seed(1)
+        feats = torch.randn(4, 400, 20, device="cuda")
+        lengths = torch.tensor([400, 380, 300, 211], device="cuda")
+        log_probs, out_len = model(feats, lengths)
+        loss = (log_probs * torch.linspace(-1, 1, log_probs.shape[-1], device="cuda")).sum()
+        grads[impl] = torch.autograd.grad(loss, list(model.parameters()))
+        losses[impl] = loss.item()
+    grad = max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+        for a, b in zip(grads["persistent"], grads["cudnn"], strict=True)
+    )
+    return {**losses, "grad": grad}
+
+
+CHECKS = {
+    "no-triton": _check_no_triton,
+    "interpreter": _check_interpreter,
+    "timeout": _check_timeout,
+    "gpu": _check_gpu,
+    "gpu-bf16": _check_gpu_bf16,
+    "gpu-refusals": _check_gpu_refusals,
+    "gpu-train-step": _check_gpu_train_step,
+}
+
+if __name__ == "__main__":
+    print(json.dumps(CHECKS[sys.argv[1]](json.loads(sys.argv[2]))))
