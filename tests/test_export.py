@@ -6,7 +6,6 @@ Real parts throughout: a tiny network saved as a real checkpoint, exported by
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -26,20 +25,11 @@ from echoic.model.card import CARD_KEY, ModelCard, ModelError, read_card
 from echoic.model.configs import to_dict
 from echoic.model.engine import Engine, WindowFeeder
 from echoic.model.export import ExportError, build_card, export_model
-from echoic.model.features import FeatureConfig, FeatureStream, compute_features
-from echoic.model.network import DeepSpeech2, ModelConfig
+from echoic.model.features import FeatureStream, compute_features
+from echoic.model.network import DeepSpeech2
 from echoic.training import checkpoint
+from tests.tiny import tiny_model
 
-TINY = ModelConfig(
-    features=FeatureConfig(mel_bins=20),
-    conv_channels=(4, 4),
-    conv_kernel_freq=(5, 3),
-    conv_kernel_time=(5, 3),
-    conv_stride_freq=(2, 1),
-    conv_stride_time=(2, 1),
-    rnn_layers=2,
-    rnn_hidden=12,
-)
 MODELS = {
     "bigru-chunk4-ctx2": dict(chunk_frames=4, context_frames=2),
     "bilstm-chunk3-ctx2": dict(rnn_type="lstm", chunk_frames=3, context_frames=2),
@@ -50,18 +40,7 @@ MODELS = {
 STREAMABLE = [m for m in MODELS if m != "bigru-full-context"]
 
 
-def _model(**changes) -> DeepSpeech2:
-    """A tiny network with non-trivial normalisation and batch-norm statistics."""
-    torch.manual_seed(0)
-    model = DeepSpeech2(dataclasses.replace(TINY, **changes))
-    with torch.no_grad():
-        model.feature_mean.uniform_(-1, 1)
-        model.feature_std.uniform_(0.5, 2)
-        for m in model.modules():
-            if hasattr(m, "running_mean"):
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-    return model.eval()
+_model = tiny_model
 
 
 def _save_checkpoint(path: Path, model: DeepSpeech2) -> Path:

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from echoic.model.features import FeatureConfig
-from echoic.model.network import ClippedReLURNN, DeepSpeech2, ModelConfig, _reverse_within
+from echoic.model.network import ClippedReLURNN, DeepSpeech2, _reverse_within
 from echoic.model.persistent import KernelConfig, Problem, capacity, function, recurrences
+from tests.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,16 +131,6 @@ def test_more_than_two_directions_need_the_reference_backend() -> None:
 
 # ---- the network's wiring ----------------------------------------------------------
 
-TINY = ModelConfig(
-    features=FeatureConfig(mel_bins=20),
-    conv_channels=(4, 4),
-    conv_kernel_freq=(5, 3),
-    conv_kernel_time=(5, 3),
-    conv_stride_freq=(2, 1),
-    conv_stride_time=(2, 1),
-    rnn_layers=2,
-    rnn_hidden=12,
-)
 LAYERS = [
     pytest.param(dict(chunk_frames=4, context_frames=2), id="bigru-chunk4-ctx2"),
     pytest.param(dict(), id="bigru-whole"),
