@@ -1,0 +1,48 @@
+"""The bundled default model: present, self-describing, streamable, and it hears speech."""
+
+from __future__ import annotations
+
+import jiwer
+import numpy as np
+import pytest
+
+from echoic.model.recognizer import DecoderConfig, Recognizer, default_model_dir
+
+pytestmark = pytest.mark.skipif(
+    not (default_model_dir() / "model.onnx").is_file(),
+    reason="no bundled model in model/default (scripts/train_default.sh makes it)",
+)
+
+
+@pytest.fixture(scope="module")
+def recognizer() -> Recognizer:
+    return Recognizer(intra_op_threads=1)
+
+
+def test_card_describes_a_streamable_bidirectional_model(recognizer: Recognizer) -> None:
+    card = recognizer.card
+    assert card.name == "echoic-en-default" and card.streamable and card.bidirectional
+    assert card.sample_rate == 16000 and card.chunk_frames > 0
+    assert (default_model_dir() / "lm.arpa").is_file()
+    size = sum(f.stat().st_size for f in default_model_dir().iterdir())
+    assert size < 30 * 2**20
+
+
+def test_it_transcribes_synthesized_speech(recognizer: Recognizer, corpus_audio) -> None:
+    """A loose floor on accuracy, far below what README reports, to catch a broken model."""
+    refs = [text for text, _ in corpus_audio[:10]]
+    hyps = [t.text for t in recognizer.transcribe([a for _, a in corpus_audio[:10]])]
+    assert jiwer.cer(refs, hyps) < 0.35, list(zip(refs, hyps, strict=True))
+
+
+def test_streaming_equals_offline(recognizer: Recognizer, corpus_audio) -> None:
+    audio = corpus_audio[0][1]
+    assert recognizer.stream_all(audio, 3000).text == recognizer.transcribe([audio])[0].text
+
+
+def test_beam_search_with_the_bundled_lm(corpus_audio) -> None:
+    rec = Recognizer(decoder=DecoderConfig(kind="beam"), intra_op_threads=1)
+    assert rec.lm_path is not None and rec.lm_path.endswith("lm.arpa")
+    text = rec.transcribe([corpus_audio[1][1]])[0].text
+    assert jiwer.cer(corpus_audio[1][0], text) < 0.5
+    assert rec.transcribe([np.zeros(1600, np.float32)])[0].text == ""
