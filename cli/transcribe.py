@@ -7,6 +7,7 @@ import sys
 import time
 
 from echoic.cli.batch_io import FORMATS, OutputWriter, batches, collect_inputs, transcript_record
+from echoic.cli.stream import add_tls_options
 
 EXAMPLES = """\
 examples:
@@ -71,9 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--server", metavar="HOST:PORT", help="transcribe through an echoic server")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (--server)")
-    p.add_argument("--tls-ca", metavar="PEM", help="CA to verify the server (--server, TLS)")
-    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (--server, mTLS)")
-    p.add_argument("--tls-key", metavar="PEM", help="client key (--server, mTLS)")
+    add_tls_options(p)
     p.set_defaults(func=run)
 
 

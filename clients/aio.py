@@ -24,8 +24,7 @@ from echoic.clients.audio import Chunk
 from echoic.clients.client import (
     ClientError,
     RetryPolicy,
-    channel_credentials,
-    channel_options,
+    open_channel,
 )
 from echoic.clients.messages import (
     AudioSource,
@@ -101,12 +100,10 @@ class AsyncClient:
         self.target, self.timeout, self.connect_timeout, self.retry = (
             target, timeout, connect_timeout, retry,
         )  # fmt: skip
-        options = channel_options(tls_server_name)
-        if tls or tls_ca or tls_cert or tls_key:
-            creds = channel_credentials(tls_ca, tls_cert, tls_key)
-            self._channel = grpc.aio.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._channel = open_channel(
+            grpc.aio, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )  # fmt: skip
         self._stub = pb_grpc.TranscriberStub(self._channel)
 
     async def _unary(self, call: Any, request: Any, timeout: float | None) -> Any:

@@ -77,7 +77,7 @@ def transcribe_with_server(
     try:
         client = Client(
             args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            timeout=REQUEST_TIMEOUT,
+            tls_server_name=args.tls_server_name, timeout=REQUEST_TIMEOUT,
         )  # fmt: skip
     except ClientError as e:
         raise UserError(str(e)) from e

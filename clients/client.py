@@ -120,6 +120,24 @@ def channel_options(tls_server_name: str | None = None) -> list[tuple[str, Any]]
     return options
 
 
+def open_channel(
+    channels: Any,
+    target: str,
+    *,
+    tls: bool,
+    tls_ca: str | os.PathLike[str] | None,
+    tls_cert: str | os.PathLike[str] | None,
+    tls_key: str | os.PathLike[str] | None,
+    tls_server_name: str | None,
+) -> Any:
+    """A channel from `channels` (the grpc or grpc.aio module): TLS when any TLS option is set."""
+    options = channel_options(tls_server_name)
+    if tls or tls_ca or tls_cert or tls_key:
+        creds = channel_credentials(tls_ca, tls_cert, tls_key)
+        return channels.secure_channel(target, creds, options=options)
+    return channels.insecure_channel(target, options=options)
+
+
 # ------------------------------------------------------------------ client
 
 
@@ -173,12 +191,10 @@ class Client:
         self.target, self.timeout, self.connect_timeout, self.retry = (
             target, timeout, connect_timeout, retry,
         )  # fmt: skip
-        options = channel_options(tls_server_name)
-        if tls or tls_ca or tls_cert or tls_key:
-            creds = channel_credentials(tls_ca, tls_cert, tls_key)
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = open_channel(
+            grpc, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+            tls_server_name=tls_server_name,
+        )  # fmt: skip
         self._stub = pb_grpc.TranscriberStub(self._channel)
 
     # ---- unary ---------------------------------------------------------------------

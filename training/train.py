@@ -38,11 +38,10 @@ import torch
 from torch import nn
 
 from echoic.model.configs import apply_overrides, config_hash, from_dict, to_dict
-from echoic.model.features import compute_features
 from echoic.model.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
 from echoic.model.text import Vocabulary
 from echoic.training import checkpoint, distributed
-from echoic.training.data import DataConfig, make_loader, read_manifest
+from echoic.training.data import DataConfig, SpeechDataset, make_loader, read_manifest
 from echoic.training.evaluate import evaluate
 
 
@@ -119,16 +118,14 @@ def make_deterministic(device: torch.device) -> None:
 
 def feature_stats(utts: list, cfg: ModelConfig, count: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-bin mean and std of the raw features over an evenly spaced sample of utterances."""
-    from echoic.model.audio import load_audio
-
     step = max(1, len(utts) // max(count, 1))
+    sample = SpeechDataset(utts[::step][:count], cfg.features)
     total, total_sq, frames = 0.0, 0.0, 0
-    for u in utts[::step][:count]:
-        feats = compute_features(load_audio(u.path, cfg.features.sample_rate), cfg.features)
-        f64 = feats.astype(np.float64)
+    for i in range(len(sample)):
+        f64 = sample[i].features.astype(np.float64)
         total = total + f64.sum(0)
         total_sq = total_sq + (f64**2).sum(0)
-        frames += len(feats)
+        frames += len(f64)
     if frames == 0:
         raise ValueError("no feature frames to compute normalisation statistics from")
     mean = total / frames
