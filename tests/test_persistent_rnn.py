@@ -182,6 +182,21 @@ def test_imports_and_runs_without_triton() -> None:
     assert result == {"launch": "ImportError", "reference_ok": True}
 
 
+def test_gpu_check_script_imports_echoic_from_the_checkout(tmp_path: Path) -> None:
+    """scripts/gpu_check.sh (for GPU machines without an echoic install) imports the
+    checkout's own folders, the training side included."""
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"))
+    env["GPU_CHECK_WORK"] = str(tmp_path)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "env"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "out" / "env.log").read_text()
+    assert f"echoic imports: ok, from {tmp_path}/.gpu-path/echoic/model/persistent" in log
+    assert "torch" in log and "triton" in log
+
+
 # ---- the Triton kernels under the interpreter ----------------------------------------
 
 INTERPRETER = [
