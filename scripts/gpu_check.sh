@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The persistent-kernel checks that need a CUDA GPU, on a machine that has no network
-# and no echoic installed: a Python with torch and triton is enough.
+# The checks that need a CUDA GPU (persistent kernels, training on the GPU), on a machine
+# that has no network and no echoic installed: a Python with torch and triton is enough.
 #
-#   bash scripts/gpu_check.sh fetch         on a machine with network, before: the wheels
-#                                           that a torch-only image lacks -> .gpu-wheels/
+#   bash scripts/gpu_check.sh fetch         on a machine with network and echoic installed,
+#                                           before: the wheels that a torch-only image lacks
+#                                           -> .gpu-wheels/, the tests' speech corpus (it
+#                                           needs espeak-ng and flite) -> .gpu-data/
 #   bash scripts/gpu_check.sh env           on the GPU machine: GPU, versions, the imports
 #   bash scripts/gpu_check.sh tests [EXPR]  pytest -m gpu tests/test_persistent_rnn.py and
 #                                           the sm_90 fit table (EXPR: a -k filter)
-#   bash scripts/gpu_check.sh bench [ARGS]  python bench/persistent_rnn.py ARGS
+#   bash scripts/gpu_check.sh train [EXPR]  pytest -m gpu tests/test_train.py: training on
+#                                           the GPU is deterministic, persistent ~ cuDNN
+#   bash scripts/gpu_check.sh bench [NAME] [ARGS]   python bench/NAME.py ARGS
+#                                           (NAME: persistent_rnn, the default, or another)
 #
 # Each part writes its log (and the tests a JUnit XML) to $OUT when set, else .gpu-out/.
 # echoic is imported from .gpu-path/, where echoic.<part> links to this checkout's
@@ -15,11 +20,13 @@
 # but the fetched wheels, and only when an import fails. Compiled kernels are cached in
 # .gpu-cache/ so that later calls on the same machine skip the compiles.
 #
-# Environment: PYTHON (default python3), PYVER for fetch (default 3.12, the GPU image's),
+# Environment: PYTHON (default python3; for fetch, .venv/bin/python when there is one),
+# PYVER: the GPU machine's Python, for fetch (default 3.12, the GPU image's),
 # GPU_CHECK_WORK: where .gpu-path, .gpu-site and .gpu-cache go (default: the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+PYTHON_SET=${PYTHON:-}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/.gpu-out}
 WORK=${GPU_CHECK_WORK:-$ROOT}
@@ -45,17 +52,37 @@ import_root() {
             exit 2
         fi
         "$PYTHON" -m pip install -q --no-index --no-deps --find-links .gpu-wheels \
-            --target "$WORK/.gpu-site" "${wheels[@]}"
+            --target "$WORK/.gpu-site" "${wheels[@]}" || {
+            echo "gpu_check: .gpu-wheels/ does not fit this Python" \
+                "($("$PYTHON" -V)): fetch again with PYVER=<its X.Y>" >&2
+            exit 2
+        }
     fi
 }
 
 case "$part" in
 fetch)
-    rm -rf .gpu-wheels
-    "${PIP:-pip}" download -q -d .gpu-wheels --only-binary=:all: --no-deps \
+    [[ -z ${PYTHON_SET:-} && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
+    rm -rf .gpu-wheels .gpu-data
+    "$PYTHON" -m pip download -q -d .gpu-wheels --only-binary=:all: --no-deps \
         --python-version "${PYVER:-3.12}" --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 "${wheels[@]}"
     ls .gpu-wheels
+    "$PYTHON" - <<'EOF'
+from pathlib import Path
+
+from echoic.training.synth import SynthConfig, synthesize_corpus
+from tests.conftest import SENTENCES
+
+root = Path(".gpu-data")
+root.mkdir()
+(root / "sentences.txt").write_text(SENTENCES)
+synthesize_corpus(
+    root / "sentences.txt", root / "corpus", SynthConfig(seed=7), progress=False,
+    relative_paths=True,
+)
+print("corpus:", root / "corpus" / "manifest.jsonl")
+EOF
     ;;
 env)
     import_root
@@ -90,13 +117,27 @@ tests)
     "$PYTHON" -m pytest -p no:cacheprovider -rA -m "gpu or slow" -k "$select" \
         tests/test_persistent_rnn.py -o junit_family=legacy --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
+train)
+    import_root
+    mkdir -p "$OUT"
+    if [[ -f .gpu-data/corpus/manifest.jsonl ]]; then
+        export ECHOIC_TEST_CORPUS="$ROOT/.gpu-data/corpus/manifest.jsonl"
+    fi
+    "$PYTHON" -m pytest -p no:cacheprovider -rA -m gpu ${1:+-k "$*"} tests/test_train.py \
+        -o junit_family=legacy --junitxml="$OUT/gpu_train.xml" 2>&1 | tee "$OUT/gpu_train.log"
+    ;;
 bench)
     import_root
     mkdir -p "$OUT"
-    "$PYTHON" bench/persistent_rnn.py "$@" 2>&1 | tee "$OUT/bench_persistent_rnn.log"
+    name=persistent_rnn
+    if [[ $# -gt 0 && $1 != -* ]]; then
+        name=$1
+        shift
+    fi
+    "$PYTHON" "bench/$name.py" "$@" 2>&1 | tee "$OUT/bench_$name.log"
     ;;
 *)
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
     exit 2
     ;;
 esac

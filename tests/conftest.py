@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,7 +55,16 @@ def _have_synthesizers() -> bool:
 
 @pytest.fixture(scope="session")
 def speech_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """30 synthesized utterances (espeak-ng and flite voices); returns the manifest path."""
+    """30 synthesized utterances (espeak-ng and flite voices); returns the manifest path.
+
+    ECHOIC_TEST_CORPUS names a manifest made beforehand from SENTENCES (seed 7), for
+    machines without the synthesizers (scripts/gpu_check.sh carries one to a GPU).
+    """
+    made = os.environ.get("ECHOIC_TEST_CORPUS")
+    if made:
+        if not Path(made).is_file():
+            pytest.fail(f"ECHOIC_TEST_CORPUS={made}: no such manifest")
+        return Path(made).resolve()
     if not _have_synthesizers():
         pytest.skip("espeak-ng and flite are not installed (scripts/bootstrap.sh installs them)")
     from echoic.training.synth import SynthConfig, synthesize_corpus
@@ -95,4 +105,6 @@ def corpus_audio(speech_corpus: Path) -> list[tuple[str, np.ndarray]]:
     from echoic.model.audio import load_audio
 
     rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()]
-    return [(r["text"], load_audio(r["audio_filepath"], 16000)) for r in rows]
+    return [
+        (r["text"], load_audio(speech_corpus.parent / r["audio_filepath"], 16000)) for r in rows
+    ]  # a relative path is relative to the manifest's directory
