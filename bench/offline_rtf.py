@@ -11,6 +11,9 @@ Table 2: one streaming step (stream.onnx) for 1, 8, 32 and 64 streams run as one
 batch, against the same streams run one at a time; per-stream cost and speed-up.
 
 Both use all cores (`--threads 0`) unless told otherwise; medians of --repeats.
+Speeds are also given as GFLOP/s (the recipe's analytic count, `forward_flops`) and
+as a percentage of this CPU's float32 peak, measured first as a large matrix product
+on the same threads: batching can only gain what the unbatched run leaves of it.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from hardware import cpu_fp32_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echoic.model.engine import Engine  # noqa: E402
+from echoic.model.network import forward_flops, model_config_hash  # noqa: E402
 from echoic.model.recognizer import default_model_dir  # noqa: E402
 
 
@@ -40,15 +45,12 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def offline_table(engine: Engine, recipe: str, seconds: float, repeats: int, threads: int):
+def offline_table(engine: Engine, cfg, seconds: float, repeats: int, threads: int, peak: float):
     import torch
-
-    from echoic.training.train import load_recipe
 
     card = engine.card
     frames = int(seconds * 1000 / card.hop_ms)
     rng = np.random.default_rng(0)
-    cfg = load_recipe(recipe).model
     torch.manual_seed(0)
     from echoic.model.network import DeepSpeech2
 
@@ -56,7 +58,8 @@ def offline_table(engine: Engine, recipe: str, seconds: float, repeats: int, thr
     if threads:
         torch.set_num_threads(threads)
     print(f"offline, {seconds:g} s utterances; real-time factor (lower is better)")
-    print(f"{'batch':>5} {'onnxruntime':>12} {'torch eager':>12} {'ort speed-up':>13}")
+    print(f"{'batch':>5} {'onnxruntime':>12} {'torch eager':>12} {'ort speed-up':>13}"
+          f" {'ort GFLOP/s':>12} {'% of peak':>10}")  # fmt: skip
     for batch in (1, 8, 32):
         feats = rng.normal(size=(batch, frames, card.num_features)).astype(np.float32) - 10
         ort_t = _median_time(lambda f=feats: engine.offline(list(f)), repeats)
@@ -69,16 +72,20 @@ def offline_table(engine: Engine, recipe: str, seconds: float, repeats: int, thr
         torch_t = _median_time(eager, repeats)
         audio = batch * seconds
         speed_up = torch_t / ort_t
-        print(f"{batch:>5} {ort_t / audio:>12.5f} {torch_t / audio:>12.5f} {speed_up:>12.2f}x")
+        gflops = batch * forward_flops(cfg, frames) / ort_t / 1e9
+        print(f"{batch:>5} {ort_t / audio:>12.5f} {torch_t / audio:>12.5f} {speed_up:>12.2f}x"
+              f" {gflops:>12.1f} {100 * gflops / peak:>9.0f}%")  # fmt: skip
 
 
-def stream_table(engine: Engine, repeats: int) -> None:
+def stream_table(engine: Engine, cfg, repeats: int, peak: float) -> None:
     card = engine.card
+    step_flops = forward_flops(cfg, card.window_input_frames, window=True)
     rng = np.random.default_rng(1)
     chunk_s = card.chunk_frames * card.output_frame_ms / 1000
     print(f"\nstreaming step ({card.chunk_frames} output frames = {chunk_s:.2f} s of audio)")
     print(f"{'streams':>7} {'batched ms':>11} {'one at a time ms':>17} {'ms/stream batched':>18}"
-          f" {'speed-up':>9} {'real-time streams':>18}")  # fmt: skip
+          f" {'speed-up':>9} {'real-time streams':>18} {'% of peak batched':>18}"
+          f" {'one at a time':>14}")  # fmt: skip
     for n in (1, 8, 32, 64):
         win = rng.normal(size=(n, card.window_input_frames, card.num_features)).astype(np.float32)
         frames = np.full(n, card.chunk_frames + card.context_frames, dtype=np.int64)
@@ -95,8 +102,9 @@ def stream_table(engine: Engine, repeats: int) -> None:
         b = _median_time(batched, repeats)
         s = _median_time(one_by_one, repeats)
         capacity = chunk_s / (b / n)  # streams one core-set keeps up with at this batch
+        used = [100 * n * step_flops / t / 1e9 / peak for t in (b, s)]
         print(f"{n:>7} {1000 * b:>11.2f} {1000 * s:>17.2f} {1000 * b / n:>18.3f}"
-              f" {s / b:>8.2f}x {capacity:>18.0f}")  # fmt: skip
+              f" {s / b:>8.2f}x {capacity:>18.0f} {used[0]:>17.0f}% {used[1]:>13.0f}%")  # fmt: skip
 
 
 def main() -> None:
@@ -107,12 +115,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0 = all cores")
     args = p.parse_args()
+    from echoic.training.train import load_recipe
+
     engine = Engine(args.model, intra_op_threads=args.threads)
+    cfg = load_recipe(args.config).model
+    if model_config_hash(cfg) != engine.card.model_config_hash:
+        sys.exit(f"--config {args.config} is not the architecture of {args.model}: pass its recipe")
+    peak = cpu_fp32_peak(args.threads)
     print(f"model {engine.card.name}/{engine.card.version} ({engine.card.parameters / 1e6:.2f}M"
-          f" parameters) on {os.cpu_count()} CPU cores")  # fmt: skip
-    offline_table(engine, args.config, args.seconds, args.repeats, args.threads)
+          f" parameters) on {os.cpu_count()} CPU cores; float32 peak here (matrix product,"
+          f" {args.threads or 'all'} threads): {peak:.0f} GFLOP/s")  # fmt: skip
+    offline_table(engine, cfg, args.seconds, args.repeats, args.threads, peak)
     if engine.streamable:
-        stream_table(engine, args.repeats)
+        stream_table(engine, cfg, args.repeats, peak)
 
 
 if __name__ == "__main__":

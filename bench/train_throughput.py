@@ -6,8 +6,9 @@ Runs full training steps (forward, CTC loss, backward, AdamW) of the recipe's
 model on batches shaped like the recipe's (batch_seconds of audio, transcripts at
 15 characters a second; the values are random, which does not change the cost),
 once for the recipe's chunked model and once with full context, side by side.
-On a GPU it adds the achieved TFLOP/s (analytic count, training = 3x forward) as
-a fraction of the device's dense bf16 peak.
+It adds the achieved TFLOP/s (analytic count, training = 3x forward) as a fraction
+of the device's dense bf16 peak on a GPU, and on a CPU of its float32 peak measured
+first as a large matrix product on the same threads.
 """
 
 from __future__ import annotations
@@ -21,36 +22,21 @@ import time
 from pathlib import Path
 
 import torch
+from hardware import cpu_fp32_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echoic.model.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss  # noqa: E402
+from echoic.model.network import (  # noqa: E402
+    DeepSpeech2,
+    ModelConfig,
+    count_parameters,
+    ctc_loss,
+    forward_flops,
+)
 from echoic.training.train import load_recipe, make_optimizer  # noqa: E402
 
 # Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, SXM parts, no sparsity).
 BF16_PEAK = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
-
-
-def forward_flops(cfg: ModelConfig, frames: int) -> float:
-    """Multiply-adds x 2 of one forward pass over `frames` input frames (one utterance)."""
-    flops, freq, t = 0.0, cfg.features.num_features, frames
-    cin = 1
-    for cout, kf, kt, sf, st in zip(
-        cfg.conv_channels, cfg.conv_kernel_freq, cfg.conv_kernel_time,
-        cfg.conv_stride_freq, cfg.conv_stride_time, strict=True,
-    ):  # fmt: skip
-        freq, t = (freq + 2 * (kf // 2) - kf) // sf + 1, -(-t // st)
-        flops += 2 * cin * cout * kf * kt * freq * t
-        cin = cout
-    d, h = cin * freq, cfg.rnn_hidden
-    gates = {"gru": 3, "lstm": 4, "rnn": 1}[cfg.rnn_type]
-    c, r = cfg.chunk_frames, cfg.context_frames
-    extra = (1 + r / c) if (c and cfg.bidirectional) else 1.0  # right-context frames
-    dirs = 2 if cfg.bidirectional else 1
-    for _ in range(cfg.rnn_layers):
-        flops += dirs * extra * t * 2 * gates * h * (d + h)
-        d = h
-    return flops + 2 * t * h * len(cfg.vocabulary)
 
 
 def measure(
@@ -112,15 +98,19 @@ def main() -> None:
         torch.set_num_threads(rc.threads or os.cpu_count() or 1)
     bf16 = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{os.cpu_count()}"
-    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    if device.type == "cuda":
+        peak, peak_name = next((v for k, v in BF16_PEAK.items() if k in name), None), "bf16 peak"
+    else:  # measured here, on the training threads
+        peak, peak_name = cpu_fp32_peak(torch.get_num_threads()) / 1e3, "fp32 peak"
     variants = [("recipe (chunked)", rc.model)]
     if rc.model.chunk_frames:
         variants.append(("full context", dataclasses.replace(
             rc.model, chunk_frames=0, context_frames=0)))  # fmt: skip
-    print(f"device: {name}; {'bf16 autocast' if bf16 else 'fp32'}; {args.config}")
+    print(f"device: {name}; {'bf16 autocast' if bf16 else 'fp32'}; {args.config}"
+          + (f"; {peak_name} {peak:.3g} TFLOP/s" if peak else ""))  # fmt: skip
     header = f"{'model':<18} {'params':>7} {'batch':>5} {'step s':>7}"
     header += f" {'audio s/s':>10} {'TFLOP/s':>8}"
-    print(header + (f" {'% of bf16 peak':>14}" if peak else ""))
+    print(header + (f" {'% of ' + peak_name:>14}" if peak else ""))
     for label, cfg in variants:
         r = measure(cfg, rc.data.batch_seconds, rc.data.max_batch, args.utt_seconds,
                     args.steps, device, bf16)  # fmt: skip

@@ -464,6 +464,35 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def forward_flops(cfg: ModelConfig, frames: int, *, window: bool = False) -> float:
+    """Multiply-adds x 2 of one forward pass over `frames` feature frames (one utterance).
+
+    An analytic count (convolutions, recurrent layers with their input projections,
+    output layer) for benchmarks that state speed as a fraction of the hardware's.
+    A chunked bidirectional model re-runs each chunk's right context; that is counted,
+    except with `window`: `frames` is then one streaming window
+    (`ModelCard.window_input_frames`), whose context frames are already in it.
+    """
+    flops, freq, t = 0.0, cfg.features.num_features, frames
+    cin = 1
+    for cout, kf, kt, sf, st in zip(
+        cfg.conv_channels, cfg.conv_kernel_freq, cfg.conv_kernel_time,
+        cfg.conv_stride_freq, cfg.conv_stride_time, strict=True,
+    ):  # fmt: skip
+        freq, t = (freq + 2 * (kf // 2) - kf) // sf + 1, max(t - kt, 0) // st + 1  # time: valid
+        flops += 2 * cin * cout * kf * kt * freq * t
+        cin = cout
+    d, h = cin * freq, cfg.rnn_hidden
+    gates = {"gru": 3, "lstm": 4, "rnn": 1}[cfg.rnn_type]
+    c, r = cfg.chunk_frames, cfg.context_frames
+    extra = (1 + r / c) if (c and cfg.bidirectional and not window) else 1.0
+    dirs = 2 if cfg.bidirectional else 1
+    for _ in range(cfg.rnn_layers):
+        flops += dirs * extra * t * 2 * gates * h * (d + h)
+        d = h  # the directions are summed
+    return flops + 2 * t * h * len(cfg.vocabulary)
+
+
 def save_model_config(cfg: ModelConfig) -> dict:
     return to_dict(cfg)
 
