@@ -144,6 +144,46 @@ def test_bad_overrides_are_one_line_errors(
     assert message in run.stderr and "Traceback" not in run.stderr
 
 
+def test_init_from_starts_from_the_weights_with_a_fresh_schedule(
+    speech_corpus: Path, reference_run: Path, tmp_path: Path
+) -> None:
+    """Fine-tuning: step 0 of the new run evaluates exactly as the end of the old one
+    (same weights and feature statistics); the step count and schedule restart."""
+    _train(
+        speech_corpus, tmp_path, f"data.val_manifest={speech_corpus}", "eval_at_start=true",
+        f"init_from={reference_run / 'last.pt'}", "max_steps=5", "optim.lr=1e-4",
+    )  # fmt: skip
+
+    def evals(run: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if r.get("kind") == "eval"]
+
+    assert evals(tmp_path)[0]["step"] == 0
+    assert evals(tmp_path)[0]["val_loss"] == evals(reference_run)[-1]["val_loss"]
+    ckpt = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=False)
+    assert ckpt["step"] == 5
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("init_from={run}/nope.pt", "no checkpoint at"),
+        ("model.rnn_hidden=32", "its network does not fit this recipe's [model]"),
+    ],
+    ids=["missing", "other-network"],
+)
+def test_init_from_refuses_what_it_cannot_load(
+    speech_corpus: Path, reference_run: Path, tmp_path: Path, override: str, message: str
+) -> None:
+    overrides = [f"init_from={reference_run / 'last.pt'}", override.format(run=reference_run)]
+    run = subprocess.run(
+        _train_cmd(speech_corpus, tmp_path, *overrides), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert message in run.stderr and "Traceback" not in run.stderr
+
+
 @pytest.mark.skipif(not shutil.which("mpirun"), reason="mpirun (openmpi-bin) is not installed")
 def test_mpirun_two_ranks_trains_and_reproduces_itself(speech_corpus: Path, tmp_path: Path) -> None:
     def run(out: Path) -> subprocess.CompletedProcess:

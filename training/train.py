@@ -80,6 +80,9 @@ class TrainConfig:
     # where they fit and are expected faster), cudnn. Same parameters and checkpoints.
     threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks
     stats_utterances: int = 300  # utterances sampled for feature mean/std
+    init_from: str = ""  # fine-tuning: a checkpoint whose weights and feature statistics
+    # start this run (the network must have the same parameter shapes; chunking may differ);
+    # the optimizer, schedule and data order start afresh. A run that resumes ignores it.
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -194,6 +197,22 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
         distributed.cleanup()
 
 
+def _init_from(model: DeepSpeech2, path: str) -> None:
+    """Load a checkpoint's weights and feature statistics into `model` (fine-tuning)."""
+    ckpt = checkpoint.load(path)
+    ours = model.state_dict()
+    theirs = ckpt["model"]
+    misfit = sorted(set(ours) ^ set(theirs)) or [
+        k for k in ours if ours[k].shape != theirs[k].shape
+    ]
+    if misfit:
+        raise checkpoint.CheckpointError(
+            f"init_from={path}: its network does not fit this recipe's [model] (first"
+            f" difference: {misfit[0]}); fine-tune with the [model] it was trained with"
+        )
+    model.load_state_dict(theirs)
+
+
 def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, progress: bool):
     out = Path(cfg.out_dir)
     main = env.rank == 0
@@ -226,7 +245,11 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, pro
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     model = DeepSpeech2(cfg.model)
-    if resume is None:
+    if resume is None and cfg.init_from:
+        _init_from(model, cfg.init_from)
+        if main:
+            print(f"fine-tuning from {cfg.init_from}", file=sys.stderr)
+    elif resume is None:
         mean, std = feature_stats(train_utts, cfg.model, cfg.stats_utterances)
         model.feature_mean.copy_(torch.from_numpy(mean))
         model.feature_std.copy_(torch.from_numpy(std))
