@@ -167,11 +167,10 @@ def _features(samples: np.ndarray, count: int, cfg: FeatureConfig) -> np.ndarray
     power = spectrum.real**2 + spectrum.imag**2  # (T, n_fft//2+1) float64
     if cfg.mel_bins:
         bins, weights = _mel_plan(cfg.sample_rate, cfg.fft_size, cfg.mel_bins)  # (K, M)
-        # A fixed order of elementwise multiply-adds: each row's bits depend only on that row.
-        mel = power[:, bins[0]] * weights[0]  # (T, M)
-        for k in range(1, bins.shape[0]):
-            mel += power[:, bins[k]] * weights[k]
-        power = mel
+        # Products (T, K, M) summed over K one k after another (a reduction over a middle
+        # axis): each row's bits depend only on that row, whatever T (a matrix product's
+        # need not), so features computed in chunks equal features computed at once.
+        power = np.add.reduce(power[:, bins] * weights, axis=1)  # (T, M)
     return np.log(power + cfg.log_floor).astype(np.float32)  # (T, F)
 
 
