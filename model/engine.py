@@ -268,12 +268,13 @@ class WindowFeeder:
         s = self.card.time_stride
         return (self.frames_in + s - 1) // s if self.finished else None
 
-    def ready(self) -> bool:
-        """Whether `next_window()` has a window to give now."""
+    def ready(self, coming: int = 0) -> bool:
+        """Whether `next_window()` has a window to give now, or will have once `coming`
+        more frames (computed but not yet accepted) arrive."""
         if self.finished:
             return self.next_frame < self.total_output_frames
         end = self.next_frame * self.card.time_stride + self.card.window_input_frames
-        return end <= self.card.pad_left + self.frames_in
+        return end <= self.card.pad_left + self.frames_in + coming
 
     @property
     def done(self) -> bool:

@@ -4,9 +4,9 @@ Frame i covers samples [i * hop, i * hop + window): no centering and no padding,
 so a frame depends only on its own samples and `FeatureStream` can produce the
 frames of live audio chunk by chunk, bit for bit equal to `compute_features` on
 the whole recording. Every frame is computed by the same row-wise arithmetic
-(per-row FFT, elementwise products, mel sums in a fixed order rather than a BLAS
-matmul whose rounding can depend on how many rows it is given), so the chunking
-never changes a bit.
+(per-row FFT, elementwise products, and the mel filterbank as matrix products of
+one fixed shape rather than one product of all rows, whose rounding can depend on
+how many rows it is given), so the chunking never changes a bit.
 
 There is no per-utterance normalisation: the network normalises with fixed
 statistics, and per-utterance statistics would need audio that a stream has not
@@ -58,7 +58,7 @@ class FeatureConfig:
         if not (self.log_floor > 0 and math.isfinite(self.log_floor)):
             raise ValueError(f"log_floor must be a positive number, got {self.log_floor}")
         if self.mel_bins:
-            _mel_plan(self.sample_rate, self.fft_size, self.mel_bins)  # raises on empty filters
+            _mel_matrix(self.sample_rate, self.fft_size, self.mel_bins)  # raises on empty filters
 
     @property
     def window_samples(self) -> int:
@@ -97,11 +97,8 @@ def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=16)
-def _mel_plan(sample_rate: int, n_fft: int, mel_bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """(bins, weights), both (K, M): filter m sums power[bins[k, m]] * weights[k, m] over k.
-
-    K is the widest filter in FFT bins; narrower filters are padded with weight 0.
-    """
+def _mel_matrix(sample_rate: int, n_fft: int, mel_bins: int) -> np.ndarray:
+    """The filterbank (F, M), checked: every filter covers at least one FFT bin."""
     fb = mel_filterbank(sample_rate, n_fft, mel_bins)  # (F, M)
     counts = (fb > 0).sum(axis=0)
     empty = np.flatnonzero(counts == 0)
@@ -110,16 +107,8 @@ def _mel_plan(sample_rate: int, n_fft: int, mel_bins: int) -> tuple[np.ndarray, 
             f"mel_bins={mel_bins} is too many for n_fft={n_fft} at {sample_rate} Hz: "
             f"mel filter {int(empty[0])} covers no FFT bin; use fewer mel bins or a larger n_fft"
         )
-    width = int(counts.max())
-    bins = np.zeros((width, mel_bins), dtype=np.intp)
-    weights = np.zeros((width, mel_bins), dtype=np.float64)
-    for m in range(mel_bins):
-        (nonzero,) = np.nonzero(fb[:, m])
-        bins[: nonzero.size, m] = nonzero
-        weights[: nonzero.size, m] = fb[nonzero, m]
-    bins.flags.writeable = False
-    weights.flags.writeable = False
-    return bins, weights
+    fb.flags.writeable = False
+    return fb
 
 
 def mel_filterbank(sample_rate: int, n_fft: int, mel_bins: int) -> np.ndarray:
@@ -137,6 +126,9 @@ def mel_filterbank(sample_rate: int, n_fft: int, mel_bins: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- features
+
+
+MEL_TILE = 16  # rows per filterbank product (see frame_features)
 
 
 @lru_cache(maxsize=16)
@@ -157,20 +149,39 @@ def _as_samples(samples: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(samples, dtype=np.float32)
 
 
+def _frames(samples: np.ndarray, count: int, cfg: FeatureConfig) -> np.ndarray:
+    """The first `count` frames of `samples` as a (count, window) view."""
+    window, hop = cfg.window_samples, cfg.hop_samples
+    if count == 0:
+        return np.zeros((0, window), dtype=np.float32)
+    return sliding_window_view(samples, window)[: (count - 1) * hop + 1 : hop]
+
+
 def _features(samples: np.ndarray, count: int, cfg: FeatureConfig) -> np.ndarray:
     """Features of the first `count` frames of float32 `samples`; (count, F) float32."""
-    if count == 0:
+    return frame_features(_frames(samples, count, cfg), cfg)
+
+
+def frame_features(frames: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
+    """Features (T, F) float32 of frames of samples (T, window): any frames, of any
+    streams, in any number; each row's bits depend on that frame alone."""
+    if len(frames) == 0:
         return np.zeros((0, cfg.num_features), dtype=np.float32)
-    window, hop = cfg.window_samples, cfg.hop_samples
-    frames = sliding_window_view(samples, window)[: (count - 1) * hop + 1 : hop]  # (T, W)
+    window = cfg.window_samples
     spectrum = np.fft.rfft(frames * _hann(window), n=cfg.fft_size, axis=1)  # (T, n_fft//2+1)
     power = spectrum.real**2 + spectrum.imag**2  # (T, n_fft//2+1) float64
     if cfg.mel_bins:
-        bins, weights = _mel_plan(cfg.sample_rate, cfg.fft_size, cfg.mel_bins)  # (K, M)
-        # Products (T, K, M) summed over K one k after another (a reduction over a middle
-        # axis): each row's bits depend only on that row, whatever T (a matrix product's
-        # need not), so features computed in chunks equal features computed at once.
-        power = np.add.reduce(power[:, bins] * weights, axis=1)  # (T, M)
+        fb = _mel_matrix(cfg.sample_rate, cfg.fft_size, cfg.mel_bins)  # (F, M)
+        # One product of MEL_TILE rows at a time, zero-padded: every row goes through a
+        # product of the same shape whatever T and its place in T, so its bits depend on
+        # that row alone (one product of all T rows is not so: the rows at its edges
+        # round otherwise), and features computed in chunks equal features at once.
+        count = len(power)
+        tiles = -(-count // MEL_TILE)
+        padded = np.zeros((tiles * MEL_TILE, power.shape[1]))
+        padded[:count] = power
+        power = np.matmul(padded.reshape(tiles, MEL_TILE, -1), fb).reshape(-1, fb.shape[1])
+        power = power[:count]  # (T, M)
     return np.log(power + cfg.log_floor).astype(np.float32)  # (T, F)
 
 
@@ -182,24 +193,66 @@ def compute_features(samples: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
 
 class FeatureStream:
     """Incremental `compute_features`: the concatenated outputs of `accept` over any
-    chunking equal `compute_features` on the whole audio, bit for bit."""
+    chunking equal `compute_features` on the whole audio, bit for bit.
+
+    Two ways to use it: `accept(samples)` returns the frames that the samples
+    complete; or `push(samples)` only stores them, and `batch_features(streams)`
+    later computes the pending frames of many streams in one batch (the same bits).
+    """
 
     def __init__(self, cfg: FeatureConfig) -> None:
         self.cfg = cfg
-        self.frames_emitted = 0  # frames returned so far
+        self.frames_emitted = 0  # frames taken so far
         self._pending = np.zeros(0, dtype=np.float32)  # samples not yet consumed by a frame
+        self._pushed: list[np.ndarray] = []  # samples pushed since, in order
+        self._pushed_size = 0  # their total, samples
+
+    def push(self, samples: np.ndarray) -> None:
+        """Add samples without computing anything yet."""
+        samples = _as_samples(samples)
+        if samples.size:
+            self._pushed.append(samples)
+            self._pushed_size += samples.size
+
+    @property
+    def frames_pending(self) -> int:
+        """Frames that the samples added so far complete and nothing has taken yet."""
+        return num_frames(self._pending.size + self._pushed_size, self.cfg)
+
+    def take_frames(self) -> np.ndarray:
+        """The pending frames as samples, (n, window) float32 (a view; n may be 0)."""
+        if self._pushed:
+            self._pending = np.concatenate([self._pending, *self._pushed])
+            self._pushed, self._pushed_size = [], 0
+        count = num_frames(self._pending.size, self.cfg)
+        frames = _frames(self._pending, count, self.cfg)
+        # Keep from the start of the next frame on (the window may overlap this chunk's
+        # frames); `frames` keeps the old buffer alive.
+        self._pending = self._pending[count * self.cfg.hop_samples :].copy()
+        self.frames_emitted += count
+        return frames
 
     def accept(self, samples: np.ndarray) -> np.ndarray:
         """Add samples; return the frames they complete, (n, F) float32 (n may be 0)."""
-        buffer = np.concatenate([self._pending, _as_samples(samples)])
-        count = num_frames(buffer.size, self.cfg)
-        out = _features(buffer, count, self.cfg)
-        # Keep from the start of the next frame on (the window may overlap this chunk's frames).
-        self._pending = buffer[count * self.cfg.hop_samples :].copy()
-        self.frames_emitted += count
-        return out
+        self.push(samples)
+        return frame_features(self.take_frames(), self.cfg)
 
     def reset(self) -> None:
         """Forget all audio, as if newly created."""
         self.frames_emitted = 0
         self._pending = np.zeros(0, dtype=np.float32)
+        self._pushed, self._pushed_size = [], 0
+
+
+def batch_features(streams: list[FeatureStream]) -> list[np.ndarray]:
+    """Each stream's pending frames, (n_i, F) float32, computed as one batch: one FFT
+    call and one filterbank reduction for all of them instead of one per stream; each
+    stream gets the same bits as its own `accept` would have given."""
+    if not streams:
+        return []
+    cfg = streams[0].cfg
+    if any(s.cfg != cfg for s in streams):
+        raise ValueError("batch_features needs streams of one feature config")
+    frames = [s.take_frames() for s in streams]
+    counts = np.cumsum([len(f) for f in frames])[:-1]
+    return np.split(frame_features(np.concatenate(frames), cfg), counts)

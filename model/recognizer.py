@@ -6,9 +6,11 @@ Two ways in, one model:
   through model.onnx (batch jobs, `echoic transcribe`, `echoic eval`).
 - `Recognizer.stream()`: a `Stream` per live utterance, with the small API
   `accept_audio()`, `is_ready()`, `finish()`, `result()`. Streams do not run the
-  model themselves: `Recognizer.step(streams)` runs one batched stream.onnx call
-  for every stream that has a window ready. That is the one place where
-  streaming work is batched; the server's dispatcher calls it.
+  model themselves, nor compute their features: `accept_audio` only stores the
+  samples, and `Recognizer.step(streams)` computes the new feature frames of every
+  stream that has a window ready as one batch, then runs one batched stream.onnx
+  call for them. That is the one place where streaming work is batched; the
+  server's dispatcher calls it.
 
 Streaming output equals offline output for the same audio (the model was
 trained chunked; `Engine` and `WindowFeeder` pad exactly as the network does).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +33,12 @@ from echoic.model.decoding import (
     Transcript,
 )
 from echoic.model.engine import Engine, StreamState, WindowFeeder
-from echoic.model.features import FeatureStream, compute_features
+from echoic.model.features import (
+    FeatureStream,
+    batch_features,
+    compute_features,
+    frame_features,
+)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default"
 LM_FILE = "lm.arpa"  # an optional word LM shipped beside the graphs
@@ -128,6 +136,7 @@ class Recognizer:
         ready = [s for s in streams if s.is_ready()]
         if not ready:
             return 0
+        self._compute_features(ready)
         windows, frames = zip(*(s._take_window() for s in ready), strict=True)
         states = self.engine.gather_states([s._state for s in ready])
         log_probs, new_states = self.engine.stream_step(
@@ -138,6 +147,22 @@ class Recognizer:
         ):
             stream._accept_step(rows[: min(self.card.chunk_frames, n)], state)
         return len(ready)
+
+    @staticmethod
+    def _compute_features(streams: Sequence[Stream]) -> None:
+        """The new feature frames of every stream, as one batch, into their feeders.
+
+        The streams' locks are held throughout (taken in one global order), so audio
+        that arrives meanwhile waits, and a finish() cannot come between taking a
+        stream's frames and feeding them.
+        """
+        with ExitStack() as locks:
+            for s in sorted(streams, key=id):
+                locks.enter_context(s._lock)
+            waiting = [s for s in streams if s._features.frames_pending]
+            feats = batch_features([s._features for s in waiting])
+            for s, f in zip(waiting, feats, strict=True):
+                s._feeder.accept(f)
 
     def stream_all(self, audio: np.ndarray, chunk_samples: int = 1600) -> Transcript:
         """Run one utterance through a stream in pieces (for tests and checks)."""
@@ -173,14 +198,19 @@ class Stream:
         self.frames_decoded = 0  # output frames decoded
 
     def accept_audio(self, samples: np.ndarray) -> None:
+        """Store the samples; their features are computed by `Recognizer.step`, batched."""
         samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         with self._lock:
-            self._feeder.accept(self._features.accept(samples))
+            if self._feeder.finished:
+                raise RuntimeError("accept_audio() after finish()")
+            self._features.push(samples)
             self.samples_in += len(samples)
 
     def finish(self) -> None:
         with self._lock:
             if not self._feeder.finished:
+                frames = self._features.take_frames()  # the last ones, this stream's alone
+                self._feeder.accept(frame_features(frames, self._features.cfg))
                 self._feeder.finish()
 
     @property
@@ -189,7 +219,7 @@ class Stream:
 
     def is_ready(self) -> bool:
         with self._lock:
-            return self._feeder.ready()
+            return self._feeder.ready(self._features.frames_pending)
 
     @property
     def is_final(self) -> bool:

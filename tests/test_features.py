@@ -8,6 +8,7 @@ import pytest
 from echoic.model.features import (
     FeatureConfig,
     FeatureStream,
+    batch_features,
     compute_features,
     mel_filterbank,
     num_frames,
@@ -110,6 +111,45 @@ def test_stream_reset_starts_over() -> None:
     audio = _noise(1000)
     np.testing.assert_array_equal(stream.accept(audio), compute_features(audio, LINEAR))
     assert stream.frames_emitted == 5
+
+
+def test_long_audio_in_odd_chunks_equals_offline_bitwise() -> None:
+    """Many filterbank tiles: frames land at every place in a tile, chunk by chunk."""
+    audio = _noise(3 * 16000 + 77, seed=3)
+    stream = FeatureStream(MEL)
+    bounds = np.cumsum([0, *np.random.default_rng(4).integers(1, 5000, size=40)])
+    streamed = np.concatenate(
+        [stream.accept(audio[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    )
+    np.testing.assert_array_equal(streamed, compute_features(audio, MEL))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_batched_streams_equal_each_stream_alone_bitwise(cfg: FeatureConfig) -> None:
+    """Streams push audio in their own chunk sizes; `batch_features` over all of them
+    after each round gives every stream the bits of compute_features on its audio."""
+    rng = np.random.default_rng(2)
+    audios = [_noise(n, seed=i) for i, n in enumerate([3001, 160, 0, 1999, 5000])]
+    streams = [FeatureStream(cfg) for _ in audios]
+    got: list[list[np.ndarray]] = [[] for _ in audios]
+    at = [0] * len(audios)
+    while any(a < len(x) for a, x in zip(at, audios, strict=True)):
+        for i, audio in enumerate(audios):
+            n = int(rng.integers(0, 900))
+            streams[i].push(audio[at[i] : at[i] + n])
+            at[i] += n
+        pending = [s.frames_pending for s in streams]
+        out = batch_features(streams)
+        assert [len(o) for o in out] == pending
+        assert all(s.frames_pending == 0 for s in streams)
+        for g, o in zip(got, out, strict=True):
+            g.append(o)
+    for g, audio, s in zip(got, audios, streams, strict=True):
+        np.testing.assert_array_equal(np.concatenate(g), compute_features(audio, cfg))
+        assert s.frames_emitted == num_frames(audio.size, cfg)
+    assert batch_features([]) == []
+    with pytest.raises(ValueError, match="one feature config"):
+        batch_features([FeatureStream(LINEAR), FeatureStream(MEL)])
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,40 @@ def test_batched_streams_have_no_cross_talk(recognizer: Recognizer, corpus_audio
     assert all(s.is_final for s in streams)
     assert max(batch_sizes) > 1
     assert alone == [t.text for t in recognizer.transcribe(audios)]
+
+
+def test_audio_arriving_while_a_step_runs_is_not_lost(recognizer: Recognizer, corpus_audio) -> None:
+    """As in the server: one thread accepts audio and finishes streams while another
+    steps them (features and model batched); every transcript equals the stream's alone."""
+    audios = [a for _, a in corpus_audio[6:10]]
+    alone = [recognizer.stream_all(a).text for a in audios]
+    streams = [recognizer.stream() for _ in audios]
+    done = threading.Event()
+
+    def feed() -> None:
+        for k in range(0, max(len(a) for a in audios), 640):
+            for s, a in zip(streams, audios, strict=True):
+                if k < len(a):
+                    s.accept_audio(a[k : k + 640])
+        for s in streams:
+            s.finish()
+        done.set()
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    deadline = time.monotonic() + 120
+    while not (done.is_set() and all(s.is_final for s in streams)):
+        assert time.monotonic() < deadline, "the streams never became final"
+        recognizer.step(streams)
+    feeder.join()
+    assert [s.result().text for s in streams] == alone
+
+
+def test_audio_after_finish_is_refused(recognizer: Recognizer) -> None:
+    s = recognizer.stream()
+    s.finish()
+    with pytest.raises(RuntimeError, match="after finish"):
+        s.accept_audio(np.zeros(160, np.float32))
 
 
 @pytest.mark.parametrize("kind", ["greedy", "beam"])
