@@ -4,9 +4,9 @@ Every stream with a window ready, and every Recognize request (run as a stream
 fed all its audio at once), puts that window in its model version's queue and
 awaits it. The dispatcher loop takes whatever is queued the moment the engine is
 free (up to `max_batch` streams; with `max_wait_ms` > 0 it first waits that long
-for a fuller batch), runs ONE batched `Recognizer.step` - a single stream.onnx
-call plus each stream's decoding - in a worker thread, and wakes each stream to
-read its rows. Under light load a window waits for nobody; under heavy load
+for a fuller batch), runs ONE batched `Recognizer.step` - the new feature frames
+of all its streams in one batch, a single stream.onnx call, then each stream's
+decoding - in a worker thread, and wakes each stream to read its rows. Under light load a window waits for nobody; under heavy load
 batches grow instead of queues.
 
 A stream has at most one window in the queue (it awaits each), so a stream with
