@@ -119,6 +119,9 @@ class Transcript:
     words: tuple[Word, ...] = ()
     confidence: float = 0.0  # in [0, 1]: mean word confidence (see the module docstring)
     stable_words: int = 0  # leading words later partials are not expected to change
+    # Final transcripts of a beam search asked for n_best > 1: the next best hypotheses
+    # with other text, best first (each with its own words and confidence).
+    alternatives: tuple[Transcript, ...] = ()
 
 
 def _check_log_probs(log_probs: np.ndarray, vocab: Vocabulary, shape: str) -> np.ndarray:
@@ -213,6 +216,7 @@ class StreamingDecoder(ABC):
     def __init__(self, vocab: Vocabulary, frame_seconds: float) -> None:
         self.vocab = vocab
         self.frame_seconds = frame_seconds
+        self.n_best = 1  # transcripts the final one carries, itself included (beam search)
         self._final: Transcript | None = None
 
     def accept(self, log_probs: np.ndarray) -> Transcript:
@@ -273,9 +277,11 @@ class _Decoder:
     def stream(self) -> StreamingDecoder:
         raise NotImplementedError
 
-    def decode(self, log_probs: np.ndarray) -> Transcript:
-        """Transcript of one utterance's (T, V) log-probs."""
+    def decode(self, log_probs: np.ndarray, n_best: int = 1) -> Transcript:
+        """Transcript of one utterance's (T, V) log-probs (with n_best > 1 and beam
+        search, carrying up to n_best - 1 `alternatives`)."""
         stream = self.stream()
+        stream.n_best = n_best
         chunk = _check_log_probs(log_probs, self.vocab, "(T, V)")
         if len(chunk):
             stream._accept(chunk)  # not accept(): no partial to build
@@ -431,7 +437,10 @@ class BeamStream(StreamingDecoder):
     def _best(self) -> Transcript:
         if not self._frames:
             return Transcript("")
-        tokens = self._decoder.get_best_hypothesis().tokens  # start token, one per frame[, end]
+        return self._transcript(self._decoder.get_best_hypothesis().tokens)
+
+    def _transcript(self, tokens: list[int]) -> Transcript:
+        """The transcript of a hypothesis: its tokens are a start token, one a frame[, end]."""
         path = np.asarray(tokens[1 : self._frames + 1], dtype=np.int64)
         log_probs = self._log_probs[: self._frames]
         alignment = _Alignment()
@@ -454,7 +463,23 @@ class BeamStream(StreamingDecoder):
 
     def _finish(self) -> Transcript:
         self._decoder.decode_end()
-        return self._best()
+        best = self._best()
+        if self.n_best > 1 and self._frames:
+            best = replace(best, alternatives=self._others(best))
+        return best
+
+    def _others(self, best: Transcript) -> tuple[Transcript, ...]:
+        """Up to n_best - 1 final hypotheses whose text differs from best's and each other's."""
+        hypotheses = sorted(self._decoder.get_all_final_hypothesis(), key=lambda h: -h.score)
+        seen, others = {best.text}, []
+        for h in hypotheses:
+            if len(others) == self.n_best - 1:
+                break
+            transcript = self._transcript(h.tokens)
+            if transcript.text not in seen:
+                seen.add(transcript.text)
+                others.append(replace(transcript, stable_words=len(transcript.words)))
+        return tuple(others)
 
 
 def _common_prefix(a: tuple, b: tuple) -> int:

@@ -192,6 +192,7 @@ class Stream:
         self._feeder: WindowFeeder = recognizer.engine.feeder()
         self._state: StreamState = recognizer.engine.initial_state(1)
         self._decoder: StreamingDecoder = recognizer.decoder.stream()
+        self._n_best = 1
         self._result = Transcript("", (), 0.0)
         self._lock = threading.Lock()
         self.samples_in = 0  # audio samples accepted
@@ -234,6 +235,18 @@ class Stream:
     def decoded_seconds(self) -> float:
         return self.frames_decoded * self._recognizer.frame_seconds
 
+    @property
+    def n_best(self) -> int:
+        """Transcripts a final result carries, itself included (`Transcript.alternatives`,
+        beam search only; greedy decoding has one)."""
+        return self._n_best
+
+    @n_best.setter
+    def n_best(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"n_best must be at least 1, got {n}")
+        self._n_best = self._decoder.n_best = n
+
     def result(self) -> Transcript:
         """The transcript so far; the final one once `is_final`."""
         if self.is_final:
@@ -248,6 +261,7 @@ class Stream:
         """
         final = self._decoder.finalize()
         self._decoder = self._recognizer.decoder.stream()
+        self._decoder.n_best = self._n_best
         self._result = Transcript("", (), 0.0)
         return final
 

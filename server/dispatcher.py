@@ -6,8 +6,9 @@ awaits it. The dispatcher loop takes whatever is queued the moment the engine is
 free (up to `max_batch` streams; with `max_wait_ms` > 0 it first waits that long
 for a fuller batch), runs ONE batched `Recognizer.step` - the new feature frames
 of all its streams in one batch, a single stream.onnx call, then each stream's
-decoding - in a worker thread, and wakes each stream to read its rows. Under light load a window waits for nobody; under heavy load
-batches grow instead of queues.
+decoding - in a worker thread, and wakes each stream to read its rows. Under
+light load a window waits for nobody; under heavy load batches grow instead of
+queues.
 
 A stream has at most one window in the queue (it awaits each), so a stream with
 several windows ready takes one per batch and cannot starve the others. Full

@@ -72,6 +72,7 @@ class Options:
     max_utterance: float  # endpointing rule 2, s; 0 = off
     interim: bool = False  # send interim results
     interim_interval: float = 0.0  # least decoded audio between interim results, s
+    alternatives: int = 1  # most alternatives in a final result, count
 
 
 def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interval_ms: int = 0):
@@ -122,6 +123,7 @@ def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interva
         max_utterance=e.max_utterance_ms / 1000.0,
         interim=interim,
         interim_interval=interval_ms / 1000.0,
+        alternatives=max(1, config.max_alternatives),
     )
 
 
@@ -156,18 +158,7 @@ class UtteranceStream(Stream):
         return final
 
 
-def result_proto(
-    transcript: Transcript,
-    *,
-    final: bool,
-    index: int,
-    start: float,
-    end: float,
-    words: bool,
-) -> pb.SpeechRecognitionResult:
-    """A result whose word times are shifted by `start` (s) to count from the audio's start."""
-    n = len(transcript.words)
-    stable = n if final else min(transcript.stable_words, n)
+def _alternative(transcript: Transcript, start: float, words: bool):
     alternative = pb.SpeechRecognitionAlternative(
         transcript=transcript.text, confidence=transcript.confidence
     )
@@ -179,8 +170,27 @@ def result_proto(
             )
             for w in transcript.words
         )  # fmt: skip
+    return alternative
+
+
+def result_proto(
+    transcript: Transcript,
+    *,
+    final: bool,
+    index: int,
+    start: float,
+    end: float,
+    words: bool,
+) -> pb.SpeechRecognitionResult:
+    """A result whose word times are shifted by `start` (s) to count from the audio's start.
+
+    A final transcript's `alternatives` (beam search, `max_alternatives` > 1) follow it.
+    """
+    n = len(transcript.words)
+    stable = n if final else min(transcript.stable_words, n)
+    others = transcript.alternatives if final else ()
     return pb.SpeechRecognitionResult(
-        alternatives=[alternative],
+        alternatives=[_alternative(t, start, words) for t in (transcript, *others)],
         is_final=final,
         stability=1.0 if final else (stable / n if n else 0.0),
         stable_words=stable,
@@ -207,6 +217,8 @@ class Session:
         )
         self._recognizer = recognizer
         self.stream = UtteranceStream(recognizer) if model.streamable else None
+        if self.stream is not None:
+            self.stream.n_best = options.alternatives
         self._offline: list[np.ndarray] = []  # samples, for a model that cannot stream
         self.samples = 0  # samples at the model's rate accepted, count
         self._last_interim = 0.0  # decoded audio at the last interim result, s
@@ -302,7 +314,8 @@ class Session:
         card = self.model.card
         features = compute_features(audio, card.features)
         log_probs = await self.model.dispatcher.offline(features)
-        transcript = await asyncio.to_thread(self._recognizer.decoder.decode, log_probs)
+        decode = self._recognizer.decoder.decode
+        transcript = await asyncio.to_thread(decode, log_probs, self.options.alternatives)
         self.done = True
         return [
             result_proto(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -362,6 +363,23 @@ def test_beam_decode_batch(cat_lm: str) -> None:
     decoder = BeamSearchDecoder(VOCAB, frame_seconds=FRAME, lm_path=cat_lm)
     result = decoder.decode_batch(batch, np.array([len(r) for r in rows]))
     assert result == [decoder.decode(r) for r in rows]
+
+
+def test_beam_n_best_alternatives(flashlight: None) -> None:
+    """With "the ?at sat" (b 0.5, c 0.4) the best is "the bat sat", the next "the cat sat";
+    every alternative has its own text, words and confidence; n_best 1 gives none."""
+    log_probs = _ambiguous_cat()
+    decoder = BeamSearchDecoder(VOCAB, frame_seconds=FRAME)
+    best = decoder.decode(log_probs, n_best=4)
+    assert best.text == "the bat sat" and best.alternatives[0].text == "the cat sat"
+    texts = [best.text, *(t.text for t in best.alternatives)]
+    assert 2 <= len(texts) <= 4 and len(set(texts)) == len(texts)
+    assert best.alternatives[0].words[1].confidence == pytest.approx(0.4, rel=0.1)
+    assert all(t.stable_words == len(t.words) for t in best.alternatives)
+    assert decoder.decode(log_probs).alternatives == ()
+    assert replace(best, alternatives=()) == decoder.decode(log_probs)
+    greedy = GreedyDecoder(VOCAB, frame_seconds=FRAME).decode(log_probs, n_best=4)
+    assert greedy.alternatives == ()
 
 
 def test_beam_empty_input(flashlight: None) -> None:

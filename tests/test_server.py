@@ -209,6 +209,29 @@ def test_beam_search_equals_in_process_beam_search(stub, tiny_model_dir, clips) 
     assert finals(stream(stub, wav, config, interim=True)) == [want]
 
 
+def test_beam_final_results_carry_max_alternatives(stub, tiny_model_dir, clips) -> None:
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    from echoic.model.recognizer import DecoderConfig
+
+    beam = Recognizer(tiny_model_dir, DecoderConfig(kind="beam", beam_size=8), intra_op_threads=1)
+    wav, samples = clips[2]
+    log_probs = beam.log_probs([samples])[0]
+    want = beam.decoder.decode(log_probs, n_best=3)
+    want = [want.text, *(t.text for t in want.alternatives)]
+    assert len(want) > 1  # the tiny model is unsure enough to have other hypotheses
+    beam_config = pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8)
+    config = Config(decoder=beam_config, max_alternatives=3, enable_word_time_offsets=True)
+    (result,) = recognize(stub, wav, config).results
+    assert [a.transcript for a in result.alternatives] == want
+    assert all(len(a.words) == len(a.transcript.split()) for a in result.alternatives)
+    responses = stream(stub, wav, config, interim=True)
+    results = [r.results[0] for r in responses if r.results]
+    assert [a.transcript for a in results[-1].alternatives] == want and results[-1].is_final
+    assert all(len(r.alternatives) == 1 for r in results if not r.is_final)
+    greedy = recognize(stub, wav, Config(max_alternatives=3)).results[0]
+    assert len(greedy.alternatives) == 1
+
+
 def test_interim_results_then_one_final(stub, clips, expected) -> None:
     wav, samples = clips[0]
     responses = stream(stub, wav, Config(), interim=True)
