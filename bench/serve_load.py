@@ -131,13 +131,13 @@ class Server:
 
 
 def start_server(
-    model: str | None, max_batch: int, max_wait_ms: float, max_streams: int, log
+    model: str | None, max_batch: int, max_wait_ms: float, max_streams: int, threads: int, log
 ) -> Server:
     port, metrics_port = free_port(), free_port()
     cmd = [*ECHOIC, "serve", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", str(metrics_port), "--max-batch", str(max_batch),
            "--max-wait-ms", str(max_wait_ms), "--max-streams", str(max_streams),
-           "--grace-seconds", "5", "--log-level", "warning"]  # fmt: skip
+           "--grace-seconds", "5", "--log-level", "warning", "--threads", str(threads)]  # fmt: skip
     if model:
         cmd += ["--model", model]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -329,6 +329,8 @@ def main() -> None:
     p.add_argument("--max-wait-ms", type=float, default=0.0,
                    help="batched run: ms the server waits for a fuller batch")  # fmt: skip
     p.add_argument("--no-unbatched", action="store_true", help="skip the max-batch 1 run")
+    p.add_argument("--threads", type=int, default=0,
+                   help="server's ONNX Runtime threads per operator (0: its default)")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per message, ms")
     p.add_argument("--lag-limit", type=float, default=1.0,
                    help="s a result may trail its audio (beyond lookahead)")  # fmt: skip
@@ -356,7 +358,9 @@ def main() -> None:
             print(f"{mode}:", file=sys.stderr, flush=True)
             with open(Path(tmp) / f"server-{max_batch}.log", "wb") as log:
                 wait_ms = args.max_wait_ms if max_batch > 1 else 0.0
-                server = start_server(args.model, max_batch, wait_ms, max(args.streams) + 8, log)
+                server = start_server(
+                    args.model, max_batch, wait_ms, max(args.streams) + 8, args.threads, log
+                )
                 try:
                     runs[mode] = asyncio.run(bench_server(server, utterances, args, args.lag_limit))
                 except (RuntimeError, ClientError, asyncio.TimeoutError) as e:
