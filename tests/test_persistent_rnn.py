@@ -199,23 +199,34 @@ def test_gpu_check_script_imports_echoic_from_the_checkout(tmp_path: Path) -> No
 
 # ---- the Triton kernels under the interpreter ----------------------------------------
 
+# Tensor-core tiles run in float16 here: the interpreter's own bf16 tl.dot is wrong
+# (Triton 3.9: a plain 3-d bf16 dot is off by orders of magnitude, fp16 and fp32 are
+# exact), so bf16 tiles are checked by the sm_90 compile and on a GPU.
 INTERPRETER = [
-    pytest.param("gru", "triton", 0, "float32", id="gru-persistent-fp32"),
-    pytest.param("clipped", "triton", 0, "float32", id="rnn-persistent-fp32"),
-    pytest.param("gru", "triton-steps", 4, "float32", id="gru-steps-4-programs-fp32"),
-    pytest.param("relu", "triton-steps", 4, "float32", id="rnn-steps-4-programs-fp32"),
-    pytest.param("gru", "triton-steps", 8, "bfloat16", id="gru-steps-bf16"),
-    pytest.param("clipped", "triton-steps", 8, "float16", id="rnn-steps-fp16"),
+    pytest.param("gru", "triton", 0, 1, 2, "float32", id="gru-persistent-fp32"),
+    pytest.param("clipped", "triton", 0, 1, 2, "float32", id="rnn-persistent-fp32"),
+    pytest.param("gru", "triton-steps", 4, 1, 2, "float32", id="gru-steps-4-programs-fp32"),
+    pytest.param("relu", "triton-steps", 4, 1, 2, "float32", id="rnn-steps-4-programs-fp32"),
+    pytest.param("gru", "triton-steps", 8, 1, 2, "bfloat16", id="gru-steps-bf16"),
+    pytest.param("clipped", "triton-steps", 8, 1, 2, "float16", id="rnn-steps-fp16"),
+    pytest.param("gru", "triton", 0, 16, 2, "float16", id="gru-persistent-tiles-fp16"),
+    pytest.param("gru", "triton-steps", 16, 16, 20, "float16", id="gru-steps-2-tiles-fp16"),
+    pytest.param("relu", "triton-steps", 16, 16, 20, "float16", id="rnn-steps-2-tiles-fp16"),
+    pytest.param("clipped", "triton", 0, 32, 3, "float16", id="rnn-persistent-32-row-tiles-fp16"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "backend", "block_h", "dtype"), INTERPRETER)
-def test_kernels_in_the_interpreter(kind: str, backend: str, block_h: int, dtype: str) -> None:
+@pytest.mark.parametrize(("kind", "backend", "block_h", "block_b", "batch", "dtype"), INTERPRETER)
+def test_kernels_in_the_interpreter(
+    kind: str, backend: str, block_h: int, block_b: int, batch: int, dtype: str
+) -> None:
     """Persistent mode with one program per direction (its barrier completes when the
-    interpreter runs programs one after another); one launch per step with several."""
+    interpreter runs programs one after another); one launch per step with several;
+    rows one at a time (block_b 1) or in tensor-core tiles, one or several a step."""
     pytest.importorskip("triton")
-    args = dict(kind=kind, backend=backend, block_h=block_h, dtype=dtype)
+    args = dict(kind=kind, backend=backend, block_h=block_h, block_b=block_b, batch=batch)
+    args["dtype"] = dtype
     result = _run_check("interpreter", args, timeout=300, env={"TRITON_INTERPRET": "1"})
     out_tol, grad_tol = (1e-5, 1e-4) if dtype == "float32" else (3e-2, 5e-2)
     assert result["out"] < out_tol
@@ -229,6 +240,36 @@ def test_barrier_timeout_fails_cleanly_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     result = _run_check("timeout", {}, timeout=300, env={"TRITON_INTERPRET": "1"})
     assert result == {"error": "PersistentKernelError", "timed_out": True}
+
+
+@pytest.mark.parametrize("block_b", [pytest.param(8, id="8"), pytest.param(24, id="24")])
+def test_tiles_need_a_power_of_two_of_at_least_16_rows(block_b: int) -> None:
+    with pytest.raises(ValueError, match="block_b must be 1 or a power of two >= 16"):
+        KernelConfig(block_h=16, num_warps=8, block_b=block_b)
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype", "message"),
+    [
+        pytest.param(KernelConfig(16, 8, 16), torch.float32, "need bf16 or fp16", id="fp32"),
+        pytest.param(KernelConfig(8, 8, 16), torch.bfloat16, "block_h >= 16", id="block_h-8"),
+    ],
+)
+def test_tiles_refuse_what_tensor_cores_cannot_run(config, dtype, message: str) -> None:
+    pytest.importorskip("triton")
+    from echoic.model.persistent import PersistentKernelError, launch
+
+    with pytest.raises(PersistentKernelError, match=message):
+        launch._tiling(config, 1024, dtype)
+
+
+def test_tiles_are_candidates_only_for_16_bit_weights() -> None:
+    rows_only = capacity.candidates(1024, 2, 132)
+    with_tiles = capacity.candidates(1024, 2, 132, tiles=True)
+    assert [c.block_b for c in rows_only] == [1, 1]
+    assert with_tiles[:2] == rows_only  # rows first: tiles are not yet measured faster
+    assert [(c.block_h, c.block_b) for c in with_tiles[2:]] == [(16, 16), (16, 16)]
+    assert capacity.candidates(512, 2, 132, tiles=True)[2].block_h == 16  # never below 16
 
 
 # ---- sm_90, compiled offline ---------------------------------------------------------
@@ -266,6 +307,46 @@ def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property)
         clean = [w for w, res in usage.items() if all(r.spill_bytes == 0 for r in res)]
         assert bool(clean) == fits, (hidden, usage)
         assert capacity.sm90_fits(cell, dtype, hidden, directions) == fits
+        assert all(r.mma == 0 for res in usage.values() for r in res)  # CUDA cores only
+
+
+TILE_EDGES = [
+    pytest.param(cell, dirs, id=f"{cell}-bf16-x{dirs}")
+    for cell in ("rnn", "gru")
+    for dirs in (1, 2)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cell", "directions"), TILE_EDGES)
+def test_sm90_tile_table(cell: str, directions: int, record_property) -> None:
+    """Tensor-core tiles: the largest H in the tiles table compiles without spills,
+    within an SM's shared memory and with tensor-core instructions; the next does not fit."""
+    pytest.importorskip("triton")
+    from echoic.model.persistent import launch
+
+    limit = capacity.SM90_MAX_HIDDEN_TILES[(cell, "bf16")][directions - 1]
+    larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
+    for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
+        usage = {}
+        for cfg in capacity.candidates(hidden, directions, 132, tiles=True)[2:]:
+            try:
+                res = launch.compile_for_target(cell, torch.bfloat16, hidden, directions, cfg)
+            except (OSError, subprocess.CalledProcessError) as e:
+                pytest.skip(f"no usable ptxas for sm_90: {e}")
+            usage[cfg.num_warps] = res
+            record_property(
+                f"H{hidden}-warps{cfg.num_warps}",
+                [(r.kernel, r.n_regs, r.spill_bytes, r.shared, r.mma) for r in res],
+            )
+        clean = [
+            w
+            for w, res in usage.items()
+            if all(r.spill_bytes == 0 and r.shared <= capacity.SM90_SHARED_PER_PROGRAM for r in res)
+        ]
+        assert bool(clean) == fits, (hidden, usage)
+        assert capacity.sm90_fits(cell, "bf16", hidden, directions, tiles=True) == fits
+        assert all(r.mma > 0 for res in usage.values() for r in res)  # on the tensor cores
 
 
 # ---- on a GPU: against cuDNN -----------------------------------------------------------
@@ -306,6 +387,27 @@ def test_gpu_bf16_autocast_as_close_to_fp32_as_cudnn() -> None:
     result = _run_check("gpu-bf16", {}, timeout=600)
     for kernels, cudnn in zip(result["persistent"], result["cudnn"], strict=True):
         assert kernels <= 2 * cudnn + 1e-3, result
+
+
+TILE_SHAPES = [
+    pytest.param("gru", 1024, 2, id="gru-H1024-x2"),
+    pytest.param("rnn", 1024, 2, id="rnn-H1024-x2"),
+    pytest.param("rnn", 2048, 1, id="rnn-H2048-x1"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("cell", "hidden", "directions"), TILE_SHAPES)
+def test_gpu_tiles_as_close_to_fp32_as_cudnn(cell: str, hidden: int, directions: int) -> None:
+    """Tensor-core tiles under bf16 autocast, T in {1, 7, 700}, B in {1, 4, 16, 20, 64}
+    (one, two and four tiles): outputs and gradients against float32 cuDNN, no further
+    off than cuDNN under the same autocast."""
+    _need_gpu()
+    args = dict(cell=cell, hidden=hidden, directions=directions)
+    result = _run_check("gpu-tiles", args, timeout=600)
+    for case, errors in result["errors"].items():
+        for kernels, cudnn in zip(errors["persistent"], errors["cudnn"], strict=True):
+            assert kernels <= 2 * cudnn + 1e-3, (case, errors)
 
 
 @pytest.mark.gpu
@@ -359,10 +461,11 @@ def _check_no_triton(_: dict) -> dict:
 
 
 def _check_interpreter(args: dict) -> dict:
-    kind, dtype = args["kind"], getattr(torch, args["dtype"])
-    problems, leaves = _two_problems(kind, d=5, h=16, dtype=torch.float32, batch=2, steps=4)
+    kind, dtype, batch = args["kind"], getattr(torch, args["dtype"]), args["batch"]
+    problems, leaves = _two_problems(kind, d=5, h=16, dtype=torch.float32, batch=batch, steps=4)
     low = [dataclasses.replace(p, x=p.x.to(dtype)) for p in problems]
-    config = KernelConfig(args["block_h"], num_warps=4) if args["block_h"] else None
+    block_h = args["block_h"] or 16  # 0: one program a direction (H = 16)
+    config = KernelConfig(block_h, num_warps=4, block_b=args["block_b"])
     outs = recurrences(_cell(kind), low, _clip(kind), args["backend"], config)
     # Against the reference in float64 on the same (rounded) inputs and weights.
     ref_problems = []
@@ -468,6 +571,30 @@ def _check_gpu_bf16(_: dict) -> dict:
     return result
 
 
+def _check_gpu_tiles(args: dict) -> dict:
+    _fp32_exact()
+    cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
+    cfg = KernelConfig(max(capacity.block_h_for(hidden, directions, _sms()), 16), 8, block_b=16)
+    kind = "gru" if cell == "gru" else "relu"
+    errors = {}
+    for steps in (1, 7, 700):
+        for batch in (1, 4, 16, 20, 64):
+            problems, leaves = _gpu_problems(kind, 64, hidden, batch, steps, directions)
+            expected = _modules_path(problems)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                kernels = recurrences(cell, problems, backend="triton", config=cfg)
+                cudnn = _modules_path(problems)
+            errors[f"T{steps}-B{batch}"] = {
+                name: _max_errors([o.float() for o in outs], expected, leaves)
+                for name, outs in (("persistent", kernels), ("cudnn", cudnn))
+            }
+    return {"config": dataclasses.asdict(cfg), "errors": errors}
+
+
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def _check_gpu_refusals(_: dict) -> dict:
     from echoic.model.persistent import PersistentKernelError
 
@@ -513,6 +640,7 @@ CHECKS = {
     "timeout": _check_timeout,
     "gpu": _check_gpu,
     "gpu-bf16": _check_gpu_bf16,
+    "gpu-tiles": _check_gpu_tiles,
     "gpu-refusals": _check_gpu_refusals,
     "gpu-train-step": _check_gpu_train_step,
 }

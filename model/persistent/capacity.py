@@ -30,8 +30,17 @@ registers without spills, one direction / both directions in one launch:
 A GRU with H = 2048 in bf16 holds 24 MB of recurrent weights a direction: the
 whole register file of an H100 is 33 MB, and the kernels spill at the 192 KB a
 program that one direction needs. Such layers, and anything outside this table,
-run on cuDNN (`auto` and `persistent` alike). Shared memory would add 228 KB an
-SM, but Triton gives no control over keeping a tensor there across a loop.
+run on cuDNN (`auto` and `persistent` alike).
+
+Tensor-core tiles (KernelConfig.block_b = 16, 16-bit weights): Triton stages the
+weights of a `tl.dot` operand in shared memory and reads them from there every
+step (still on chip, but not in registers), next to a (BLOCK_B, H) float32 tile of
+the rows' states. What bounds them is shared memory, at most 227 KB a program on
+sm_90; compiled the same way (no spills, shared memory within that):
+
+    cell  dtype       1 direction  2 directions   shared memory at the limit
+    rnn   bf16, fp16  2048         1024           192 KB / 96 KB (block_h 16, 8 warps)
+    gru   bf16, fp16  1024         1024           160 KB (block_h 16, 8 warps)
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 
 from echoic.model.persistent.reference import GATES
 
+SM90_SHARED_PER_PROGRAM = 232448  # bytes of shared memory one program may use on sm_90
 SPIN_LIMIT = 1 << 24  # barrier polls (L2 round trips: seconds in all) before a program gives up
 REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256 (sm_70 to sm_90)
 MAX_HIDDEN = 4096  # the kernels hold a whole state vector in one block of registers
@@ -50,11 +60,25 @@ class PersistentKernelError(RuntimeError):
     """A persistent launch cannot run here, or gave up waiting at its grid barrier."""
 
 
+MMA_MIN = 16  # a tensor-core product needs each of its dimensions to be at least 16
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     block_h: int  # hidden units per program (a power of two)
     num_warps: int  # warps per program
+    block_b: int = 1  # batch rows per product: 1 (matrix-vector) or >= 16 (tensor-core tiles)
     spin_limit: int = SPIN_LIMIT  # barrier polls before a timeout
+
+    def __post_init__(self) -> None:
+        if self.block_b != 1 and (self.block_b < MMA_MIN or self.block_b & (self.block_b - 1)):
+            raise ValueError(
+                f"block_b must be 1 or a power of two >= {MMA_MIN}, not {self.block_b}"
+            )
+
+    @property
+    def tiles(self) -> bool:
+        return self.block_b > 1
 
     def programs(self, hidden: int, directions: int) -> int:
         return directions * math.ceil(hidden / self.block_h)
@@ -69,10 +93,15 @@ def block_h_for(hidden: int, directions: int, sms: int) -> int:
     return next_power_of_2(math.ceil(directions * hidden / sms))
 
 
-def candidates(hidden: int, directions: int, sms: int) -> list[KernelConfig]:
-    """Configurations to try, in order: one program per SM, 8 warps, then 16 warps."""
+def candidates(hidden: int, directions: int, sms: int, tiles: bool = False) -> list[KernelConfig]:
+    """Configurations to try, in order: one program per SM, 8 warps, then 16 warps;
+    with `tiles` (16-bit weights), then the same with 16-row tensor-core tiles (at
+    least 16 units a program, so the grid may use fewer SMs)."""
     block_h = block_h_for(hidden, directions, sms)
-    return [KernelConfig(block_h, warps) for warps in (8, 16)]
+    configs = [KernelConfig(block_h, warps) for warps in (8, 16)]
+    if tiles:
+        configs += [KernelConfig(max(block_h, MMA_MIN), warps, MMA_MIN) for warps in (8, 16)]
+    return configs
 
 
 def weight_bytes(cell: str, hidden: int, block_h: int, itemsize: int) -> int:
@@ -108,8 +137,15 @@ SM90_MAX_HIDDEN: dict[tuple[str, str], tuple[int, int]] = {
     ("gru", "fp16"): (1024, 1024),
     ("gru", "fp32"): (1024, 512),
 }
+SM90_MAX_HIDDEN_TILES: dict[tuple[str, str], tuple[int, int]] = {
+    ("rnn", "bf16"): (2048, 1024),
+    ("rnn", "fp16"): (2048, 1024),
+    ("gru", "bf16"): (1024, 1024),
+    ("gru", "fp16"): (1024, 1024),
+}
 
 
-def sm90_fits(cell: str, dtype: str, hidden: int, directions: int) -> bool:
-    """Whether the sm_90 table says these kernels keep their weights on chip."""
-    return hidden <= SM90_MAX_HIDDEN[(cell, dtype)][directions - 1]
+def sm90_fits(cell: str, dtype: str, hidden: int, directions: int, tiles: bool = False) -> bool:
+    """Whether the sm_90 tables say these kernels keep their weights on chip."""
+    table = SM90_MAX_HIDDEN_TILES if tiles else SM90_MAX_HIDDEN
+    return (cell, dtype) in table and hidden <= table[(cell, dtype)][directions - 1]

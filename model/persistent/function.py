@@ -264,12 +264,14 @@ def plan(
         return "triton is not installed (pip install triton)"
     props = torch.cuda.get_device_properties(device)
     reasons = []
-    for cfg in capacity.candidates(hidden, directions, props.multi_processor_count):
+    tiles = dtype in (torch.bfloat16, torch.float16)
+    for cfg in capacity.candidates(hidden, directions, props.multi_processor_count, tiles):
         try:
             launch.check(cell, dtype, hidden, directions, cfg, torch.device("cuda", device))
             return cfg
         except Exception as e:  # noqa: BLE001 - any compile, load or resource failure: cuDNN
-            reasons.append(f"{cfg.num_warps} warps: {type(e).__name__}: {e}")
+            label = f"{cfg.num_warps} warps" + (f", {cfg.block_b}-row tiles" if cfg.tiles else "")
+            reasons.append(f"{label}: {type(e).__name__}: {e}")
     return "; ".join(reasons)
 
 

@@ -9,8 +9,23 @@ launch, each with its own barrier counter and its own number of rows and steps.
 
 Forward weights are W_hh viewed as (G, H, H) (gate, unit, input unit); backward
 weights are the same matrices transposed, so both kernels hold rows of a
-(G, H, H) tensor and share one matrix-vector helper. The state is exchanged in
+(G, H, H) tensor and share one product helper. The state is exchanged in
 float32 whatever the compute dtype; products and sums are float32.
+
+A program computes its units for the batch rows in one of two ways (BLOCK_B):
+
+- BLOCK_B = 1: one row at a time, a matrix-vector product on the CUDA cores
+  (weights held as (BLOCK_H, H)), any dtype.
+- BLOCK_B >= 16: BLOCK_B rows at once on the tensor cores (16-bit weights only).
+  H is split into KS chunks, one per warp: the weights are held as a (KS, H/KS,
+  BLOCK_H) operand, the rows' states are read as (KS, BLOCK_B, H/KS), one batched
+  `tl.dot` gives (KS, BLOCK_B, BLOCK_H) partial sums and a sum over KS the product.
+  Up to BLOCK_B rows cost one read of the state and one product instead of
+  BLOCK_B of each, which is what a small batch needs (Diamos et al.'s regime).
+
+Everything else (addressing, the cell's elementwise math, the barrier) is the same
+code for both: a row index is a scalar in the first mode and a (BLOCK_B,) vector
+in the second, and the helpers broadcast either way.
 
 Row n of a direction takes step s at time position `_position(s, L_n)`: s, or for
 a reversed direction L_n - 1 - s while s < L_n (positions past the length stay
@@ -114,9 +129,20 @@ def _grid_barrier(counter, status, target, spin_limit):
 
 
 @triton.jit
-def _load_weights(w_ptr, H, rows, cols, mask, CELL: tl.constexpr):
-    """The program's rows of each gate's matrix in a (G, H, H) tensor (one gate: thrice)."""
-    offs = rows[:, None] * H + cols[None, :]
+def _load_weights(w_ptr, H, units, umask, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+                  BLOCK_B: tl.constexpr, CELL: tl.constexpr):  # fmt: skip
+    """The program's units' rows of each gate's matrix in a (G, H, H) tensor (one gate:
+    thrice): (BLOCK_H, BLOCK_K) for matrix-vector products, (KS, BLOCK_K / KS, BLOCK_H)
+    (the chunks of H by unit, a dot's right operand) for tensor-core tiles."""
+    if BLOCK_B == 1:
+        cols = tl.arange(0, BLOCK_K)
+        offs = units[:, None] * H + cols[None, :]
+        mask = umask[:, None] & (cols < H)[None, :]
+    else:
+        k = tl.arange(0, KS)[:, None, None] * (BLOCK_K // KS)
+        k += tl.arange(0, BLOCK_K // KS)[None, :, None]  # (KS, KC, 1)
+        offs = units[None, None, :] * H + k
+        mask = umask[None, None, :] & (k < H)
     w_a = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if CELL == GRU:
         w_b = tl.load(w_ptr + H * H + offs, mask=mask, other=0.0)
@@ -127,12 +153,74 @@ def _load_weights(w_ptr, H, rows, cols, mask, CELL: tl.constexpr):
 
 
 @triton.jit
-def _gates_matvec(g, w_a, w_b, w_c, H, cols, cmask, CELL: tl.constexpr, ASM: tl.constexpr):
-    """sum over gates of W_g^T dg_g for one row of dgh (G*H floats at g)."""
-    acc = _matvec(w_a, _shared(g + cols, cmask), ASM)
+def _rows(first, n_rows, lens, BLOCK_B: tl.constexpr):
+    """The batch rows from `first` on that one pass computes: (row, length, valid), as
+    scalars (BLOCK_B = 1) or (BLOCK_B,) vectors."""
+    if BLOCK_B == 1:
+        row = tl.cast(first, tl.int64)
+        length = tl.load(lens + first)
+        valid = first < n_rows
+    else:
+        row = first + tl.arange(0, BLOCK_B)
+        valid = row < n_rows
+        length = tl.load(lens + row, mask=valid, other=0)
+        row = row.to(tl.int64)
+    return row, length, valid
+
+
+@triton.jit
+def _by_unit(x, BLOCK_B: tl.constexpr):
+    """A per-row value (scalar or (BLOCK_B,)) made to broadcast against the units."""
+    if BLOCK_B == 1:
+        out = x
+    else:
+        out = x[:, None]
+    return out
+
+
+@triton.jit
+def _tile_mask(valid, umask, BLOCK_B: tl.constexpr):
+    """Which (row, unit) elements exist: (BLOCK_H,) or (BLOCK_B, BLOCK_H)."""
+    if BLOCK_B == 1:
+        out = umask
+    else:
+        out = valid[:, None] & umask[None, :]
+    return out
+
+
+@triton.jit
+def _source(base, valid, H, w, BLOCK_K: tl.constexpr, KS: tl.constexpr, BLOCK_B: tl.constexpr):
+    """A whole H-vector per row that other programs wrote (from L2), as the product
+    with w needs it: (BLOCK_K,) float32, or (KS, BLOCK_B, BLOCK_K / KS) in w's dtype."""
+    if BLOCK_B == 1:
+        cols = tl.arange(0, BLOCK_K)
+        out = _shared(base + cols, cols < H)
+    else:
+        k = tl.arange(0, KS)[:, None, None] * (BLOCK_K // KS)
+        k += tl.arange(0, BLOCK_K // KS)[None, None, :]  # (KS, 1, KC)
+        mask = valid[None, :, None] & (k < H)
+        out = _shared(base[None, :, None] + k, mask).to(w.dtype)
+    return out
+
+
+@triton.jit
+def _product(src, w, ASM: tl.constexpr, BLOCK_B: tl.constexpr):
+    """W_slice times each row's vector: (BLOCK_H,) or (BLOCK_B, BLOCK_H) float32."""
+    if BLOCK_B == 1:
+        out = _matvec(w, src, ASM)
+    else:
+        out = tl.sum(tl.dot(src, w), axis=0)  # (KS, BLOCK_B, BLOCK_H) partial sums over H
+    return out
+
+
+@triton.jit
+def _gates_product(g, valid, w_a, w_b, w_c, H, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+                   CELL: tl.constexpr, ASM: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    """sum over gates of W_g^T dg_g for each row's dgh (G*H floats from g)."""
+    acc = _product(_source(g, valid, H, w_a, BLOCK_K, KS, BLOCK_B), w_a, ASM, BLOCK_B)
     if CELL == GRU:
-        acc += _matvec(w_b, _shared(g + H + cols, cmask), ASM)
-        acc += _matvec(w_c, _shared(g + 2 * H + cols, cmask), ASM)
+        acc += _product(_source(g + H, valid, H, w_b, BLOCK_K, KS, BLOCK_B), w_b, ASM, BLOCK_B)
+        acc += _product(_source(g + 2 * H, valid, H, w_c, BLOCK_K, KS, BLOCK_B), w_c, ASM, BLOCK_B)
     return acc
 
 
@@ -149,57 +237,58 @@ def recurrence_forward_kernel(
     sync, status,  # int32 (2,) barrier counters (zeroed), int32 (1,) timeout flag
     H, clip, s_begin, s_end, spin_limit,
     CELL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, KS: tl.constexpr,
     SAVE: tl.constexpr, BARRIER: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Steps s_begin to min(s_end, T) - 1 of each direction."""
     slices = tl.cdiv(H, BLOCK_H)
     pid = tl.program_id(0)
     d = pid // slices
-    rows = (pid % slices) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_K)
-    rmask, cmask = rows < H, cols < H
+    units = (pid % slices) * BLOCK_H + tl.arange(0, BLOCK_H)
+    umask = units < H
     gi, h0, lens = _pick(d, gi0, gi1), _pick(d, h00, h01), _pick(d, len0, len1)
     hs, sv, bn = _pick(d, hs0, hs1), _pick(d, sv0, sv1), _pick(d, bn0, bn1)
     n_rows, steps = _pick(d, n_rows0, n_rows1), _pick(d, steps0, steps1)
     reverse = _pick(d, reverse0, reverse1)
     G = 1 + 2 * CELL
     # Loaded once: the weight slice stays in registers for every step below.
-    wmask = rmask[:, None] & cmask[None, :]
-    w_a, w_b, w_c = _load_weights(_pick(d, w0, w1), H, rows, cols, wmask, CELL)
-    b_n = tl.load(bn + rows, mask=rmask, other=0.0)
+    w = _pick(d, w0, w1)
+    w_a, w_b, w_c = _load_weights(w, H, units, umask, BLOCK_K, KS, BLOCK_B, CELL)
+    b_n = tl.load(bn + units, mask=umask, other=0.0)
 
     s = s_begin
     s_stop = tl.minimum(s_end, steps)
     failed = tl.zeros((), tl.int32)
     while (s < s_stop) & (failed == 0):
-        for b in range(n_rows):
-            row = tl.cast(b, tl.int64)
-            length = tl.load(lens + b)
+        for first in range(0, n_rows, BLOCK_B):
+            row, length, valid = _rows(first, n_rows, lens, BLOCK_B)
             at = row * steps + _position(s, length, reverse)
             if s == 0:
                 prev = h0 + row * H
             else:
                 prev = hs + (row * steps + _position(s - 1, length, reverse)) * H
-            h_all = _shared(prev + cols, cmask)  # the whole previous state
-            x = gi + at * (G * H) + rows
-            a = tl.load(x, mask=rmask, other=0.0).to(tl.float32) + _matvec(w_a, h_all, ASM)
+            src = _source(prev, valid, H, w_a, BLOCK_K, KS, BLOCK_B)  # the previous states
+            mask = _tile_mask(valid, umask, BLOCK_B)
+            at_u = _by_unit(at, BLOCK_B)
+            x = gi + at_u * (G * H) + units
+            a = tl.load(x, mask=mask, other=0.0).to(tl.float32) + _product(src, w_a, ASM, BLOCK_B)
             if CELL == GRU:
                 r = tl.sigmoid(a)
-                z = tl.load(x + H, mask=rmask, other=0.0).to(tl.float32)
-                z = tl.sigmoid(z + _matvec(w_b, h_all, ASM))
-                hn = _matvec(w_c, h_all, ASM) + b_n
-                a_n = tl.load(x + 2 * H, mask=rmask, other=0.0).to(tl.float32) + r * hn
+                z = tl.load(x + H, mask=mask, other=0.0).to(tl.float32)
+                z = tl.sigmoid(z + _product(src, w_b, ASM, BLOCK_B))
+                hn = _product(src, w_c, ASM, BLOCK_B) + b_n
+                a_n = tl.load(x + 2 * H, mask=mask, other=0.0).to(tl.float32) + r * hn
                 n = 2.0 * tl.sigmoid(2.0 * a_n) - 1.0  # tanh
-                h = (1.0 - z) * n + z * _shared(prev + rows, rmask)
+                h = (1.0 - z) * n + z * _shared(_by_unit(prev, BLOCK_B) + units, mask)
                 if SAVE:
-                    keep = sv + at * (4 * H) + rows
-                    tl.store(keep, r, mask=rmask)
-                    tl.store(keep + H, z, mask=rmask)
-                    tl.store(keep + 2 * H, n, mask=rmask)
-                    tl.store(keep + 3 * H, hn, mask=rmask)
+                    keep = sv + at_u * (4 * H) + units
+                    tl.store(keep, r, mask=mask)
+                    tl.store(keep + H, z, mask=mask)
+                    tl.store(keep + 2 * H, n, mask=mask)
+                    tl.store(keep + 3 * H, hn, mask=mask)
             else:
                 h = tl.minimum(tl.maximum(a, 0.0), clip)
-            tl.store(hs + at * H + rows, h, mask=rmask)
+            tl.store(hs + at_u * H + units, h, mask=mask)
         if BARRIER:
             failed = _grid_barrier(sync + d, status, (s - s_begin + 1) * slices, spin_limit)
         s += 1
@@ -221,6 +310,7 @@ def recurrence_backward_kernel(
     sync, status,
     H, clip, s_hi, s_lo, spin_limit,
     CELL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, KS: tl.constexpr,
     BARRIER: tl.constexpr, FINAL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Steps min(s_hi, T) - 1 down to s_lo; with FINAL, then the gradient of h0.
@@ -231,9 +321,8 @@ def recurrence_backward_kernel(
     slices = tl.cdiv(H, BLOCK_H)
     pid = tl.program_id(0)
     d = pid // slices
-    rows = (pid % slices) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_K)
-    rmask, cmask = rows < H, cols < H
+    units = (pid % slices) * BLOCK_H + tl.arange(0, BLOCK_H)
+    umask = units < H
     dout, hs, sv = _pick(d, dout0, dout1), _pick(d, hs0, hs1), _pick(d, sv0, sv1)
     h0, lens = _pick(d, h00, h01), _pick(d, len0, len1)
     dgh, dgi, carry = _pick(d, dgh0, dgh1), _pick(d, dgi0, dgi1), _pick(d, carry0, carry1)
@@ -241,62 +330,72 @@ def recurrence_backward_kernel(
     n_rows, steps = _pick(d, n_rows0, n_rows1), _pick(d, steps0, steps1)
     reverse = _pick(d, reverse0, reverse1)
     G = 1 + 2 * CELL
-    wmask = rmask[:, None] & cmask[None, :]
-    w_a, w_b, w_c = _load_weights(_pick(d, wt0, wt1), H, rows, cols, wmask, CELL)
+    wt = _pick(d, wt0, wt1)
+    w_a, w_b, w_c = _load_weights(wt, H, units, umask, BLOCK_K, KS, BLOCK_B, CELL)
 
     s = tl.minimum(s_hi, steps) - 1
     done = 0
     failed = tl.zeros((), tl.int32)
     while (s >= s_lo) & (failed == 0):
-        for b in range(n_rows):
-            row = tl.cast(b, tl.int64)
-            length = tl.load(lens + b)
+        for first in range(0, n_rows, BLOCK_B):
+            row, length, valid = _rows(first, n_rows, lens, BLOCK_B)
+            mask = _tile_mask(valid, umask, BLOCK_B)
+            row_u = _by_unit(row, BLOCK_B) * H + units  # this program's units of a row's H
             at = row * steps + _position(s, length, reverse)
-            dh = tl.load(dout + at * H + rows, mask=rmask, other=0.0).to(tl.float32)
+            at_u = _by_unit(at, BLOCK_B)
+            dh = tl.load(dout + at_u * H + units, mask=mask, other=0.0).to(tl.float32)
             if s + 1 < steps:  # the recurrent gradient from the step after
                 nxt = row * steps + _position(s + 1, length, reverse)
-                dh += _gates_matvec(dgh + nxt * (G * H), w_a, w_b, w_c, H, cols, cmask, CELL, ASM)
+                dh += _gates_product(
+                    dgh + nxt * (G * H), valid, w_a, w_b, w_c, H, BLOCK_K, KS, CELL, ASM, BLOCK_B
+                )
                 if CELL == GRU:
-                    z_next = tl.load(sv + nxt * (4 * H) + H + rows, mask=rmask, other=0.0)
-                    dh += z_next * tl.load(carry + row * H + rows, mask=rmask, other=0.0)
+                    z_next = tl.load(
+                        sv + _by_unit(nxt, BLOCK_B) * (4 * H) + H + units, mask=mask, other=0.0
+                    )
+                    dh += z_next * tl.load(carry + row_u, mask=mask, other=0.0)
             if CELL == GRU:
-                tl.store(carry + row * H + rows, dh, mask=rmask)
+                tl.store(carry + row_u, dh, mask=mask)
                 if s == 0:
                     prev = h0 + row * H
                 else:
                     prev = hs + (row * steps + _position(s - 1, length, reverse)) * H
-                h_prev = tl.load(prev + rows, mask=rmask, other=0.0)
-                keep = sv + at * (4 * H) + rows
-                r = tl.load(keep, mask=rmask, other=0.0)
-                z = tl.load(keep + H, mask=rmask, other=0.0)
-                n = tl.load(keep + 2 * H, mask=rmask, other=0.0)
-                hn = tl.load(keep + 3 * H, mask=rmask, other=0.0)
+                h_prev = tl.load(_by_unit(prev, BLOCK_B) + units, mask=mask, other=0.0)
+                keep = sv + at_u * (4 * H) + units
+                r = tl.load(keep, mask=mask, other=0.0)
+                z = tl.load(keep + H, mask=mask, other=0.0)
+                n = tl.load(keep + 2 * H, mask=mask, other=0.0)
+                hn = tl.load(keep + 3 * H, mask=mask, other=0.0)
                 d_an = dh * (1.0 - z) * (1.0 - n * n)
                 d_ar = d_an * hn * r * (1.0 - r)
                 d_az = dh * (h_prev - n) * z * (1.0 - z)
-                out_h = dgh + at * (3 * H) + rows
-                tl.store(out_h, d_ar, mask=rmask)
-                tl.store(out_h + H, d_az, mask=rmask)
-                tl.store(out_h + 2 * H, d_an * r, mask=rmask)
-                out_i = dgi + at * (3 * H) + rows
-                tl.store(out_i, d_ar, mask=rmask)
-                tl.store(out_i + H, d_az, mask=rmask)
-                tl.store(out_i + 2 * H, d_an, mask=rmask)
+                out_h = dgh + at_u * (3 * H) + units
+                tl.store(out_h, d_ar, mask=mask)
+                tl.store(out_h + H, d_az, mask=mask)
+                tl.store(out_h + 2 * H, d_an * r, mask=mask)
+                out_i = dgi + at_u * (3 * H) + units
+                tl.store(out_i, d_ar, mask=mask)
+                tl.store(out_i + H, d_az, mask=mask)
+                tl.store(out_i + 2 * H, d_an, mask=mask)
             else:
-                h = tl.load(hs + at * H + rows, mask=rmask, other=0.0)
+                h = tl.load(hs + at_u * H + units, mask=mask, other=0.0)
                 d_a = tl.where((h > 0.0) & (h < clip), dh, 0.0)
-                tl.store(dgh + at * H + rows, d_a, mask=rmask)
+                tl.store(dgh + at_u * H + units, d_a, mask=mask)
         if BARRIER:
             done += 1
             failed = _grid_barrier(sync + d, status, done * slices, spin_limit)
         s -= 1
 
     if FINAL:  # dL/dh0 = W^T dgh(step 0) (+ z * dh for the GRU); skipped after a timeout
-        for b in range(n_rows * (failed == 0).to(tl.int32)):
-            row = tl.cast(b, tl.int64)
-            first = row * steps + _position(0, tl.load(lens + b), reverse)
-            acc = _gates_matvec(dgh + first * (G * H), w_a, w_b, w_c, H, cols, cmask, CELL, ASM)
+        for first in range(0, n_rows * (failed == 0).to(tl.int32), BLOCK_B):
+            row, length, valid = _rows(first, n_rows, lens, BLOCK_B)
+            mask = _tile_mask(valid, umask, BLOCK_B)
+            row_u = _by_unit(row, BLOCK_B) * H + units
+            at = row * steps + _position(0, length, reverse)
+            acc = _gates_product(
+                dgh + at * (G * H), valid, w_a, w_b, w_c, H, BLOCK_K, KS, CELL, ASM, BLOCK_B
+            )
             if CELL == GRU:
-                z0 = tl.load(sv + first * (4 * H) + H + rows, mask=rmask, other=0.0)
-                acc += z0 * tl.load(carry + row * H + rows, mask=rmask, other=0.0)
-            tl.store(dh0 + row * H + rows, acc, mask=rmask)
+                z0 = tl.load(sv + _by_unit(at, BLOCK_B) * (4 * H) + H + units, mask=mask, other=0.0)
+                acc += z0 * tl.load(carry + row_u, mask=mask, other=0.0)
+            tl.store(dh0 + row_u, acc, mask=mask)

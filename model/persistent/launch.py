@@ -26,6 +26,7 @@ from torch import Tensor
 
 from echoic.model.persistent import kernels
 from echoic.model.persistent.capacity import (
+    MMA_MIN,
     KernelConfig,
     PersistentKernelError,
     next_power_of_2,
@@ -87,7 +88,24 @@ def _launch(kernel, programs: int, args: list, consts: dict, cfg: KernelConfig, 
 
 
 def _options(cfg: KernelConfig, consts: dict) -> dict:
-    return dict(num_warps=cfg.num_warps, enable_fp_fusion=True, ASM=not interpreted(), **consts)
+    return dict(_compile_options(cfg), ASM=not interpreted(), **consts)
+
+
+def _compile_options(cfg: KernelConfig) -> dict:
+    # num_stages=1: no software pipelining of the loop over row tiles. It has a few
+    # iterations at most, and each stage would keep another (BLOCK_B, H) float32 tile
+    # in shared memory beside the weights (the backward tiles would not fit an SM).
+    return dict(num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=True)
+
+
+def _tiling(cfg: KernelConfig, hidden: int, dtype: torch.dtype) -> dict:
+    """The kernels' BLOCK_H, BLOCK_B and KS (chunks of H, one a warp, for tiles)."""
+    if cfg.tiles and dtype not in (torch.bfloat16, torch.float16):
+        raise PersistentKernelError(f"tensor-core tiles need bf16 or fp16 weights, not {dtype}")
+    if cfg.tiles and cfg.block_h < MMA_MIN:
+        raise PersistentKernelError(f"tensor-core tiles need block_h >= {MMA_MIN}")
+    chunks = min(cfg.num_warps, max(next_power_of_2(hidden) // MMA_MIN, 1)) if cfg.tiles else 1
+    return dict(BLOCK_H=cfg.block_h, BLOCK_B=cfg.block_b, KS=chunks)
 
 
 def _counters(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -157,8 +175,8 @@ def forward(
     """States (N, T, H) float32 and, with `save`, the GRU gates (N, T, 4H) per direction."""
     outs = _forward_buffers(cell, dirs, save)
     args, consts, status = _forward_args(cell, clip, dirs, outs, save)
-    consts["BLOCK_H"] = cfg.block_h
     hidden = dirs[0].w.shape[-1]
+    consts.update(_tiling(cfg, hidden, dirs[0].w.dtype))
     programs = cfg.programs(hidden, len(dirs))
     steps = max(d.gi.shape[1] for d in dirs)
     kernel = kernels.recurrence_forward_kernel
@@ -182,8 +200,8 @@ def backward(
     bufs = _backward_buffers(cell, states)
     dirs = [dataclasses.replace(d, w=d.w.transpose(1, 2).contiguous()) for d in dirs]  # W_hh^T
     args, consts, status = _backward_args(cell, clip, dirs, douts, states, bufs)
-    consts["BLOCK_H"] = cfg.block_h
     hidden = dirs[0].w.shape[-1]
+    consts.update(_tiling(cfg, hidden, dirs[0].w.dtype))
     programs = cfg.programs(hidden, len(dirs))
     steps = max(d.shape[1] for d in douts)
     kernel = kernels.recurrence_backward_kernel
@@ -246,7 +264,7 @@ def check(cell: Cell, dtype: torch.dtype, hidden: int, directions: int, cfg: Ker
     """Compile both kernels for this GPU and raise PersistentKernelError unless they fit."""
     programs = cfg.programs(hidden, directions)
     for kernel, args, consts in _placeholders(cell, dtype, hidden, directions, device):
-        options = _options(cfg, dict(consts, BLOCK_H=cfg.block_h))
+        options = _options(cfg, dict(consts, **_tiling(cfg, hidden, dtype)))
         compiled = kernel.warmup(*args, grid=(programs,), launch_cooperative_grid=True, **options)
         _check_resources(compiled, programs, device)
 
@@ -258,6 +276,7 @@ class Resources:
     spill_bytes: int  # spill stores + loads per thread, bytes (0: everything stays on chip)
     stack_bytes: int  # stack frame per thread, bytes
     shared: int  # shared memory per program, bytes
+    mma: int  # tensor-core instructions in the PTX (mma.sync, wgmma)
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -276,7 +295,7 @@ def compile_for_target(cell: Cell, dtype: torch.dtype, hidden: int, directions: 
 
     out = []
     for kernel, args, consts in _placeholders(cell, dtype, hidden, directions, "cpu"):
-        consts = dict(consts, BLOCK_H=cfg.block_h, ASM=True)
+        consts = dict(consts, ASM=True, **_tiling(cfg, hidden, dtype))
         runtime = dict(zip(kernel.arg_names, args, strict=False))  # the rest are constexprs
         signature, attrs = {}, {}
         for i, name in enumerate(kernel.arg_names):
@@ -291,8 +310,9 @@ def compile_for_target(cell: Cell, dtype: torch.dtype, hidden: int, directions: 
             if isinstance(value, Tensor) or name == "H" and hidden % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
-        options = dict(num_warps=cfg.num_warps, enable_fp_fusion=True)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        compiled = triton.compile(
+            src, target=GPUTarget("cuda", arch, 32), options=_compile_options(cfg)
+        )
         target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
         with tempfile.TemporaryDirectory() as tmp:
             ptx = os.path.join(tmp, "kernel.ptx")
@@ -312,6 +332,7 @@ def compile_for_target(cell: Cell, dtype: torch.dtype, hidden: int, directions: 
                 spill_bytes=sum(int(x) for x in spills),
                 stack_bytes=int(stack.group(1)) if stack else 0,
                 shared=compiled.metadata.shared,
+                mma=len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.", compiled.asm["ptx"])),
             )
         )
     return out
