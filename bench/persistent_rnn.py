@@ -7,10 +7,12 @@ Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
 1. One recurrent layer (input size = H, as in every DS2 layer but the first), one
    or both directions, B in {1, 4, 16, 64}, H in {1024, 2048}: the persistent
    kernels (one launch a pass, both directions in it) against nn.RNN(relu) /
-   nn.GRU on cuDNN, under autocast in --dtype as in training. Times are medians
-   of --repeats runs (CUDA events, after warm-up); TFLOP/s counts the input GEMM
-   and the recurrence (backward = 2x forward). A shape the kernels do not fit
-   says why instead.
+   nn.GRU on cuDNN, under autocast in --dtype as in training. Two variants of the
+   kernels, a line each: "rows" (one batch row at a time, matrix-vector products
+   on the CUDA cores; what `plan` picks first) and "tiles" (16 rows at a time on
+   the tensor cores; 16-bit dtypes). Times are medians of --repeats runs (CUDA
+   events, after warm-up); TFLOP/s counts the input GEMM and the recurrence
+   (backward = 2x forward). A shape a variant does not fit says why instead.
 2. fp16, one direction, one layer, B in {8, 16}, H in {512, 1024}: where PyTorch
    may choose cuDNN's own persistent algorithm (the "persist" column says whether
    cuDNN's kernel names show it).
@@ -18,7 +20,8 @@ Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
    rnn_impl cudnn, persistent and auto: the first step's loss (must agree to
    float tolerance) and the median step time, as a ratio to cuDNN.
 
-Use the ratios to set AUTO_MAX_ROWS in echoic/model/persistent/function.py.
+Use the ratios to set AUTO_MAX_ROWS in echoic/model/persistent/function.py, and
+the order of rows and tiles in capacity.candidates.
 """
 
 from __future__ import annotations
@@ -91,8 +94,39 @@ def _phases(run: Callable[[], list[torch.Tensor]], leaves: list, repeats: int) -
     }
 
 
+def _variants(cell: str, hidden: int, dtype, directions: int) -> dict:
+    """The kernel configuration of each variant on this GPU, or why there is none."""
+    from echoic.model.persistent import KernelConfig, capacity, launch, plan
+
+    found = plan(cell, hidden, dtype, directions, 0)
+    rows = found if isinstance(found, str) or not found.tiles else "plan chose tiles"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = KernelConfig(max(capacity.block_h_for(hidden, directions, sms), 16), 8, block_b=16)
+    try:
+        launch.check(cell, dtype, hidden, directions, tiles, torch.device("cuda", 0))
+    except Exception as e:  # noqa: BLE001 - any compile, load or resource failure
+        tiles = f"{type(e).__name__}: {e}"
+    return {"rows": rows, "tiles": tiles}
+
+
+def _persistent(result: dict, variants: dict, cell: str, problems, leaves, autocast, repeats):
+    """Time each variant that fits into result[variant], or say why it does not."""
+    from echoic.model.persistent import recurrences
+
+    for name, cfg in variants.items():
+        if isinstance(cfg, str):
+            result[name] = cfg
+            continue
+
+        def run(cfg=cfg) -> list[torch.Tensor]:
+            with autocast():
+                return recurrences(cell, problems, backend="triton", config=cfg)
+
+        result[name] = _phases(run, leaves, repeats)
+
+
 def layer_case(cell: str, hidden: int, batch: int, steps: int, directions: int, dtype, repeats):
-    from echoic.model.persistent import Problem, plan, recurrences
+    from echoic.model.persistent import Problem
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -107,23 +141,14 @@ def layer_case(cell: str, hidden: int, batch: int, steps: int, directions: int, 
             return [cudnn(x)[0]]
 
     result = {"cudnn": _phases(run_cudnn, [x, *cudnn.parameters()], repeats)}
-    found = plan(cell, hidden, dtype, directions, dev.index or 0)
-    if isinstance(found, str):
-        result["unsupported"] = found
-        return result
     dirs = [_module(cell, hidden, 1).to(dev) for _ in range(directions)]
     lengths = torch.full((batch,), steps, device=dev)
     problems = [Problem(dirs[0], x)]
     if directions == 2:
         problems.append(Problem(dirs[1], x, None, lengths, reverse=True))
-
-    def run_persistent() -> list[torch.Tensor]:
-        with autocast():
-            return recurrences(cell, problems, backend="triton", config=found)
-
     leaves = [x, *(p for m in dirs for p in m.parameters())]
-    result["persistent"] = _phases(run_persistent, leaves, repeats)
-    result["config"] = found
+    variants = _variants(cell, hidden, dtype, directions)
+    _persistent(result, variants, cell, problems, leaves, autocast, repeats)
     return result
 
 
@@ -138,7 +163,9 @@ def cudnn_uses_persist(fn: Callable[[], object]) -> bool:
 
 
 def fp16_persist_case(cell: str, hidden: int, batch: int, steps: int, repeats: int) -> dict:
-    from echoic.model.persistent import Problem, plan, recurrences
+    from contextlib import nullcontext
+
+    from echoic.model.persistent import Problem
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -152,39 +179,34 @@ def fp16_persist_case(cell: str, hidden: int, batch: int, steps: int, repeats: i
         "cudnn": _phases(run_cudnn, [x, *cudnn.parameters()], repeats),
         "persist": cudnn_uses_persist(run_cudnn),
     }
-    found = plan(cell, hidden, torch.float16, 1, dev.index or 0)
-    if isinstance(found, str):
-        result["unsupported"] = found
-        return result
     mine = _module(cell, hidden, 1).to(dev).half()
-
-    def run_persistent() -> list[torch.Tensor]:
-        return recurrences(cell, [Problem(mine, x)], backend="triton", config=found)
-
-    result["persistent"] = _phases(run_persistent, [x, *mine.parameters()], repeats)
+    variants = _variants(cell, hidden, torch.float16, 1)
+    _persistent(result, variants, cell, [Problem(mine, x)], [x, *mine.parameters()],
+                nullcontext, repeats)  # fmt: skip
     return result
 
 
-def _row(label: str, r: dict, steps: int, flops: float) -> str:
-    c = r["cudnn"]
-    cells = [label]
-    if "unsupported" in r:
-        for phase in ("fwd", "bwd", "both"):
-            cells.append(f"{'-':>8} {c[phase] / steps * 1e6:>8.1f} {'-':>6}")
-        return " | ".join(cells) + f" | does not fit: {r['unsupported'][:60]}"
-    p = r["persistent"]
-    for phase in ("fwd", "bwd", "both"):
-        us_p, us_c = p[phase] / steps * 1e6, c[phase] / steps * 1e6
-        cells.append(f"{us_p:>8.1f} {us_c:>8.1f} {us_c / us_p:>5.2f}x")
-    total = 3 * flops
-    cells.append(f"{total / p['both'] / 1e12:>7.2f} {total / c['both'] / 1e12:>7.2f}")
-    return " | ".join(cells)
-
-
 HEADER = (
-    "{label} | fwd us/step: pers.  cuDNN  speedup | bwd: pers.  cuDNN  speedup"
-    " | both: pers.  cuDNN  speedup | TFLOP/s pers. cuDNN"
+    "{label} | impl    | fwd us/step  vs cuDNN | bwd us/step  vs cuDNN"
+    " | both us/step  vs cuDNN | TFLOP/s"
 )
+
+
+def _rows(label: str, r: dict, steps: int, flops: float) -> list[str]:
+    """One line per implementation: cuDNN, then each variant of the kernels."""
+    base = r["cudnn"]
+    lines = []
+    for impl in ("cudnn", "rows", "tiles"):
+        cells = [label, f"{impl:<7}"]
+        if isinstance(r[impl], str):
+            lines.append(" | ".join(cells) + f" | does not fit: {r[impl][:90]}")
+            continue
+        for phase in ("fwd", "bwd", "both"):
+            us, us_base = r[impl][phase] / steps * 1e6, base[phase] / steps * 1e6
+            cells.append(f"{us:>11.1f} {us_base / us:>8.2f}x")
+        cells.append(f"{3 * flops / r[impl]['both'] / 1e12:>7.2f}")
+        lines.append(" | ".join(cells))
+    return lines
 
 
 def ds2_step(impl: str, batch: int, seconds: float, repeats: int) -> dict:
@@ -245,7 +267,7 @@ def main() -> None:
                 for batch in batches:
                     r = layer_case(cell, hidden, batch, args.steps, directions, dtype, args.repeats)
                     flops = layer_flops(cell, hidden, batch, args.steps, directions)
-                    print(_row(f"{hidden:>5} {batch:>3}", r, args.steps, flops), flush=True)
+                    print(*_rows(f"{hidden:>5} {batch:>3}", r, args.steps, flops), sep="\n")
 
     print("\nfp16, one direction, one layer: where cuDNN may use its persistent algorithm")
     print(HEADER.format(label=f"{'cell':>4} {'H':>5} {'B':>3} persist"))
@@ -255,7 +277,7 @@ def main() -> None:
                 r = fp16_persist_case(cell, hidden, batch, args.steps, args.repeats)
                 flops = layer_flops(cell, hidden, batch, args.steps, 1)
                 label = f"{cell:>4} {hidden:>5} {batch:>3} {'yes' if r['persist'] else 'no':>7}"
-                print(_row(label, r, args.steps, flops), flush=True)
+                print(*_rows(label, r, args.steps, flops), sep="\n", flush=True)
 
     print(f"\nDS2 training step (recipe model, bf16, B = {args.ds2_batch}, 4 s utterances)")
     steps = {
