@@ -96,12 +96,12 @@ def _phases(run: Callable[[], list[torch.Tensor]], leaves: list, repeats: int) -
 
 def _variants(cell: str, hidden: int, dtype, directions: int) -> dict:
     """The kernel configuration of each variant on this GPU, or why there is none."""
-    from echoic.model.persistent import KernelConfig, capacity, launch, plan
+    from echoic.model.persistent import capacity, launch, plan
 
     found = plan(cell, hidden, dtype, directions, 0)
     rows = found if isinstance(found, str) or not found.tiles else "plan chose tiles"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = KernelConfig(max(capacity.block_h_for(hidden, directions, sms), 16), 8, block_b=16)
+    tiles = capacity.candidates(hidden, directions, sms, tiles=True)[2]  # tiles, 8 warps
     try:
         launch.check(cell, dtype, hidden, directions, tiles, torch.device("cuda", 0))
     except Exception as e:  # noqa: BLE001 - any compile, load or resource failure

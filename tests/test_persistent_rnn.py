@@ -574,7 +574,7 @@ def _check_gpu_bf16(_: dict) -> dict:
 def _check_gpu_tiles(args: dict) -> dict:
     _fp32_exact()
     cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
-    cfg = KernelConfig(max(capacity.block_h_for(hidden, directions, _sms()), 16), 8, block_b=16)
+    cfg = capacity.candidates(hidden, directions, _sms(), tiles=True)[2]  # tiles, 8 warps
     kind = "gru" if cell == "gru" else "relu"
     errors = {}
     for steps in (1, 7, 700):
