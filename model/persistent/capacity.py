@@ -61,6 +61,7 @@ class PersistentKernelError(RuntimeError):
 
 
 MMA_MIN = 16  # a tensor-core product needs each of its dimensions to be at least 16
+TILE_DTYPES = ("bfloat16", "float16")  # weight dtypes (torch names) that tiles run with
 
 
 @dataclass(frozen=True)

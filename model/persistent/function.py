@@ -264,7 +264,7 @@ def plan(
         return "triton is not installed (pip install triton)"
     props = torch.cuda.get_device_properties(device)
     reasons = []
-    tiles = dtype in (torch.bfloat16, torch.float16)
+    tiles = launch.tile_dtype(dtype)
     for cfg in capacity.candidates(hidden, directions, props.multi_processor_count, tiles):
         try:
             launch.check(cell, dtype, hidden, directions, cfg, torch.device("cuda", device))

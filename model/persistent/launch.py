@@ -27,6 +27,7 @@ from torch import Tensor
 from echoic.model.persistent import kernels
 from echoic.model.persistent.capacity import (
     MMA_MIN,
+    TILE_DTYPES,
     KernelConfig,
     PersistentKernelError,
     next_power_of_2,
@@ -98,9 +99,14 @@ def _compile_options(cfg: KernelConfig) -> dict:
     return dict(num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=True)
 
 
+def tile_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensor-core tiles run with weights of this dtype."""
+    return str(dtype).removeprefix("torch.") in TILE_DTYPES
+
+
 def _tiling(cfg: KernelConfig, hidden: int, dtype: torch.dtype) -> dict:
     """The kernels' BLOCK_H, BLOCK_B and KS (chunks of H, one a warp, for tiles)."""
-    if cfg.tiles and dtype not in (torch.bfloat16, torch.float16):
+    if cfg.tiles and not tile_dtype(dtype):
         raise PersistentKernelError(f"tensor-core tiles need bf16 or fp16 weights, not {dtype}")
     if cfg.tiles and cfg.block_h < MMA_MIN:
         raise PersistentKernelError(f"tensor-core tiles need block_h >= {MMA_MIN}")
