@@ -14,7 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -270,6 +272,192 @@ def test_tiles_are_candidates_only_for_16_bit_weights() -> None:
     assert with_tiles[:2] == rows_only  # rows first: tiles are not yet measured faster
     assert [(c.block_h, c.block_b) for c in with_tiles[2:]] == [(16, 16), (16, 16)]
     assert capacity.candidates(512, 2, 132, tiles=True)[2].block_h == 16  # never below 16
+
+
+# ---- choosing a configuration and falling back (the host side, with a stand-in GPU) ----
+
+# What torch reports for an H100 SXM (the fields `capacity` and `launch` read).
+H100 = SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3",
+    multi_processor_count=132,
+    regs_per_multiprocessor=65536,
+    max_threads_per_multi_processor=2048,
+    shared_memory_per_multiprocessor=233472,
+)
+
+
+@pytest.mark.parametrize(
+    ("n_regs", "num_warps", "shared", "per_sm"),
+    [
+        pytest.param(254, 8, 4096, 1, id="rows-8-warps-all-registers"),
+        pytest.param(128, 16, 2048, 1, id="rows-16-warps"),
+        pytest.param(64, 4, 0, 8, id="small-by-registers"),
+        pytest.param(16, 4, 0, 16, id="small-by-threads"),
+        pytest.param(40, 4, 100_000, 2, id="by-shared-memory"),
+        pytest.param(161, 8, 163_840, 1, id="tiles-gru-1024"),
+    ],
+)
+def test_resident_blocks(n_regs: int, num_warps: int, shared: int, per_sm: int) -> None:
+    assert capacity.resident_blocks(n_regs, num_warps, shared, H100) == per_sm
+
+
+def _compiled(n_regs: int, n_spills: int = 0, num_warps: int = 8, shared: int = 4096):
+    """What `kernel.warmup` returns, as far as the resource check reads it."""
+    metadata = SimpleNamespace(num_warps=num_warps, shared=shared)
+    return SimpleNamespace(_init_handles=lambda: None, n_regs=n_regs, n_spills=n_spills,
+                           metadata=metadata)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("compiled", "programs", "message"),
+    [
+        pytest.param(_compiled(255, n_spills=128), 64, "128 register spills", id="spills"),
+        pytest.param(_compiled(254), 133, "133 programs but only 1 per SM x 132", id="grid"),
+        pytest.param(_compiled(100), 265, "only 2 per SM", id="grid-2-per-sm"),
+        pytest.param(_compiled(254), 132, None, id="one-per-sm"),
+        pytest.param(_compiled(100), 264, None, id="two-per-sm"),
+    ],
+)
+def test_a_launch_needs_its_weights_on_chip_and_its_grid_resident(
+    compiled, programs: int, message: str | None, monkeypatch
+) -> None:
+    pytest.importorskip("triton")
+    from echoic.model.persistent import PersistentKernelError, launch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H100)
+    if message is None:
+        launch._check_resources(compiled, programs, torch.device("cuda", 0))
+    else:
+        with pytest.raises(PersistentKernelError, match=message):
+            launch._check_resources(compiled, programs, torch.device("cuda", 0))
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    """An H100 as `plan` sees it; `launch.check` (the compile on the GPU) fails for the
+    configurations in the returned set, and records every one it is asked about."""
+    pytest.importorskip("triton")
+    from echoic.model.persistent import PersistentKernelError, launch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H100)
+    failing, tried = set(), []
+
+    def check(cell, dtype, hidden, directions, cfg, device) -> None:
+        tried.append(cfg)
+        if cfg in failing:
+            raise PersistentKernelError(f"{cfg.num_warps * 8} register spills")
+
+    monkeypatch.setattr(launch, "check", check)
+    function.plan.cache_clear()
+    yield failing, tried
+    function.plan.cache_clear()
+
+
+def test_plan_takes_the_first_configuration_that_fits(stand_in_gpu) -> None:
+    failing, tried = stand_in_gpu
+    rows_8, rows_16, tiles_8, _ = capacity.candidates(1024, 2, 132, tiles=True)
+    failing.update({rows_8, rows_16})
+    assert function.plan("gru", 1024, torch.bfloat16, 2, 0) == tiles_8
+    assert tried == [rows_8, rows_16, tiles_8]
+    tried.clear()
+    assert isinstance(function.plan("gru", 1024, torch.float32, 2, 0), str)
+    assert tried == [rows_8, rows_16]  # float32: no tiles to try
+
+
+def test_plan_says_why_nothing_fits(stand_in_gpu) -> None:
+    failing, _ = stand_in_gpu
+    failing.update(capacity.candidates(2048, 2, 132, tiles=True))
+    reason = function.plan("gru", 2048, torch.float16, 2, 0)
+    assert reason == (
+        "8 warps: PersistentKernelError: 64 register spills; "
+        "16 warps: PersistentKernelError: 128 register spills; "
+        "8 warps, 16-row tiles: PersistentKernelError: 64 register spills; "
+        "16 warps, 16-row tiles: PersistentKernelError: 128 register spills"
+    )
+    assert function.plan("gru", 1024, torch.float64, 2, 0) == "torch.float64 is not a kernel dtype"
+    assert function.plan("rnn", 8192, torch.bfloat16, 1, 0) == "hidden size 8192 > 4096"
+
+
+def _on_gpu(dtype=torch.bfloat16):
+    """A layer input as `choose` reads it: on a CUDA device, with a dtype."""
+    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("impl", "capability", "rows", "fits", "chosen"),
+    [
+        pytest.param("cudnn", (9, 0), 4, True, False, id="cudnn"),
+        pytest.param("auto", (9, 0), 16, True, True, id="auto-hopper-16-rows"),
+        pytest.param("auto", (9, 0), 17, True, False, id="auto-hopper-17-rows"),
+        pytest.param("auto", (8, 0), 4, True, False, id="auto-ampere"),
+        pytest.param("auto", (9, 0), 4, False, False, id="auto-too-large"),
+        pytest.param("persistent", (8, 0), 64, True, True, id="persistent-ampere"),
+        pytest.param("persistent", (9, 0), 4, False, False, id="persistent-too-large"),
+    ],
+)
+def test_choose(impl, capability, rows: int, fits: bool, chosen: bool, monkeypatch) -> None:
+    cfg = KernelConfig(16, 8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(function, "plan", lambda *key: cfg if fits else "16 warps: it spills")
+    monkeypatch.setattr(function, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
+        assert got == (("triton", cfg) if chosen else None)
+        function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
+    said = [str(w.message) for w in caught]
+    if impl == "persistent" and not fits:  # asked for and refused: said once, not per step
+        assert said == [
+            "persistent kernels do not fit gru H=1024 torch.bfloat16 x2: 16 warps: it spills;"
+            " using cuDNN"
+        ]
+    else:
+        assert said == []
+
+
+def test_choose_runs_the_modules_on_the_cpu_and_after_a_failure(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(function, "plan", lambda *key: KernelConfig(16, 8))
+    monkeypatch.setattr(function, "_broken", set())
+    assert function.choose("persistent", "gru", 1024, torch.zeros(2, 3, 4), 2, 2) is None
+    assert function.choose("persistent", "gru", 1024, _on_gpu(), 2, 2) is not None
+    function._broken.add(("gru", 1024, torch.bfloat16, 2, 0))
+    assert function.choose("persistent", "gru", 1024, _on_gpu(), 2, 2) is None
+    assert function.choose("persistent", "gru", 1024, _on_gpu(torch.float32), 2, 2) is not None
+
+
+def test_a_failed_launch_falls_back_to_the_modules(monkeypatch) -> None:
+    """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
+    the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
+    from echoic.model.persistent import PersistentKernelError
+
+    torch.manual_seed(0)
+    model = DeepSpeech2(dataclasses.replace(TINY, chunk_frames=4, context_frames=2)).eval()
+    feats, lengths = torch.randn(2, 30, 20), torch.tensor([30, 22])
+    with torch.no_grad():
+        expected, _ = model(feats, lengths)
+    launches = []
+
+    def timed_out(*args, **kwargs):
+        launches.append(args[0])
+        raise PersistentKernelError("persistent forward launch timed out at its grid barrier")
+
+    monkeypatch.setattr(function, "choose", lambda *args: ("triton", KernelConfig(16, 8)))
+    monkeypatch.setattr(function, "recurrences", timed_out)
+    monkeypatch.setattr(function, "_key", lambda cell, hidden, x, directions: (cell, hidden))
+    monkeypatch.setattr(function, "_broken", set())
+    monkeypatch.setattr(function, "_warned", set())
+    model.set_rnn_impl("persistent")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        got = [model(feats, lengths)[0] for _ in range(2)]
+    assert all(torch.equal(g, expected) for g in got)
+    assert len(launches) == 2 * TINY.rnn_layers  # choose is replaced: every layer tries
+    assert function._broken == {("gru", TINY.rnn_hidden)}
+    assert [str(w.message) for w in caught] == [
+        "persistent forward launch timed out at its grid barrier;"
+        " this layer shape uses cuDNN from now on"
+    ]
 
 
 # ---- sm_90, compiled offline ---------------------------------------------------------
