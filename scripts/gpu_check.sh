@@ -13,6 +13,10 @@
 #                                           the GPU is deterministic, persistent ~ cuDNN
 #   bash scripts/gpu_check.sh bench [NAME] [ARGS]   python bench/NAME.py ARGS
 #                                           (NAME: persistent_rnn, the default, or another)
+#   bash scripts/gpu_check.sh all           env, the GPU tests, bench persistent_rnn --quick
+#                                           and train in one call of at most 9.5 minutes
+#                                           (a lent GPU machine runs one command for 10),
+#                                           each part under its own time limit
 #
 # Each part writes its log (and the tests a JUnit XML) to $OUT when set, else .gpu-out/.
 # echoic is imported from .gpu-path/, where echoic.<part> links to this checkout's
@@ -114,7 +118,11 @@ tests)
     mkdir -p "$OUT"
     select="gpu or sm90"
     [[ $# -gt 0 ]] && select="($select) and ($*)"
-    "$PYTHON" -m pytest -p no:cacheprovider -rA -m "gpu or slow" -k "$select" \
+    # Each check is a subprocess that mostly compiles kernels on the CPU: with
+    # pytest-xdist (in the CUDA image), four at a time.
+    parallel=()
+    "$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 4)
+    "$PYTHON" -m pytest -p no:cacheprovider -rA "${parallel[@]}" -m "gpu or slow" -k "$select" \
         tests/test_persistent_rnn.py -o junit_family=legacy --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
 train)
@@ -135,6 +143,19 @@ bench)
         shift
     fi
     "$PYTHON" "bench/$name.py" "$@" 2>&1 | tee "$OUT/bench_$name.log"
+    ;;
+all)
+    # A part that runs over its limit is stopped (with its process group) and reported;
+    # the parts after it still run, and every log written so far stays in $OUT.
+    for limit_and_part in "20 env" "240 tests gpu" "210 bench persistent_rnn --quick" "100 train"; do
+        read -r limit this <<<"$limit_and_part"
+        status=0
+        timeout --kill-after=10 "$limit" bash "$ROOT/scripts/gpu_check.sh" $this || status=$?
+        if [[ $status -ne 0 ]]; then
+            echo "gpu_check all: '$this' ended with status $status" \
+                "$([[ $status -eq 124 ]] && echo "(over its $limit s)")" >&2
+        fi
+    done
     ;;
 *)
     awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
