@@ -150,7 +150,7 @@ all)
     for limit_and_part in "20 env" "240 tests gpu" "210 bench persistent_rnn --quick" "100 train"; do
         read -r limit this <<<"$limit_and_part"
         status=0
-        timeout --kill-after=10 "$limit" bash "$ROOT/scripts/gpu_check.sh" $this || status=$?
+        timeout --kill-after=5 "$limit" bash "$ROOT/scripts/gpu_check.sh" $this || status=$?
         if [[ $status -ne 0 ]]; then
             echo "gpu_check all: '$this' ended with status $status" \
                 "$([[ $status -eq 124 ]] && echo "(over its $limit s)")" >&2
