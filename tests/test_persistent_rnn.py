@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -395,17 +394,17 @@ def _on_gpu(dtype=torch.bfloat16):
         pytest.param("persistent", (9, 0), 4, False, False, id="persistent-too-large"),
     ],
 )
-def test_choose(impl, capability, rows: int, fits: bool, chosen: bool, monkeypatch) -> None:
+def test_choose(
+    impl, capability, rows: int, fits: bool, chosen: bool, monkeypatch, recwarn
+) -> None:
     cfg = KernelConfig(16, 8)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(function, "plan", lambda *key: cfg if fits else "16 warps: it spills")
     monkeypatch.setattr(function, "_warned", set())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
-        assert got == (("triton", cfg) if chosen else None)
-        function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
-    said = [str(w.message) for w in caught]
+    got = function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
+    assert got == (("triton", cfg) if chosen else None)
+    function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
+    said = [str(w.message) for w in recwarn]
     if impl == "persistent" and not fits:  # asked for and refused: said once, not per step
         assert said == [
             "persistent kernels do not fit gru H=1024 torch.bfloat16 x2: 16 warps: it spills;"
@@ -426,7 +425,7 @@ def test_choose_runs_the_modules_on_the_cpu_and_after_a_failure(monkeypatch) -> 
     assert function.choose("persistent", "gru", 1024, _on_gpu(torch.float32), 2, 2) is not None
 
 
-def test_a_failed_launch_falls_back_to_the_modules(monkeypatch) -> None:
+def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None:
     """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
     the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
     from echoic.model.persistent import PersistentKernelError
@@ -448,13 +447,12 @@ def test_a_failed_launch_falls_back_to_the_modules(monkeypatch) -> None:
     monkeypatch.setattr(function, "_broken", set())
     monkeypatch.setattr(function, "_warned", set())
     model.set_rnn_impl("persistent")
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
+    with torch.no_grad():
         got = [model(feats, lengths)[0] for _ in range(2)]
     assert all(torch.equal(g, expected) for g in got)
     assert len(launches) == 2 * TINY.rnn_layers  # choose is replaced: every layer tries
     assert function._broken == {("gru", TINY.rnn_hidden)}
-    assert [str(w.message) for w in caught] == [
+    assert [str(w.message) for w in recwarn] == [
         "persistent forward launch timed out at its grid barrier;"
         " this layer shape uses cuDNN from now on"
     ]
