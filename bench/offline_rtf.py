@@ -30,9 +30,10 @@ from hardware import cpu_fp32_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echoic.model.engine import Engine  # noqa: E402
-from echoic.model.network import forward_flops, model_config_hash  # noqa: E402
-from echoic.model.recognizer import default_model_dir  # noqa: E402
+from echoic.model.core.configs import config_hash  # noqa: E402
+from echoic.model.nn.network import forward_flops  # noqa: E402
+from echoic.model.runtime.engine import Engine  # noqa: E402
+from echoic.model.runtime.recognizer import default_model_dir  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -52,7 +53,7 @@ def offline_table(engine: Engine, cfg, seconds: float, repeats: int, threads: in
     frames = int(seconds * 1000 / card.hop_ms)
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    from echoic.model.network import DeepSpeech2
+    from echoic.model.nn.network import DeepSpeech2
 
     net = DeepSpeech2(cfg).eval()
     if threads:
@@ -119,7 +120,7 @@ def main() -> None:
 
     engine = Engine(args.model, intra_op_threads=args.threads)
     cfg = load_recipe(args.config).model
-    if model_config_hash(cfg) != engine.card.model_config_hash:
+    if config_hash(cfg) != engine.card.model_config_hash:
         sys.exit(f"--config {args.config} is not the architecture of {args.model}: pass its recipe")
     peak = cpu_fp32_peak(args.threads)
     print(f"model {engine.card.name}/{engine.card.version} ({engine.card.parameters / 1e6:.2f}M"

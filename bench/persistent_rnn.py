@@ -20,7 +20,7 @@ Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
    rnn_impl cudnn, persistent and auto: the first step's loss (must agree to
    float tolerance) and the median step time, as a ratio to cuDNN.
 
-Use the ratios to set AUTO_MAX_ROWS in echoic/model/persistent/function.py, and
+Use the ratios to set AUTO_MAX_ROWS in echoic/model/nn/persistent/function.py, and
 the order of rows and tiles in capacity.candidates.
 """
 
@@ -96,7 +96,7 @@ def _phases(run: Callable[[], list[torch.Tensor]], leaves: list, repeats: int) -
 
 def _variants(cell: str, hidden: int, dtype, directions: int) -> dict:
     """The kernel configuration of each variant on this GPU, or why there is none."""
-    from echoic.model.persistent import capacity, launch, plan
+    from echoic.model.nn.persistent import capacity, launch, plan
 
     found = plan(cell, hidden, dtype, directions, 0)
     rows = found if isinstance(found, str) or not found.tiles else "plan chose tiles"
@@ -111,7 +111,7 @@ def _variants(cell: str, hidden: int, dtype, directions: int) -> dict:
 
 def _persistent(result: dict, variants: dict, cell: str, problems, leaves, autocast, repeats):
     """Time each variant that fits into result[variant], or say why it does not."""
-    from echoic.model.persistent import recurrences
+    from echoic.model.nn.persistent import recurrences
 
     for name, cfg in variants.items():
         if isinstance(cfg, str):
@@ -126,7 +126,7 @@ def _persistent(result: dict, variants: dict, cell: str, problems, leaves, autoc
 
 
 def layer_case(cell: str, hidden: int, batch: int, steps: int, directions: int, dtype, repeats):
-    from echoic.model.persistent import Problem
+    from echoic.model.nn.persistent import Problem
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -165,7 +165,7 @@ def cudnn_uses_persist(fn: Callable[[], object]) -> bool:
 def fp16_persist_case(cell: str, hidden: int, batch: int, steps: int, repeats: int) -> dict:
     from contextlib import nullcontext
 
-    from echoic.model.persistent import Problem
+    from echoic.model.nn.persistent import Problem
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -211,7 +211,7 @@ def _rows(label: str, r: dict, steps: int, flops: float) -> list[str]:
 
 def ds2_step(impl: str, batch: int, seconds: float, repeats: int) -> dict:
     """The first step's loss and the median step time of the recipe's model."""
-    from echoic.model.network import DeepSpeech2, ctc_loss
+    from echoic.model.nn.network import DeepSpeech2, ctc_loss
     from echoic.training.train import OptimConfig, load_recipe, make_optimizer
 
     cfg = load_recipe(Path(__file__).resolve().parents[1] / "training/recipes/default.toml").model

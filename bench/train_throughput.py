@@ -26,7 +26,7 @@ from hardware import cpu_fp32_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echoic.model.network import (  # noqa: E402
+from echoic.model.nn.network import (  # noqa: E402
     DeepSpeech2,
     ModelConfig,
     count_parameters,

@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     from echoic.cli.batch_io import collect_inputs
     from echoic.cli.errors import UserError
-    from echoic.model.audio import load_audio
-    from echoic.model.text import normalize_text
+    from echoic.model.core.audio import load_audio
+    from echoic.model.core.text import normalize_text
 
     items = [i for i in collect_inputs([args.manifest]) if i.reference is not None]
     if args.limit:

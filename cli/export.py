@@ -61,10 +61,10 @@ def _explain_missing(e: ModuleNotFoundError) -> NoReturn:
 
 def run(args: argparse.Namespace) -> int:
     from echoic.cli.errors import UserError
-    from echoic.model.card import ModelError
+    from echoic.model.runtime.card import ModelError
 
     try:
-        from echoic.model.export import ExportError, export_model, read_report
+        from echoic.model.nn.export import ExportError, export_model, read_report
     except ModuleNotFoundError as e:
         _explain_missing(e)
     try:

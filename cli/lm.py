@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from echoic.cli.errors import UserError
-    from echoic.model.lm import build_arpa
+    from echoic.model.core.lm import build_arpa
 
     if args.order < 1:
         raise UserError(f"--order must be at least 1, got {args.order}")

@@ -41,18 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from echoic.model.configs import ConfigError
+    from echoic.model.core.configs import ConfigError
 
     known: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError]
     for mod, name in (
-        ("echoic.model.audio", "AudioError"),
-        ("echoic.model.text", "TextError"),
+        ("echoic.model.core.audio", "AudioError"),
+        ("echoic.model.core.text", "TextError"),
         ("echoic.training.data", "ManifestError"),
         ("echoic.training.synth", "SynthError"),
         ("echoic.training.distributed", "DistributedError"),
-        ("echoic.training.checkpoint", "CheckpointError"),
-        ("echoic.model.card", "ModelError"),
-        ("echoic.model.export", "ExportError"),
+        ("echoic.model.nn.checkpoint", "CheckpointError"),
+        ("echoic.model.runtime.card", "ModelError"),
+        ("echoic.model.nn.export", "ExportError"),
     ):
         if mod in sys.modules:
             known.append(getattr(sys.modules[mod], name))

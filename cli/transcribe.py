@@ -35,7 +35,7 @@ def add_decoder_options(p: argparse.ArgumentParser) -> None:
 
 
 def decoder_config(args: argparse.Namespace):
-    from echoic.model.recognizer import DecoderConfig
+    from echoic.model.runtime.recognizer import DecoderConfig
 
     return DecoderConfig(
         kind=args.decoder, beam_size=args.beam_size, lm_path=args.lm, use_lm=not args.no_lm,
@@ -45,7 +45,7 @@ def decoder_config(args: argparse.Namespace):
 
 def load_recognizer(args: argparse.Namespace):
     try:
-        from echoic.model.recognizer import Recognizer
+        from echoic.model.runtime.recognizer import Recognizer
     except ModuleNotFoundError as e:
         from echoic.cli.errors import missing_extra
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     skipped = len(items) - len(todo)
     try:
         if args.server:
-            from echoic.clients.batch import transcribe_with_server
+            from echoic.cli.transcribe_server import transcribe_with_server
 
             failed, seconds, elapsed = transcribe_with_server(args, todo, writer)
         else:
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _transcribe_here(args, todo, writer) -> tuple[int, float, float]:
-    from echoic.model.audio import AudioError, audio_duration, load_audio
+    from echoic.model.core.audio import AudioError, audio_duration, load_audio
 
     recognizer = load_recognizer(args)
     durations, readable = {}, []

@@ -1,5 +1,8 @@
-"""echoic.model: the parts shared by training and serving.
+"""echoic.model: what training and serving share, split by dependency.
 
-The torch-free modules (audio, text, features, decoding) import only numpy and
-soundfile; `network` and `export` are the only ones that import torch.
+- `echoic.model.core`: numpy only (audio, text, features, decoding, lm, configs);
+- `echoic.model.runtime`: ONNX Runtime (card, engine, recognizer);
+- `echoic.model.nn`: torch (network, persistent kernels, checkpoint reading, export).
+
+docs/ARCHITECTURE.md gives the import rules; tests/test_boundaries.py enforces them.
 """

@@ -106,7 +106,7 @@ if torch.cuda.is_available():
           f"{getattr(p, 'regs_per_multiprocessor', '?')} registers/SM")
 else:
     print("no CUDA GPU visible to torch")
-from echoic.model.persistent import function, launch  # noqa: F401
+from echoic.model.nn.persistent import function, launch  # noqa: F401
 from echoic.training.train import load_recipe  # noqa: F401
 
 print("echoic imports: ok, from", function.__file__)

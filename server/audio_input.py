@@ -1,6 +1,6 @@
 """Audio bytes of one request or stream in, float32 mono at the model's rate out, as they come.
 
-`echoic.model.audio.decode_audio` decodes whole files; a stream needs samples
+`echoic.model.core.audio.decode_audio` decodes whole files; a stream needs samples
 while its bytes are still arriving. `AudioInput` does that for the encodings a
 live stream uses, with the same arithmetic as `decode_audio` (integer PCM scaled
 by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
@@ -24,7 +24,7 @@ import struct
 import numpy as np
 import soxr
 
-from echoic.model.audio import MAX_RATE, MIN_RATE, AudioError, decode_audio
+from echoic.model.core.audio import MAX_RATE, MIN_RATE, AudioError, decode_audio
 
 ENCODINGS = ("auto", "linear16", "wav", "flac")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from echoic.model.recognizer import Recognizer, Stream
+from echoic.model.runtime.recognizer import Recognizer, Stream
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")

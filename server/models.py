@@ -25,8 +25,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from echoic.model.engine import Engine
-from echoic.model.recognizer import LM_FILE, DecoderConfig, Recognizer, default_model_dir
+from echoic.model.runtime.engine import Engine
+from echoic.model.runtime.recognizer import LM_FILE, DecoderConfig, Recognizer, default_model_dir
 from echoic.server.config import ServerConfig, ServerError
 from echoic.server.dispatcher import Dispatcher
 from echoic.server.metrics import Metrics

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from echoic.model.audio import AudioError
+from echoic.model.core.audio import AudioError
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from echoic.model.audio import AudioError
-from echoic.model.decoding import Transcript
-from echoic.model.features import compute_features
-from echoic.model.recognizer import Recognizer, Stream
+from echoic.model.core.audio import AudioError
+from echoic.model.core.decoding import Transcript
+from echoic.model.core.features import compute_features
+from echoic.model.runtime.recognizer import Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_rate
 from echoic.server.models import DecoderChoice, LoadedModel

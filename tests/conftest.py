@@ -102,7 +102,7 @@ def corpus_audio(speech_corpus: Path) -> list[tuple[str, np.ndarray]]:
     """(text, 16 kHz float32 samples) of every utterance in `speech_corpus`."""
     import json
 
-    from echoic.model.audio import load_audio
+    from echoic.model.core.audio import load_audio
 
     rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()]
     return [

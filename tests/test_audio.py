@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from echoic.model.audio import AudioError, audio_duration, decode_audio, load_audio, write_wav
+from echoic.model.core.audio import AudioError, audio_duration, decode_audio, load_audio, write_wav
 
 
 def _sine(freq: float, rate: int, seconds: float, amplitude: float = 0.5) -> np.ndarray:

@@ -66,7 +66,7 @@ def client(server: BackgroundServer):
 
 @pytest.fixture(scope="module")
 def recognizer(tiny_model_dir: Path):
-    from echoic.model.recognizer import Recognizer
+    from echoic.model.runtime.recognizer import Recognizer
 
     return Recognizer(tiny_model_dir, intra_op_threads=1)
 
@@ -82,7 +82,7 @@ def wavs(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 def _in_process_text(recognizer, path: Path) -> str:
-    from echoic.model.audio import load_audio
+    from echoic.model.core.audio import load_audio
 
     return recognizer.transcribe([load_audio(path, recognizer.sample_rate)])[0].text
 
@@ -309,7 +309,7 @@ def test_transcribe_through_the_server(
     server: BackgroundServer, recognizer, mixed_folder: Path, tmp_path: Path
 ) -> None:
     from echoic.cli.batch_io import transcript_record
-    from echoic.model.audio import load_audio
+    from echoic.model.core.audio import load_audio
 
     out = tmp_path / "out.jsonl"
     args = ["transcribe", str(mixed_folder), "--server", server.address, "--format", "jsonl",
@@ -363,7 +363,7 @@ def test_transcribe_stops_when_the_server_is_unreachable(wavs) -> None:
 
 def test_client_side_modules_import_no_torch_or_onnxruntime() -> None:
     code = (
-        "import sys, echoic.clients, echoic.clients.batch, echoic.cli.stream\n"
+        "import sys, echoic.clients, echoic.cli.transcribe_server, echoic.cli.stream\n"
         "heavy = ('torch', 'onnxruntime', 'echoic.model', 'echoic.server')\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith(heavy))))"
     )

@@ -11,9 +11,9 @@ import pytest
 import soundfile as sf
 import torch
 
-from echoic.model.configs import ConfigError, from_dict
-from echoic.model.features import FeatureConfig, num_frames
-from echoic.model.text import Vocabulary
+from echoic.model.core.configs import ConfigError, from_dict
+from echoic.model.core.features import FeatureConfig, num_frames
+from echoic.model.core.text import Vocabulary
 from echoic.training.data import (
     BucketBatchSampler,
     DataConfig,

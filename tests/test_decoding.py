@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from echoic.model.decoding import (
+from echoic.model.core.decoding import (
     BeamSearchDecoder,
     GreedyDecoder,
     Transcript,
@@ -17,8 +17,8 @@ from echoic.model.decoding import (
     greedy_ids,
     greedy_transcript,
 )
-from echoic.model.lm import build_arpa
-from echoic.model.text import Vocabulary
+from echoic.model.core.lm import build_arpa
+from echoic.model.core.text import Vocabulary
 
 VOCAB = Vocabulary()
 

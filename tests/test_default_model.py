@@ -6,7 +6,7 @@ import jiwer
 import numpy as np
 import pytest
 
-from echoic.model.recognizer import DecoderConfig, Recognizer, default_model_dir
+from echoic.model.runtime.recognizer import DecoderConfig, Recognizer, default_model_dir
 
 pytestmark = pytest.mark.skipif(
     not (default_model_dir() / "model.onnx").is_file(),

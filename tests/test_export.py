@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from echoic.cli.main import main
-from echoic.model.card import CARD_KEY, ModelCard, ModelError, read_card
-from echoic.model.configs import to_dict
-from echoic.model.engine import Engine, WindowFeeder
-from echoic.model.export import ExportError, build_card, export_model
-from echoic.model.features import FeatureStream, compute_features
-from echoic.model.network import DeepSpeech2
+from echoic.model.core.configs import to_dict
+from echoic.model.core.features import FeatureStream, compute_features
+from echoic.model.nn.checkpoint import FORMAT, load_model
+from echoic.model.nn.export import ExportError, build_card, export_model
+from echoic.model.nn.network import DeepSpeech2
+from echoic.model.runtime.card import CARD_KEY, ModelCard, ModelError, read_card
+from echoic.model.runtime.engine import Engine, WindowFeeder
 from echoic.training import checkpoint
 from tests.tiny import tiny_model
 
@@ -47,7 +48,7 @@ def _save_checkpoint(path: Path, model: DeepSpeech2) -> Path:
     """A checkpoint with the keys `training.train` writes that export reads."""
     return checkpoint.save_atomic(
         {
-            "format": checkpoint.FORMAT,
+            "format": FORMAT,
             "model": model.state_dict(),
             "model_config": to_dict(model.cfg),
             "config_hash": "0123456789abcdef",
@@ -81,7 +82,7 @@ def _audio(seconds: float, seed: int) -> np.ndarray:
 
 
 def _torch_offline(ckpt: Path, feats: list[np.ndarray]) -> list[np.ndarray]:
-    model, _ = checkpoint.load_model(ckpt)
+    model, _ = load_model(ckpt)
     with torch.no_grad():
         batch = torch.nn.utils.rnn.pad_sequence(
             [torch.from_numpy(f) for f in feats], batch_first=True
@@ -100,7 +101,7 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 def test_model_card_round_trips(exported) -> None:
     ckpt, model_dir = exported("bigru-chunk4-ctx2")
-    model, saved = checkpoint.load_model(ckpt)
+    model, saved = load_model(ckpt)
     want = build_card(model, saved, name="echoic-ds2", version="1", chunk=4)
     offline, stream = read_card(model_dir / "model.onnx"), read_card(model_dir / "stream.onnx")
     assert offline == stream == want == ModelCard.from_json(want.to_json())
@@ -389,7 +390,7 @@ def test_unavailable_provider_is_a_clear_error(exported) -> None:
 
 def test_engine_and_card_are_torch_free() -> None:
     code = (
-        "import sys, echoic.model.engine, echoic.model.card\n"
+        "import sys, echoic.model.runtime.engine, echoic.model.runtime.card\n"
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc'})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

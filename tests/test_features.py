@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from echoic.model.features import (
+from echoic.model.core.features import (
     FeatureConfig,
     FeatureStream,
     batch_features,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from echoic.cli.main import main
-from echoic.model.lm import BOS, EOS, UNK, ArpaError, ArpaModel, arpa_words, build_arpa
+from echoic.model.core.lm import BOS, EOS, UNK, ArpaError, ArpaModel, arpa_words, build_arpa
 
 
 def _build(tmp_path: Path, sentences: list[str], **kwargs) -> tuple[ArpaModel, Path]:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from echoic.model.network import ctc_loss, stream_utterance
+from echoic.model.nn.network import ctc_loss, stream_utterance
 from tests.tiny import TINY, tiny_model
 
 _model = tiny_model

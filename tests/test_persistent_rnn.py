@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from echoic.model.network import ClippedReLURNN, DeepSpeech2, _reverse_within
-from echoic.model.persistent import KernelConfig, Problem, capacity, function, recurrences
+from echoic.model.nn.network import ClippedReLURNN, DeepSpeech2, _reverse_within
+from echoic.model.nn.persistent import KernelConfig, Problem, capacity, function, recurrences
 from tests.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_gpu_check_script_imports_echoic_from_the_checkout(tmp_path: Path) -> No
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     log = (tmp_path / "out" / "env.log").read_text()
-    assert f"echoic imports: ok, from {tmp_path}/.gpu-path/echoic/model/persistent" in log
+    assert f"echoic imports: ok, from {tmp_path}/.gpu-path/echoic/model/nn/persistent" in log
     assert "torch" in log and "triton" in log
 
 
@@ -258,7 +258,7 @@ def test_tiles_need_a_power_of_two_of_at_least_16_rows(block_b: int) -> None:
 )
 def test_tiles_refuse_what_tensor_cores_cannot_run(config, dtype, message: str) -> None:
     pytest.importorskip("triton")
-    from echoic.model.persistent import PersistentKernelError, launch
+    from echoic.model.nn.persistent import PersistentKernelError, launch
 
     with pytest.raises(PersistentKernelError, match=message):
         launch._tiling(config, 1024, dtype)
@@ -321,7 +321,7 @@ def test_a_launch_needs_its_weights_on_chip_and_its_grid_resident(
     compiled, programs: int, message: str | None, monkeypatch
 ) -> None:
     pytest.importorskip("triton")
-    from echoic.model.persistent import PersistentKernelError, launch
+    from echoic.model.nn.persistent import PersistentKernelError, launch
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H100)
     if message is None:
@@ -336,7 +336,7 @@ def stand_in_gpu(monkeypatch):
     """An H100 as `plan` sees it; `launch.check` (the compile on the GPU) fails for the
     configurations in the returned set, and records every one it is asked about."""
     pytest.importorskip("triton")
-    from echoic.model.persistent import PersistentKernelError, launch
+    from echoic.model.nn.persistent import PersistentKernelError, launch
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H100)
     failing, tried = set(), []
@@ -428,7 +428,7 @@ def test_choose_runs_the_modules_on_the_cpu_and_after_a_failure(monkeypatch) -> 
 def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None:
     """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
     the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
-    from echoic.model.persistent import PersistentKernelError
+    from echoic.model.nn.persistent import PersistentKernelError
 
     torch.manual_seed(0)
     model = DeepSpeech2(dataclasses.replace(TINY, chunk_frames=4, context_frames=2)).eval()
@@ -474,7 +474,7 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property) -> None:
     """The largest H in capacity's table compiles without spills; the next one spills."""
     pytest.importorskip("triton")
-    from echoic.model.persistent import launch
+    from echoic.model.nn.persistent import launch
 
     limit = capacity.SM90_MAX_HIDDEN[(cell, dtype)][directions - 1]
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
@@ -509,7 +509,7 @@ def test_sm90_tile_table(cell: str, directions: int, record_property) -> None:
     """Tensor-core tiles: the largest H in the tiles table compiles without spills,
     within an SM's shared memory and with tensor-core instructions; the next does not fit."""
     pytest.importorskip("triton")
-    from echoic.model.persistent import launch
+    from echoic.model.nn.persistent import launch
 
     limit = capacity.SM90_MAX_HIDDEN_TILES[(cell, "bf16")][directions - 1]
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
@@ -632,10 +632,10 @@ def _run_check(check: str, args: dict, timeout: int, env: dict | None = None) ->
 
 def _check_no_triton(_: dict) -> dict:
     sys.modules["triton"] = None  # an import of triton now raises ImportError
-    from echoic.model import network, persistent  # noqa: F401
+    from echoic.model.nn import network, persistent  # noqa: F401
 
     try:
-        from echoic.model.persistent import launch  # noqa: F401
+        from echoic.model.nn.persistent import launch  # noqa: F401
 
         launch_result = "imported"
     except ImportError:
@@ -685,7 +685,7 @@ def _check_interpreter(args: dict) -> dict:
 
 
 def _check_timeout(_: dict) -> dict:
-    from echoic.model.persistent import PersistentKernelError, launch
+    from echoic.model.nn.persistent import PersistentKernelError, launch
 
     problems, _ = _two_problems("gru", d=5, h=16, dtype=torch.float32, batch=2, steps=3)
     status = {}
@@ -782,7 +782,7 @@ def _sms() -> int:
 
 
 def _check_gpu_refusals(_: dict) -> dict:
-    from echoic.model.persistent import PersistentKernelError
+    from echoic.model.nn.persistent import PersistentKernelError
 
     result = {}
     for name, hidden, cfg in [

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echoic.model.recognizer import DecoderConfig, Recognizer
+from echoic.model.runtime.recognizer import DecoderConfig, Recognizer
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,8 @@ import soxr  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
-from echoic.model.audio import decode_audio  # noqa: E402
-from echoic.model.recognizer import Recognizer  # noqa: E402
+from echoic.model.core.audio import decode_audio  # noqa: E402
+from echoic.model.runtime.recognizer import Recognizer  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
@@ -199,7 +199,7 @@ def test_recognize_and_stream_equal_in_process_transcribe(stub, clips, expected)
 
 def test_beam_search_equals_in_process_beam_search(stub, tiny_model_dir, clips) -> None:
     pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
-    from echoic.model.recognizer import DecoderConfig
+    from echoic.model.runtime.recognizer import DecoderConfig
 
     beam = Recognizer(tiny_model_dir, DecoderConfig(kind="beam", beam_size=8), intra_op_threads=1)
     wav, samples = clips[1]
@@ -211,7 +211,7 @@ def test_beam_search_equals_in_process_beam_search(stub, tiny_model_dir, clips) 
 
 def test_beam_final_results_carry_max_alternatives(stub, tiny_model_dir, clips) -> None:
     pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
-    from echoic.model.recognizer import DecoderConfig
+    from echoic.model.runtime.recognizer import DecoderConfig
 
     beam = Recognizer(tiny_model_dir, DecoderConfig(kind="beam", beam_size=8), intra_op_threads=1)
     wav, samples = clips[2]

@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 
 from echoic.cli.main import main
-from echoic.model.text import normalize_text
+from echoic.model.core.text import normalize_text
 from echoic.training.corpus import (
     DEFAULT_FORTUNES_DIR,
     fortune_files,

@@ -7,7 +7,7 @@ import string
 
 import pytest
 
-from echoic.model.text import (
+from echoic.model.core.text import (
     BLANK,
     DEFAULT_SYMBOLS,
     TextError,

@@ -58,7 +58,7 @@ def test_bad_files_are_reported_and_the_rest_transcribed(
 
 
 def test_stereo_44k_equals_the_16k_original(mixed_folder: Path, corpus_audio) -> None:
-    from echoic.model.audio import load_audio
+    from echoic.model.core.audio import load_audio
 
     converted = load_audio(mixed_folder / "stereo44k.flac", 16000)
     mono = 0.75 * corpus_audio[3][1]  # the mean of the two channels (1 and 0.5)

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from echoic.model.features import FeatureConfig
-from echoic.model.network import DeepSpeech2, ModelConfig
+from echoic.model.core.features import FeatureConfig
+from echoic.model.nn.network import DeepSpeech2, ModelConfig
 
 TINY = ModelConfig(
     features=FeatureConfig(mel_bins=20),

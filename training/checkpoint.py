@@ -1,4 +1,4 @@
-"""Atomic, self-describing checkpoints.
+"""Writing checkpoints: atomic, self-describing, with everything an exact resume needs.
 
 A checkpoint holds everything needed to resume exactly (model, optimizer,
 scheduler, sampler position, every RNG state) and to use the weights without the
@@ -6,7 +6,7 @@ recipe that made them (the model config and the full training config).
 
 Writes go to a temporary file in the same directory, are fsynced, then renamed
 over the old file, so a run killed at any moment leaves either the previous
-checkpoint or the new one, never half of one.
+checkpoint or the new one, never half of one. Reading one back is `echoic.model.nn.checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from echoic.model.network import DeepSpeech2, ModelConfig, load_model_config
-
-FORMAT = "echoic-checkpoint-1"
-LAST = "last.pt"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or from another recipe."""
+LAST = "last.pt"  # the checkpoint in out_dir that a run resumes from
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,25 +61,3 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
     finally:
         os.close(dir_fd)
     return path
-
-
-def load(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{path} is not a readable echoic checkpoint: {e}") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an echoic checkpoint (format {FORMAT} expected)")
-    return ckpt
-
-
-def load_model(path: str | Path) -> tuple[DeepSpeech2, dict[str, Any]]:
-    """The network of a checkpoint, in eval mode, with its config; no recipe needed."""
-    ckpt = load(path)
-    cfg: ModelConfig = load_model_config(ckpt["model_config"])
-    model = DeepSpeech2(cfg)
-    model.load_state_dict(ckpt["model"])
-    return model.eval(), ckpt

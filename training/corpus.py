@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from echoic.model.text import TextError, Vocabulary, normalize_text
+from echoic.model.core.text import TextError, Vocabulary, normalize_text
 
 DEFAULT_FORTUNES_DIR = Path("/usr/share/games/fortunes")
 

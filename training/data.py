@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from echoic.model.audio import AudioError, audio_duration, load_audio
-from echoic.model.features import FeatureConfig, compute_features
-from echoic.model.text import TextError, Vocabulary
+from echoic.model.core.audio import AudioError, audio_duration, load_audio
+from echoic.model.core.features import FeatureConfig, compute_features
+from echoic.model.core.text import TextError, Vocabulary
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 import jiwer
 import torch
 
-from echoic.model.decoding import greedy_decode_batch
-from echoic.model.network import DeepSpeech2, ctc_loss
-from echoic.model.text import Vocabulary
+from echoic.model.core.decoding import greedy_decode_batch
+from echoic.model.core.text import Vocabulary
+from echoic.model.nn.network import DeepSpeech2, ctc_loss
 from echoic.training.data import SpeechDataset, collate
 
 if TYPE_CHECKING:

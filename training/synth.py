@@ -44,7 +44,7 @@ import soundfile as sf
 import soxr
 from tqdm import tqdm
 
-from echoic.model.configs import ConfigError
+from echoic.model.core.configs import ConfigError
 from echoic.training.corpus import Sentence, read_sentences
 
 

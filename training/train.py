@@ -37,9 +37,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from echoic.model.configs import apply_overrides, config_hash, from_dict, to_dict
-from echoic.model.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
-from echoic.model.text import Vocabulary
+from echoic.model.core.configs import apply_overrides, config_hash, from_dict, to_dict
+from echoic.model.core.text import Vocabulary
+from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
+from echoic.model.nn.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
 from echoic.training import checkpoint, distributed
 from echoic.training.data import DataConfig, SpeechDataset, make_loader, read_manifest
 from echoic.training.evaluate import evaluate
@@ -76,7 +77,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = cuda when available
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 autocast on GPU
     rnn_impl: Literal["auto", "cudnn", "persistent"] = "cudnn"  # GRU / plain RNN kernels on
-    # GPU: persistent (echoic.model.persistent, cuDNN where they do not fit), auto (persistent
+    # GPU: persistent (echoic.model.nn.persistent, cuDNN where they do not fit), auto (persistent
     # where they fit and are expected faster), cudnn. Same parameters and checkpoints.
     threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks
     stats_utterances: int = 300  # utterances sampled for feature mean/std
@@ -199,14 +200,14 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
 
 def _init_from(model: DeepSpeech2, path: str) -> None:
     """Load a checkpoint's weights and feature statistics into `model` (fine-tuning)."""
-    ckpt = checkpoint.load(path)
+    ckpt = load_checkpoint(path)
     ours = model.state_dict()
     theirs = ckpt["model"]
     misfit = sorted(set(ours) ^ set(theirs)) or [
         k for k in ours if ours[k].shape != theirs[k].shape
     ]
     if misfit:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"init_from={path}: its network does not fit this recipe's [model] (first"
             f" difference: {misfit[0]}); fine-tune with the [model] it was trained with"
         )
@@ -228,16 +229,16 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, pro
         print(f"train manifest: {report.summary()}", file=sys.stderr)
 
     ckpt_path = out / checkpoint.LAST
-    resume = checkpoint.load(ckpt_path) if ckpt_path.exists() else None
+    resume = load_checkpoint(ckpt_path) if ckpt_path.exists() else None
     if resume is not None and resume["model_config"] != to_dict(cfg.model):
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"{ckpt_path} holds a different model (its [model] config differs from this"
             " recipe's); use a new out_dir or the recipe that wrote it"
         )
     if resume is not None and resume["config_hash"] != config_hash(cfg) and main:
         print(f"note: resuming {ckpt_path} with a changed training config", file=sys.stderr)
     if resume is not None and resume["world_size"] != env.world_size:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"{ckpt_path} was written with world size {resume['world_size']}, not"
             f" {env.world_size}: exact resume needs the same number of ranks"
         )
@@ -294,7 +295,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, pro
         if main:
             checkpoint.save_atomic(
                 {
-                    "format": checkpoint.FORMAT,
+                    "format": FORMAT,
                     "model": model.state_dict(),
                     "model_config": to_dict(cfg.model),
                     "train_config": to_dict(cfg),

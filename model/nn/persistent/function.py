@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from echoic.model.persistent import capacity, reference
-from echoic.model.persistent.capacity import KernelConfig, PersistentKernelError
-from echoic.model.persistent.reference import GATES, Cell, Direction
+from echoic.model.nn.persistent import capacity, reference
+from echoic.model.nn.persistent.capacity import KernelConfig, PersistentKernelError
+from echoic.model.nn.persistent.reference import GATES, Cell, Direction
 
 Backend = Literal["reference", "triton", "triton-steps"]
 Impl = Literal["auto", "cudnn", "persistent"]
@@ -178,7 +178,7 @@ def _forward(spec: _Spec, dirs: list[Direction], save: bool) -> list:
             w = d.w.flatten(0, 1)
             out.append(reference.forward(spec.cell, d.gi, d.h0, w, d.b_hn, order, spec.clip, save))
         return out
-    from echoic.model.persistent import launch
+    from echoic.model.nn.persistent import launch
 
     mode = "persistent" if spec.backend == "triton" else "steps"
     return launch.forward(spec.cell, spec.clip, dirs, save, mode, _config(spec, dirs))
@@ -192,7 +192,7 @@ def _backward(spec: _Spec, dirs: list[Direction], douts: list[Tensor], states: l
             w = d.w.flatten(0, 1)
             out.append(reference.backward(spec.cell, g, hs, saved, d.h0, w, order, spec.clip))
         return out
-    from echoic.model.persistent import launch
+    from echoic.model.nn.persistent import launch
 
     cfg = _config(spec, dirs)
     if spec.backend == "triton":
@@ -259,7 +259,7 @@ def plan(
     if hidden > capacity.MAX_HIDDEN:
         return f"hidden size {hidden} > {capacity.MAX_HIDDEN}"
     try:
-        from echoic.model.persistent import launch
+        from echoic.model.nn.persistent import launch
     except ImportError:
         return "triton is not installed (pip install triton)"
     props = torch.cuda.get_device_properties(device)

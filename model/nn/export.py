@@ -7,7 +7,7 @@
                  [+ state_c.{i} for LSTM] -> log_probs (B, C, V), next_state_h.{i} ...
     export.json  what the export checked (parity numbers), for people
 
-Both graphs carry the model card (`echoic.model.card`) in their metadata. The
+Both graphs carry the model card (`echoic.model.runtime.card`) in their metadata. The
 features are the raw log spectrogram of `model.features`: the graphs normalise
 with the training statistics themselves.
 
@@ -35,7 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from echoic.model.card import (
+from echoic.model.core.configs import config_hash
+from echoic.model.nn.network import DeepSpeech2, count_parameters
+from echoic.model.runtime.card import (
     BATCH,
     CARD_FORMAT,
     CARD_KEY,
@@ -44,10 +46,9 @@ from echoic.model.card import (
     ModelCard,
     StateSpec,
 )
-from echoic.model.network import DeepSpeech2, count_parameters, model_config_hash
 
 if TYPE_CHECKING:
-    from echoic.model.engine import Engine
+    from echoic.model.runtime.engine import Engine
 
 OPSET = 17
 DEFAULT_STREAM_CHUNK = 16  # output frames per streaming step of a unidirectional model
@@ -102,7 +103,7 @@ def build_card(
         bidirectional=cfg.bidirectional,
         parameters=count_parameters(model),
         config_hash=str(ckpt.get("config_hash", "")),
-        model_config_hash=model_config_hash(cfg),
+        model_config_hash=config_hash(cfg),
         training_step=int(ckpt.get("step", 0)),
         opset=OPSET,
     )
@@ -299,7 +300,7 @@ def check_parity(
     model: DeepSpeech2, model_dir: Path, tolerance: float = PARITY_TOLERANCE
 ) -> Parity:
     """Compare torch with the ONNX graphs in `model_dir`; the caller judges the numbers."""
-    from echoic.model.engine import Engine
+    from echoic.model.runtime.engine import Engine
 
     engine = Engine(model_dir)
     rng = np.random.default_rng(0)
@@ -359,7 +360,7 @@ def export_model(
     with the chunk it was trained with. Raises ExportError, writing nothing, when the
     ONNX graphs differ from torch by more than `tolerance`.
     """
-    from echoic.training.checkpoint import load_model
+    from echoic.model.nn.checkpoint import load_model
 
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):

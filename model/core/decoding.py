@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from echoic.model.text import Vocabulary
+from echoic.model.core.text import Vocabulary
 
 
 def greedy_ids(log_probs: np.ndarray, blank_id: int = 0) -> list[int]:
@@ -495,7 +495,7 @@ class _KenLM:
     """A word ARPA model loaded through flashlight's KenLM wrapper, shared by all streams."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from echoic.model.lm import UNK, arpa_words
+        from echoic.model.core.lm import UNK, arpa_words
 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"language model {os.fspath(path)!r} does not exist")

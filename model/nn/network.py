@@ -35,10 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from echoic.model import persistent
-from echoic.model.configs import config_hash, from_dict, to_dict
-from echoic.model.features import FeatureConfig
-from echoic.model.text import DEFAULT_SYMBOLS
+from echoic.model.core.features import FeatureConfig
+from echoic.model.core.text import DEFAULT_SYMBOLS
+from echoic.model.nn import persistent
 
 
 @dataclass(frozen=True)
@@ -491,15 +490,3 @@ def forward_flops(cfg: ModelConfig, frames: int, *, window: bool = False) -> flo
         flops += dirs * extra * t * 2 * gates * h * (d + h)
         d = h  # the directions are summed
     return flops + 2 * t * h * len(cfg.vocabulary)
-
-
-def save_model_config(cfg: ModelConfig) -> dict:
-    return to_dict(cfg)
-
-
-def load_model_config(data: dict) -> ModelConfig:
-    return from_dict(ModelConfig, data)
-
-
-def model_config_hash(cfg: ModelConfig) -> str:
-    return config_hash(cfg)

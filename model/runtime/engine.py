@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from echoic.model.card import (
+from echoic.model.runtime.card import (
     OFFLINE_FILE,
     STREAM_FILE,
     ModelCard,

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from echoic.model.persistent.reference import GATES
+from echoic.model.nn.persistent.reference import GATES
 
 SM90_SHARED_PER_PROGRAM = 232448  # bytes of shared memory one program may use on sm_90
 SPIN_LIMIT = 1 << 24  # barrier polls (L2 round trips: seconds in all) before a program gives up

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from echoic.model.configs import ConfigError, from_dict, to_dict
-from echoic.model.features import FeatureConfig
-from echoic.model.text import TextError, Vocabulary
+from echoic.model.core.configs import ConfigError, from_dict, to_dict
+from echoic.model.core.features import FeatureConfig
+from echoic.model.core.text import TextError, Vocabulary
 
 CARD_KEY = "echoic.model_card"  # metadata_props key holding the card's JSON
 CARD_FORMAT = "echoic-model-card-1"

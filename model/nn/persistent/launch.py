@@ -1,6 +1,6 @@
 """Host side of the Triton kernels: buffers, grid sizing, co-residency, timeouts.
 
-Needs triton; `echoic.model.persistent` imports this module only when it is about
+Needs triton; `echoic.model.nn.persistent` imports this module only when it is about
 to run a kernel. Two modes:
 
 - "persistent": one launch per direction pair and pass (forward, backward); the
@@ -24,8 +24,8 @@ import torch
 import triton
 from torch import Tensor
 
-from echoic.model.persistent import kernels
-from echoic.model.persistent.capacity import (
+from echoic.model.nn.persistent import kernels
+from echoic.model.nn.persistent.capacity import (
     MMA_MIN,
     TILE_DTYPES,
     KernelConfig,
@@ -33,7 +33,7 @@ from echoic.model.persistent.capacity import (
     next_power_of_2,
     resident_blocks,
 )
-from echoic.model.persistent.reference import GATES, Cell, Direction
+from echoic.model.nn.persistent.reference import GATES, Cell, Direction
 
 Mode = Literal["persistent", "steps"]
 

@@ -16,8 +16,8 @@ Triton is optional: everything here imports without it, and without it (or
 without a GPU) `auto` and `persistent` run the cuDNN modules.
 """
 
-from echoic.model.persistent.capacity import KernelConfig, PersistentKernelError
-from echoic.model.persistent.function import (
+from echoic.model.nn.persistent.capacity import KernelConfig, PersistentKernelError
+from echoic.model.nn.persistent.function import (
     AUTO_MAX_ROWS,
     Problem,
     choose,

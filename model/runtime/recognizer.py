@@ -26,21 +26,21 @@ from pathlib import Path
 
 import numpy as np
 
-from echoic.model.decoding import (
+from echoic.model.core.decoding import (
     BeamSearchDecoder,
     GreedyDecoder,
     StreamingDecoder,
     Transcript,
 )
-from echoic.model.engine import Engine, StreamState, WindowFeeder
-from echoic.model.features import (
+from echoic.model.core.features import (
     FeatureStream,
     batch_features,
     compute_features,
     frame_features,
 )
+from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
 LM_FILE = "lm.arpa"  # an optional word LM shipped beside the graphs
 
 

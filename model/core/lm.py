@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from echoic.model.text import normalize_text
+from echoic.model.core.text import normalize_text
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 _NEVER = -99.0  # log10 probability ARPA files give <s>, which is only ever a context
