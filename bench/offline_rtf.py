@@ -23,17 +23,14 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from hardware import cpu_fp32_peak
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from echoic.model.core.configs import config_hash  # noqa: E402
-from echoic.model.nn.network import forward_flops  # noqa: E402
-from echoic.model.runtime.engine import Engine  # noqa: E402
-from echoic.model.runtime.recognizer import default_model_dir  # noqa: E402
+from echoic.model.core.configs import config_hash
+from echoic.model.nn.network import forward_flops
+from echoic.model.runtime.engine import Engine
+from echoic.model.runtime.recognizer import default_model_dir
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -44,9 +44,7 @@ import grpc
 import numpy as np
 import soundfile as sf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from echoic.clients import AsyncClient, ClientError, RetryPolicy  # noqa: E402
+from echoic.clients import AsyncClient, ClientError, RetryPolicy
 
 SENTENCES = """\
 The quick brown fox jumps over the lazy dog.

@@ -17,23 +17,19 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from hardware import cpu_fp32_peak
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from echoic.model.nn.network import (  # noqa: E402
+from echoic.model.nn.network import (
     DeepSpeech2,
     ModelConfig,
     count_parameters,
     ctc_loss,
     forward_flops,
 )
-from echoic.training.train import load_recipe, make_optimizer  # noqa: E402
+from echoic.training.train import load_recipe, make_optimizer
 
 # Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, SXM parts, no sparsity).
 BF16_PEAK = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}

@@ -17,7 +17,7 @@ import sys
 from echoic.cli.errors import UserError, missing_extra
 
 # Subcommands in the order `echoic --help` lists them.
-COMMANDS = ("synth", "train", "export", "transcribe", "eval", "lm", "serve", "stream", "demo")
+COMMANDS = ("synth", "train", "export", "transcribe", "eval", "lm", "serve", "stream")
 
 __all__ = ["UserError", "build_parser", "main", "missing_extra"]
 

@@ -24,18 +24,24 @@ when any file failed.
 
 
 def add_decoder_options(p: argparse.ArgumentParser) -> None:
-    """Decoder options shared by transcribe, eval and serve."""
-    p.add_argument("--decoder", choices=("greedy", "beam"), default="greedy", help="CTC decoding")
-    p.add_argument("--beam-size", type=int, default=32, help="beam width (beam)")
-    p.add_argument("--lm", metavar="ARPA", default="", help="word n-gram LM (beam; default:"
-                   " the model directory's lm.arpa)")  # fmt: skip
+    """Decoder options shared by transcribe and eval (defaults: DecoderConfig's)."""
+    from echoic.model.core.decoding import DecoderConfig
+
+    d = DecoderConfig()
+    p.add_argument("--decoder", choices=("greedy", "beam"), default=d.kind, help="CTC decoding")
+    p.add_argument("--beam-size", type=int, default=d.beam_size,
+                   help=f"beam width (beam; default {d.beam_size})")  # fmt: skip
+    p.add_argument("--lm", metavar="ARPA", default=d.lm_path, help="word n-gram LM (beam;"
+                   " default: the model directory's lm.arpa)")  # fmt: skip
     p.add_argument("--no-lm", action="store_true", help="beam search without an LM")
-    p.add_argument("--lm-weight", type=float, default=0.5, help="LM weight (beam)")
-    p.add_argument("--word-bonus", type=float, default=1.0, help="score per word, nats (beam)")
+    p.add_argument("--lm-weight", type=float, default=d.lm_weight,
+                   help=f"LM weight (beam; default {d.lm_weight:g})")  # fmt: skip
+    p.add_argument("--word-bonus", type=float, default=d.word_bonus,
+                   help=f"score per word, nats (beam; default {d.word_bonus:g})")  # fmt: skip
 
 
 def decoder_config(args: argparse.Namespace):
-    from echoic.model.runtime.recognizer import DecoderConfig
+    from echoic.model.core.decoding import DecoderConfig
 
     return DecoderConfig(
         kind=args.decoder, beam_size=args.beam_size, lm_path=args.lm, use_lm=not args.no_lm,

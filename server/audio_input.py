@@ -24,20 +24,12 @@ import struct
 import numpy as np
 import soxr
 
-from echoic.model.core.audio import MAX_RATE, MIN_RATE, AudioError, decode_audio
+from echoic.model.core.audio import ENCODINGS, AudioError, check_rate, decode_audio
 
-ENCODINGS = ("auto", "linear16", "wav", "flac")
+MAX_CHANNELS = 255  # channels of LINEAR16 audio, count
 
 _WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
 _MAX_HEADER_BYTES = 1 << 20  # a WAV whose samples have not begun after this is not streamable
-
-
-def check_rate(rate: int, name: str) -> None:
-    if not MIN_RATE <= rate <= MAX_RATE:
-        raise AudioError(
-            f"{name}: unsupported sample rate {rate} Hz (supported: {MIN_RATE}-{MAX_RATE} Hz, "
-            "e.g. 8000, 16000, 22050, 44100 or 48000)"
-        )
 
 
 class AudioInput:
@@ -61,8 +53,10 @@ class AudioInput:
             )
         if sample_rate is not None:
             check_rate(sample_rate, name)
-        if channels < 1:
-            raise AudioError(f"{name}: audio_channel_count must be >= 1, got {channels}")
+        if not 1 <= channels <= MAX_CHANNELS:
+            raise AudioError(
+                f"{name}: audio_channel_count must be 1-{MAX_CHANNELS}, got {channels}"
+            )
         self.encoding = encoding
         self.target_rate = target_rate
         self.name = name
@@ -109,10 +103,12 @@ class AudioInput:
         if self._mode in ("sniff", "wav-header"):
             self._mode = "buffer"  # too short to tell: let decode_audio say what is wrong
         if self._mode == "buffer":
-            kind = {"auto": "auto", "wav": "wav", "flac": "flac"}[self.encoding]
-            rate = None if self._declared_rate is None else self._declared_rate
             samples = decode_audio(
-                self._pending, self.target_rate, encoding=kind, sample_rate=rate, name=self.name
+                self._pending,
+                self.target_rate,
+                encoding=self.encoding,
+                sample_rate=self._declared_rate,
+                name=self.name,
             )
             self._pending = b""
             self.source_samples = len(samples)

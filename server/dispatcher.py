@@ -1,19 +1,22 @@
 """Batch dispatch: one queue and one loop per loaded model version.
 
-Every stream with a window ready, and every Recognize request (run as a stream
-fed all its audio at once), puts that window in its model version's queue and
-awaits it. The dispatcher loop takes whatever is queued the moment the engine is
-free (up to `max_batch` streams; with `max_wait_ms` > 0 it first waits that long
-for a fuller batch), runs ONE batched `Recognizer.step` - the new feature frames
-of all its streams in one batch, a single stream.onnx call, then each stream's
+Every stream with work ready (new audio to turn into features, a window for
+the model), and every Recognize request (run as a stream fed all its audio at
+once), puts that step in its model version's queue and awaits it. The
+dispatcher loop takes whatever is queued the moment the engine is free (up to
+`max_batch` streams; with `max_wait_ms` > 0 it first waits that long for a
+fuller batch), runs ONE batched `Recognizer.step` - the new feature frames of
+all its streams in one batch, a single stream.onnx call, then each stream's
 decoding - in a worker thread, and wakes each stream to read its rows. Under
 light load a window waits for nobody; under heavy load batches grow instead of
 queues.
 
-A stream has at most one window in the queue (it awaits each), so a stream with
+A stream has at most one step in the queue (it awaits each), so a stream with
 several windows ready takes one per batch and cannot starve the others. Full
 utterances of a model that cannot stream (no stream.onnx) go through the same
-queue as offline jobs and are batched with each other through model.onnx.
+queue as offline jobs: `Recognizer.log_probs` computes their features and runs
+them as one batch through model.onnx. The dispatcher calls `Recognizer` and
+nothing below it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class DispatcherClosed(Exception):
 
 @dataclass
 class _Work:
-    kind: str  # "stream": one window of `payload` (a Stream); "offline": features (T, F)
+    kind: str  # "stream": one step of `payload` (a Stream); "offline": samples (N,)
     payload: Any
     future: asyncio.Future
     queued_at: float = field(default_factory=time.perf_counter)
@@ -71,15 +74,15 @@ class Dispatcher:
         self._wakeup = asyncio.Event()
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dispatch {labels}")
-        self.batches = 0  # batched calls run, count
 
     async def step(self, stream: Stream) -> None:
-        """Run the stream's next ready window in the next batch; return once it is decoded."""
+        """Run the stream's next step in the next batch; return once it is decoded."""
         await self._submit("stream", stream)
 
-    async def offline(self, features: np.ndarray) -> np.ndarray:
-        """Log-probs (T', V) of one whole utterance's features, batched through model.onnx."""
-        return await self._submit("offline", features)
+    async def offline(self, audio: np.ndarray) -> np.ndarray:
+        """Log-probs (T', V) of one whole utterance (float32 samples at the model's rate),
+        its features and model.onnx batched with the other utterances queued."""
+        return await self._submit("offline", audio)
 
     async def _submit(self, kind: str, payload: Any) -> Any:
         if self._closed:
@@ -131,7 +134,6 @@ class Dispatcher:
                 finally:
                     self._inflight = []
                 compute = time.perf_counter() - started
-                self.batches += 1
                 self._observe(batch, compute)
                 for work, result in zip(batch, results, strict=True):
                     if not work.future.done():  # a cancelled client's window is dropped
@@ -171,7 +173,7 @@ class Dispatcher:
         if batch[0].kind == "stream":
             self._recognizer.step([work.payload for work in batch])
             return [None] * len(batch)
-        return self._recognizer.engine.offline([work.payload for work in batch])
+        return self._recognizer.log_probs([work.payload for work in batch])
 
     def _observe(self, batch: Sequence[_Work], compute: float) -> None:
         m, labels = self._metrics, self._labels
@@ -180,7 +182,7 @@ class Dispatcher:
         if batch[0].kind == "stream":
             audio = len(batch) * self._window_seconds
         else:
-            hop = self._recognizer.card.hop_ms / 1000.0
-            audio = sum(len(work.payload) for work in batch) * hop
+            rate = self._recognizer.sample_rate
+            audio = sum(len(work.payload) for work in batch) / rate
         if audio > 0:
             m.real_time_factor.labels(*labels).observe(compute / audio)

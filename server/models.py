@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from echoic.model.core.decoding import DecoderConfig
 from echoic.model.runtime.engine import Engine
-from echoic.model.runtime.recognizer import LM_FILE, DecoderConfig, Recognizer, default_model_dir
+from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
 from echoic.server.config import ServerConfig, ServerError
 from echoic.server.dispatcher import Dispatcher
 from echoic.server.metrics import Metrics
@@ -68,43 +70,49 @@ def _signature(path: Path) -> tuple:
         return ()
 
 
-@dataclass(frozen=True)
-class DecoderChoice:
-    kind: str = "greedy"  # "greedy" or "beam"
-    beam_size: int = 32  # hypotheses kept per frame (beam)
-    use_lm: bool = True  # beam: use the model directory's lm.arpa when present
-
-
 class LoadedModel:
-    """One model version in memory: its engine, decoders and dispatcher, and who uses it."""
+    """One model version in memory: its recognizers (one engine, a decoder each), its
+    dispatcher, and how many calls use it."""
 
     def __init__(
         self, name: str, version: str, path: Path, greedy: Recognizer, dispatcher: Dispatcher
     ) -> None:
         self.name, self.version, self.path = name, version, path
-        self.engine = greedy.engine
         self.card = greedy.card
-        self.dispatcher = dispatcher
         self.greedy = greedy
         self.state = LOADED
         self.active = 0  # open streams and requests on this version, count
         self.has_lm = (path / LM_FILE).is_file()
-        self._recognizers: dict[DecoderChoice, Recognizer] = {DecoderChoice(): self.greedy}
+        self._dispatcher = dispatcher
+        self._recognizers: dict[DecoderConfig, Recognizer] = {}
         self._lock = asyncio.Lock()
 
     @property
     def streamable(self) -> bool:
-        return self.engine.streamable
+        return self.greedy.streamable
 
-    async def recognizer(self, choice: DecoderChoice) -> Recognizer:
-        """The recognizer for a decoder choice (sharing this version's engine), built once."""
-        if choice.kind == "greedy":
+    async def recognizer(self, decoder: DecoderConfig) -> Recognizer:
+        """The recognizer for a decoder config (sharing this version's engine), built once."""
+        if decoder.kind == "greedy":
             return self.greedy
         async with self._lock:
-            if choice not in self._recognizers:
-                cfg = DecoderConfig(kind="beam", beam_size=choice.beam_size, use_lm=choice.use_lm)
-                self._recognizers[choice] = await asyncio.to_thread(Recognizer, self.engine, cfg)
-            return self._recognizers[choice]
+            if decoder not in self._recognizers:
+                self._recognizers[decoder] = await asyncio.to_thread(
+                    Recognizer, self.greedy.engine, decoder
+                )
+            return self._recognizers[decoder]
+
+    async def step(self, stream: Stream) -> None:
+        """Run the stream's next step in this version's next batch."""
+        await self._dispatcher.step(stream)
+
+    async def log_probs(self, audio: np.ndarray) -> np.ndarray:
+        """Log-probs (T', V) of one whole utterance, batched with others through model.onnx."""
+        return await self._dispatcher.offline(audio)
+
+    async def close(self) -> None:
+        """Stop this version's dispatcher; work still queued fails with DispatcherClosed."""
+        await self._dispatcher.close()
 
 
 class ModelRegistry:
@@ -272,7 +280,7 @@ class ModelRegistry:
         self.loaded.remove(model)
         if self.serving.get(model.name) is model:
             del self.serving[model.name]
-        await model.dispatcher.close()
+        await model.close()
         self._metrics.set_model_state(model.name, model.version, None)
         log.info("unloaded %s version %s", model.name, model.version)
 

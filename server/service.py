@@ -124,7 +124,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 if message is grpc.aio.EOF:
                     if context.cancelled():
                         raise ClientGone
-                    self._accept(session, session.audio.finish())
+                    # The end of buffered audio (FLAC) decodes all of it: off the loop.
+                    self._accept(session, await asyncio.to_thread(session.audio.finish))
                     session.finish()
                     ended = time.perf_counter()
                 else:

@@ -28,13 +28,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from echoic.model.core.audio import AudioError
-from echoic.model.core.decoding import Transcript
-from echoic.model.core.features import compute_features
+from echoic.model.core.decoding import DecoderConfig, Transcript
 from echoic.model.runtime.recognizer import Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.audio_input import AudioInput, check_rate
-from echoic.server.models import DecoderChoice, LoadedModel
+from echoic.server.audio_input import AudioInput
+from echoic.server.models import LoadedModel
 
 _ENCODINGS = {
     pb.RecognitionConfig.ENCODING_UNSPECIFIED: "auto",
@@ -67,7 +65,7 @@ class Options:
     model: str  # model name; "" = the only one served
     version: str  # model version; "" = the serving one
     words: bool  # fill word times and confidences
-    decoder: DecoderChoice
+    decoder: DecoderConfig
     trailing_silence: float  # endpointing rule 1, s; 0 = off
     max_utterance: float  # endpointing rule 2, s; 0 = off
     interim: bool = False  # send interim results
@@ -76,31 +74,27 @@ class Options:
 
 
 def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interval_ms: int = 0):
-    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong."""
+    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong.
+
+    The audio fields (rate, channels) are checked where the audio is read, by
+    `AudioInput`, whichever door the request came through.
+    """
     if config.encoding not in _ENCODINGS:
         raise invalid(
             f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), WAV or FLAC"
         )
-    encoding = _ENCODINGS[config.encoding]
-    rate = config.sample_rate_hertz or None
-    if rate is None and encoding == "linear16":
-        raise invalid("LINEAR16 audio has no header: set sample_rate_hertz (e.g. 16000)")
-    if rate is not None:
-        try:
-            check_rate(rate, "sample_rate_hertz")
-        except AudioError as e:
-            raise invalid(str(e)) from None
-    if not 0 <= config.audio_channel_count <= 255:
-        raise invalid(f"audio_channel_count must be 1-255, got {config.audio_channel_count}")
     d = config.decoder
     if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
         raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
+    default_beam = DecoderConfig.beam_size
     if not 0 <= d.beam_size <= MAX_BEAM:
-        raise invalid(f"beam_size must be 0 (the default, 32) to {MAX_BEAM}, got {d.beam_size}")
-    choice = (
-        DecoderChoice("beam", d.beam_size or 32, not d.disable_lm)
+        raise invalid(
+            f"beam_size must be 0 (the default, {default_beam}) to {MAX_BEAM}, got {d.beam_size}"
+        )
+    decoder = (
+        DecoderConfig("beam", d.beam_size or default_beam, use_lm=not d.disable_lm)
         if d.kind == pb.DecoderConfig.BEAM
-        else DecoderChoice()
+        else DecoderConfig()
     )
     e = config.endpointing
     for field, value in (
@@ -112,13 +106,13 @@ def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interva
         if value < 0:
             raise invalid(f"{field} must be >= 0, got {value}")
     return Options(
-        encoding=encoding,
-        sample_rate=rate,
+        encoding=_ENCODINGS[config.encoding],
+        sample_rate=config.sample_rate_hertz or None,
         channels=config.audio_channel_count or 1,
         model=config.model,
         version=config.model_version,
         words=config.enable_word_time_offsets,
-        decoder=choice,
+        decoder=decoder,
         trailing_silence=e.trailing_silence_ms / 1000.0,
         max_utterance=e.max_utterance_ms / 1000.0,
         interim=interim,
@@ -138,7 +132,7 @@ class UtteranceStream(Stream):
     @property
     def utterance_start(self) -> float:
         """Where the current utterance starts in the audio, s."""
-        return self._utterance_start_frame * self._recognizer.frame_seconds
+        return self._utterance_start_frame * self.recognizer.frame_seconds
 
     @property
     def utterance_seconds(self) -> float:
@@ -256,7 +250,7 @@ class Session:
         out: list[pb.SpeechRecognitionResult] = []
         stream, opts = self.stream, self.options
         while stream.is_ready():
-            await self.model.dispatcher.step(stream)
+            await self.model.step(stream)
             if stream.is_final:
                 break
             if self._endpoint():
@@ -311,10 +305,8 @@ class Session:
         if self.done or not self.finished:
             return []
         audio = np.concatenate(self._offline) if self._offline else np.zeros(0, np.float32)
-        card = self.model.card
-        features = compute_features(audio, card.features)
-        log_probs = await self.model.dispatcher.offline(features)
-        decode = self._recognizer.decoder.decode
+        log_probs = await self.model.log_probs(audio)
+        decode = self._recognizer.decode
         transcript = await asyncio.to_thread(decode, log_probs, self.options.alternatives)
         self.done = True
         return [

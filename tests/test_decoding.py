@@ -12,15 +12,22 @@ from echoic.model.core.decoding import (
     BeamSearchDecoder,
     GreedyDecoder,
     Transcript,
-    greedy_decode,
     greedy_decode_batch,
     greedy_ids,
-    greedy_transcript,
 )
 from echoic.model.core.lm import build_arpa
 from echoic.model.core.text import Vocabulary
 
 VOCAB = Vocabulary()
+
+
+def greedy_decode(log_probs: np.ndarray, vocab: Vocabulary) -> str:
+    """The raw greedy text of one utterance (T, V), as training's evaluation reads it."""
+    return greedy_decode_batch(log_probs[None], np.array([len(log_probs)]), vocab)[0]
+
+
+def greedy_transcript(log_probs: np.ndarray, vocab: Vocabulary, frame: float) -> Transcript:
+    return GreedyDecoder(vocab, frame_seconds=frame).decode(log_probs)
 
 
 def _path(ids: list[int], vocab_size: int = VOCAB.size) -> np.ndarray:

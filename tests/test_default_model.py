@@ -6,7 +6,9 @@ import jiwer
 import numpy as np
 import pytest
 
-from echoic.model.runtime.recognizer import DecoderConfig, Recognizer, default_model_dir
+from echoic.model.core.decoding import DecoderConfig
+from echoic.model.runtime.recognizer import Recognizer, default_model_dir
+from tests.streaming import stream_all
 
 pytestmark = pytest.mark.skipif(
     not (default_model_dir() / "model.onnx").is_file(),
@@ -37,7 +39,7 @@ def test_it_transcribes_synthesized_speech(recognizer: Recognizer, corpus_audio)
 
 def test_streaming_equals_offline(recognizer: Recognizer, corpus_audio) -> None:
     audio = corpus_audio[0][1]
-    assert recognizer.stream_all(audio, 3000).text == recognizer.transcribe([audio])[0].text
+    assert stream_all(recognizer, audio, 3000).text == recognizer.transcribe([audio])[0].text
 
 
 def test_beam_search_with_the_bundled_lm(corpus_audio) -> None:

@@ -189,7 +189,7 @@ def _stream_audio(engine: Engine, audios: list[np.ndarray], piece_ms: list[int])
             states[i] = state
             outputs[i].append(log_probs[row, : min(feeders[i].chunk, out_frames[row])])
     for feeder in feeders:
-        assert feeder.output_frames == feeder.total_output_frames
+        assert feeder.done  # every window of the stream was taken
     return [np.concatenate(o) for o in outputs]
 
 
@@ -224,7 +224,7 @@ def test_window_feeder_waits_for_whole_windows(exported) -> None:
     feeder.finish()  # the rest, padded with the mean, with fewer valid output frames
     at_end = [feeder.next_window()[1] for _ in range(2)]
     assert (before_end, at_end) == ([6, 6], [5, 1])
-    assert feeder.done and feeder.output_frames == feeder.total_output_frames == 17
+    assert feeder.done and feeder.total_output_frames == 17
 
 
 # ---------------------------------------------------------------- refusing to export

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echoic.model.runtime.recognizer import DecoderConfig, Recognizer
+from echoic.model.core.decoding import DecoderConfig
+from echoic.model.runtime.recognizer import Recognizer
+from tests.streaming import stream_all
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_stream_equals_offline(recognizer: Recognizer, corpus_audio) -> None:
 
 def test_batched_streams_have_no_cross_talk(recognizer: Recognizer, corpus_audio) -> None:
     audios = [a for _, a in corpus_audio[:6]]
-    alone = [recognizer.stream_all(a).text for a in audios]
+    alone = [stream_all(recognizer, a).text for a in audios]
     streams = [recognizer.stream() for _ in audios]
     pieces = [np.array_split(a, 7 + i) for i, a in enumerate(audios)]
     batch_sizes = []
@@ -63,7 +65,7 @@ def test_audio_arriving_while_a_step_runs_is_not_lost(recognizer: Recognizer, co
     """As in the server: one thread accepts audio and finishes streams while another
     steps them (features and model batched); every transcript equals the stream's alone."""
     audios = [a for _, a in corpus_audio[6:10]]
-    alone = [recognizer.stream_all(a).text for a in audios]
+    alone = [stream_all(recognizer, a).text for a in audios]
     streams = [recognizer.stream() for _ in audios]
     done = threading.Event()
 

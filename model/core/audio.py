@@ -33,12 +33,14 @@ class AudioError(ValueError):
     """Audio that cannot be decoded or used; the message names the input and the fix."""
 
 
-def _check_rate(rate: int, what: str, name: str) -> None:
+def check_rate(rate: int, name: str, what: str = "sample rate") -> None:
+    """AudioError naming `name` unless `rate` is a whole number of Hz we accept."""
     if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)):
         raise AudioError(f"{name}: {what} must be an integer number of Hz, got {rate!r}")
     if not MIN_RATE <= rate <= MAX_RATE:
         raise AudioError(
-            f"{name}: unsupported {what} {rate} Hz (supported: {MIN_RATE}-{MAX_RATE} Hz)"
+            f"{name}: unsupported {what} {rate} Hz (supported: {MIN_RATE}-{MAX_RATE} Hz, "
+            "e.g. 8000, 16000, 22050, 44100 or 48000)"
         )
 
 
@@ -109,9 +111,9 @@ def decode_audio(
         raise AudioError(
             f"{name}: unsupported encoding {encoding!r} (supported: {', '.join(ENCODINGS)})"
         )
-    _check_rate(target_rate, "target sample rate", name)
+    check_rate(target_rate, name, "target sample rate")
     if sample_rate is not None:
-        _check_rate(sample_rate, "sample rate", name)
+        check_rate(sample_rate, name)
     data = bytes(data)
     if not data:
         raise AudioError(f"{name}: no audio data (0 bytes)")
@@ -120,7 +122,7 @@ def decode_audio(
         samples, rate = _read_linear16(data, sample_rate, channels, name)
     else:
         samples, rate = _read_container(data, encoding, name)
-        _check_rate(rate, "sample rate", name)
+        check_rate(rate, name)
         if sample_rate is not None and sample_rate != rate:
             raise AudioError(
                 f"{name}: sample rate {sample_rate} Hz was given but the header says {rate} Hz; "
@@ -182,7 +184,7 @@ def audio_duration(path: str | os.PathLike[str]) -> float:
 
 def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:
     """Write float samples in [-1, 1] (or int16) as a PCM16 WAV; (N,) or (N, C)."""
-    _check_rate(rate, "sample rate", str(path))
+    check_rate(rate, str(path))
     samples = np.asarray(samples)
     if samples.ndim not in (1, 2):
         raise ValueError(f"samples must have shape (N,) or (N, C), got {samples.shape}")

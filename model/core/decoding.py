@@ -74,13 +74,6 @@ def _check_vocab(log_probs: np.ndarray, vocab: Vocabulary) -> None:
         )
 
 
-def greedy_decode(log_probs: np.ndarray, vocab: Vocabulary) -> str:
-    """Greedy transcript of one utterance's (T, V) log-probabilities."""
-    log_probs = np.asarray(log_probs)
-    _check_vocab(log_probs, vocab)
-    return vocab.decode(greedy_ids(log_probs, vocab.blank_id))
-
-
 def _check_lengths(log_probs: np.ndarray, lengths: np.ndarray) -> None:
     if lengths.shape != log_probs.shape[:1]:
         raise ValueError(f"lengths must have shape ({log_probs.shape[0]},), got {lengths.shape}")
@@ -312,11 +305,6 @@ class GreedyDecoder(_Decoder):
         return GreedyStream(self.vocab, self.frame_seconds)
 
 
-def greedy_transcript(log_probs: np.ndarray, vocab: Vocabulary, frame_seconds: float) -> Transcript:
-    """Greedy transcript of (T, V) log-probs, with word times and confidences."""
-    return GreedyDecoder(vocab, frame_seconds=frame_seconds).decode(log_probs)
-
-
 # ---------------------------------------------------------------- beam search
 
 _LN10 = math.log(10.0)
@@ -332,6 +320,24 @@ def _flashlight() -> Any:
             "beam search needs flashlight-text, which is not installed: pip install 'echoic[serve]'"
         ) from None
     return decoder
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """How to decode: greedy, or beam search with an optional word LM. The one place
+    where the decoding defaults are written (the server, the command line and
+    `BeamSearchDecoder` take them from here)."""
+
+    kind: str = "greedy"  # "greedy" or "beam"
+    beam_size: int = 32  # hypotheses kept per frame (beam)
+    lm_path: str = ""  # ARPA word LM; "" = the model directory's lm.arpa when present
+    use_lm: bool = True  # with kind="beam": use the LM when one is found
+    lm_weight: float = 0.5  # LM weight (beam), natural-log units per LM log-prob
+    word_bonus: float = 1.0  # score added per word (beam), nats
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("greedy", "beam"):
+            raise ValueError(f"decoder kind must be 'greedy' or 'beam', got {self.kind!r}")
 
 
 class BeamSearchDecoder(_Decoder):
@@ -356,10 +362,10 @@ class BeamSearchDecoder(_Decoder):
         vocab: Vocabulary,
         *,
         frame_seconds: float,
-        beam_size: int = 32,
+        beam_size: int = DecoderConfig.beam_size,
         lm_path: str | os.PathLike[str] | None = None,
-        lm_weight: float = 0.5,
-        word_bonus: float = 1.0,
+        lm_weight: float = DecoderConfig.lm_weight,
+        word_bonus: float = DecoderConfig.word_bonus,
         unk_penalty: float = 10.0,
         beam_threshold: float = 25.0,
         token_beam: int | None = 8,

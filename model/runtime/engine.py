@@ -305,9 +305,3 @@ class WindowFeeder:
         self._buffer = self._buffer[drop:]
         self._offset += drop
         return np.ascontiguousarray(window), out_frames
-
-    @property
-    def output_frames(self) -> int:
-        """Output frames covered by the windows taken so far."""
-        total = self.total_output_frames
-        return self.next_frame if total is None else min(self.next_frame, total)

@@ -7,10 +7,10 @@ Two ways in, one model:
 - `Recognizer.stream()`: a `Stream` per live utterance, with the small API
   `accept_audio()`, `is_ready()`, `finish()`, `result()`. Streams do not run the
   model themselves, nor compute their features: `accept_audio` only stores the
-  samples, and `Recognizer.step(streams)` computes the new feature frames of every
-  stream that has a window ready as one batch, then runs one batched stream.onnx
-  call for them. That is the one place where streaming work is batched; the
-  server's dispatcher calls it.
+  samples (and `finish` only marks the end), and `Recognizer.step(streams)`
+  computes the new feature frames of every stream with work ready as one batch,
+  then runs one batched stream.onnx call for those with a window ready. That is
+  the one place where streaming work is batched; the server's dispatcher calls it.
 
 Streaming output equals offline output for the same audio (the model was
 trained chunked; `Engine` and `WindowFeeder` pad exactly as the network does).
@@ -21,23 +21,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from echoic.model.core.decoding import (
     BeamSearchDecoder,
+    DecoderConfig,
     GreedyDecoder,
     StreamingDecoder,
     Transcript,
 )
-from echoic.model.core.features import (
-    FeatureStream,
-    batch_features,
-    compute_features,
-    frame_features,
-)
+from echoic.model.core.features import FeatureStream, batch_features, compute_features
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
@@ -47,20 +42,6 @@ LM_FILE = "lm.arpa"  # an optional word LM shipped beside the graphs
 def default_model_dir() -> Path:
     """The model bundled with the package (used when no model is named)."""
     return DEFAULT_MODEL_DIR
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    kind: str = "greedy"  # "greedy" or "beam"
-    beam_size: int = 32  # hypotheses kept per frame (beam)
-    lm_path: str = ""  # ARPA word LM; "" = the model directory's lm.arpa when present
-    use_lm: bool = True  # with kind="beam": use the LM when one is found
-    lm_weight: float = 0.5  # LM weight (beam), natural-log units per LM log-prob
-    word_bonus: float = 1.0  # score added per word (beam), nats
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("greedy", "beam"):
-            raise ValueError(f"decoder kind must be 'greedy' or 'beam', got {self.kind!r}")
 
 
 class Recognizer:
@@ -87,11 +68,15 @@ class Recognizer:
         self.frame_seconds = self.card.output_frame_ms / 1000.0
         self.decoder_config = decoder or DecoderConfig()
         self.lm_path: str | None = None  # the word LM in use (beam search)
-        self.decoder = self._make_decoder(self.decoder_config)
+        self._decoder = self._make_decoder(self.decoder_config)
 
     @property
     def sample_rate(self) -> int:
         return self.card.sample_rate
+
+    @property
+    def streamable(self) -> bool:
+        return self.engine.streamable
 
     def _make_decoder(self, cfg: DecoderConfig) -> GreedyDecoder | BeamSearchDecoder:
         if cfg.kind == "greedy":
@@ -104,7 +89,7 @@ class Recognizer:
             self.vocab,
             frame_seconds=self.frame_seconds,
             beam_size=cfg.beam_size,
-            lm_path=lm if cfg.use_lm else None,
+            lm_path=self.lm_path,
             lm_weight=cfg.lm_weight,
             word_bonus=cfg.word_bonus,
         )
@@ -112,114 +97,107 @@ class Recognizer:
     # ---- offline -------------------------------------------------------------------
 
     def log_probs(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Log-probs (T', V) of each utterance (float32 mono at `sample_rate`)."""
+        """Log-probs (T', V) of each utterance (float32 mono at `sample_rate`): their
+        features, then one padded batch through model.onnx."""
         feats = [
             compute_features(np.asarray(a, dtype=np.float32), self.card.features) for a in audios
         ]
         return self.engine.offline(feats)
 
-    def transcribe(self, audios: Sequence[np.ndarray]) -> list[Transcript]:
+    def decode(self, log_probs: np.ndarray, n_best: int = 1) -> Transcript:
+        """One utterance's transcript from its log-probs (T', V); with beam search and
+        n_best > 1 it carries up to n_best - 1 `alternatives`."""
+        return self._decoder.decode(log_probs, n_best)
+
+    def transcribe(self, audios: Sequence[np.ndarray], n_best: int = 1) -> list[Transcript]:
         """Transcripts of whole utterances, run through the model as one batch."""
-        return [self.decoder.decode(lp) for lp in self.log_probs(audios)]
+        return [self.decode(lp, n_best) for lp in self.log_probs(audios)]
 
     # ---- streaming -----------------------------------------------------------------
 
     def stream(self) -> Stream:
         return Stream(self)
 
-    def step(self, streams: Sequence[Stream]) -> int:
-        """One batched stream.onnx call for every given stream with a window ready.
+    def decoder_stream(self) -> StreamingDecoder:
+        """A fresh streaming decoder (one per utterance of a `Stream`)."""
+        return self._decoder.stream()
 
-        Returns the number of streams that advanced. Each stream contributes at
-        most one window per call, so a call costs one model step whatever the mix.
+    def step(self, streams: Sequence[Stream]) -> int:
+        """One batched step of every given stream that has work ready.
+
+        The new feature frames of all of them are computed as one batch; then every
+        one with a window ready contributes that window (at most one each, so a call
+        costs one stream.onnx call whatever the mix) and decodes its rows. Returns the
+        number of streams that stepped.
         """
         ready = [s for s in streams if s.is_ready()]
         if not ready:
             return 0
-        self._compute_features(ready)
-        windows, frames = zip(*(s._take_window() for s in ready), strict=True)
-        states = self.engine.gather_states([s._state for s in ready])
-        log_probs, new_states = self.engine.stream_step(
-            np.stack(windows), np.asarray(frames, dtype=np.int64), states
-        )
-        for stream, rows, n, state in zip(
-            ready, log_probs, frames, self.engine.scatter_states(new_states), strict=True
-        ):
-            stream._accept_step(rows[: min(self.card.chunk_frames, n)], state)
+        Stream.compute_features(ready)
+        stepping = [s for s in ready if s.has_window()]
+        if stepping:
+            windows, frames = zip(*(s.next_window() for s in stepping), strict=True)
+            states = self.engine.gather_states([s.state for s in stepping])
+            log_probs, new_states = self.engine.stream_step(
+                np.stack(windows), np.asarray(frames, dtype=np.int64), states
+            )
+            for stream, rows, n, state in zip(
+                stepping, log_probs, frames, self.engine.scatter_states(new_states), strict=True
+            ):
+                stream.accept_step(rows[: min(self.card.chunk_frames, n)], state)
         return len(ready)
-
-    @staticmethod
-    def _compute_features(streams: Sequence[Stream]) -> None:
-        """The new feature frames of every stream, as one batch, into their feeders.
-
-        The streams' locks are held throughout (taken in one global order), so audio
-        that arrives meanwhile waits, and a finish() cannot come between taking a
-        stream's frames and feeding them.
-        """
-        with ExitStack() as locks:
-            for s in sorted(streams, key=id):
-                locks.enter_context(s._lock)
-            waiting = [s for s in streams if s._features.frames_pending]
-            feats = batch_features([s._features for s in waiting])
-            for s, f in zip(waiting, feats, strict=True):
-                s._feeder.accept(f)
-
-    def stream_all(self, audio: np.ndarray, chunk_samples: int = 1600) -> Transcript:
-        """Run one utterance through a stream in pieces (for tests and checks)."""
-        s = self.stream()
-        for i in range(0, len(audio), chunk_samples):
-            s.accept_audio(audio[i : i + chunk_samples])
-            while self.step([s]):
-                pass
-        s.finish()
-        while self.step([s]):
-            pass
-        return s.result()
 
 
 class Stream:
     """One live utterance: audio in, partial and final transcripts out.
 
     accept_audio(samples): float32 mono at the model's rate, any length.
-    is_ready(): a window is ready for the model (`Recognizer.step` runs it).
+    is_ready(): the stream has work for the model (`Recognizer.step` runs it).
     finish(): no more audio; the remaining windows become ready.
     result(): the transcript so far (final once `is_final`).
+
+    `compute_features`, `has_window`, `next_window`, `state` and `accept_step` are
+    the side that `Recognizer.step` drives.
     """
 
     def __init__(self, recognizer: Recognizer) -> None:
-        self._recognizer = recognizer
+        self.recognizer = recognizer
         self._features = FeatureStream(recognizer.card.features)
         self._feeder: WindowFeeder = recognizer.engine.feeder()
         self._state: StreamState = recognizer.engine.initial_state(1)
-        self._decoder: StreamingDecoder = recognizer.decoder.stream()
+        self._decoder: StreamingDecoder = recognizer.decoder_stream()
         self._n_best = 1
         self._result = Transcript("", (), 0.0)
         self._lock = threading.Lock()
+        self._ended = False  # finish() was called; the feeder finishes at the next step
         self.samples_in = 0  # audio samples accepted
         self.frames_decoded = 0  # output frames decoded
+
+    # ---- the caller's side ---------------------------------------------------------
 
     def accept_audio(self, samples: np.ndarray) -> None:
         """Store the samples; their features are computed by `Recognizer.step`, batched."""
         samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         with self._lock:
-            if self._feeder.finished:
+            if self._ended:
                 raise RuntimeError("accept_audio() after finish()")
             self._features.push(samples)
             self.samples_in += len(samples)
 
     def finish(self) -> None:
+        """No more audio. Cheap: the last frames are computed by the next step."""
         with self._lock:
-            if not self._feeder.finished:
-                frames = self._features.take_frames()  # the last ones, this stream's alone
-                self._feeder.accept(frame_features(frames, self._features.cfg))
-                self._feeder.finish()
+            self._ended = True
 
     @property
     def finished(self) -> bool:
-        return self._feeder.finished
+        """finish() was called."""
+        return self._ended
 
     def is_ready(self) -> bool:
         with self._lock:
+            if self._ended and not self._feeder.finished:
+                return True  # the last frames, and finishing the feeder, are a step's work
             return self._feeder.ready(self._features.frames_pending)
 
     @property
@@ -229,11 +207,11 @@ class Stream:
 
     @property
     def audio_seconds(self) -> float:
-        return self.samples_in / self._recognizer.sample_rate
+        return self.samples_in / self.recognizer.sample_rate
 
     @property
     def decoded_seconds(self) -> float:
-        return self.frames_decoded * self._recognizer.frame_seconds
+        return self.frames_decoded * self.recognizer.frame_seconds
 
     @property
     def n_best(self) -> int:
@@ -260,16 +238,49 @@ class Stream:
         transcript, not the acoustic context). Returns the finished utterance.
         """
         final = self._decoder.finalize()
-        self._decoder = self._recognizer.decoder.stream()
+        self._decoder = self.recognizer.decoder_stream()
         self._decoder.n_best = self._n_best
         self._result = Transcript("", (), 0.0)
         return final
 
-    def _take_window(self) -> tuple[np.ndarray, int]:
+    # ---- Recognizer.step's side ----------------------------------------------------
+
+    @staticmethod
+    def compute_features(streams: Sequence[Stream]) -> None:
+        """The new feature frames of every stream, as one batch, into their feeders; a
+        stream whose audio has ended then has its feeder finished.
+
+        The streams' locks are held throughout (taken in one global order), so audio
+        that arrives meanwhile waits for the next step.
+        """
+        with ExitStack() as locks:
+            for s in sorted(streams, key=id):
+                locks.enter_context(s._lock)
+            waiting = [s for s in streams if s._features.frames_pending]
+            feats = batch_features([s._features for s in waiting])
+            for s, f in zip(waiting, feats, strict=True):
+                s._feeder.accept(f)
+            for s in streams:
+                if s._ended and not s._feeder.finished:
+                    s._feeder.finish()
+
+    def has_window(self) -> bool:
+        """A window of feature frames is ready for stream.onnx."""
+        with self._lock:
+            return self._feeder.ready()
+
+    def next_window(self) -> tuple[np.ndarray, int]:
+        """The next window (W, F) and its valid output frames (`WindowFeeder.next_window`)."""
         with self._lock:
             return self._feeder.next_window()
 
-    def _accept_step(self, log_probs: np.ndarray, state: StreamState) -> None:
+    @property
+    def state(self) -> StreamState:
+        """The recurrent state the next window starts from."""
+        return self._state
+
+    def accept_step(self, log_probs: np.ndarray, state: StreamState) -> None:
+        """A window's log-prob rows (this stream's alone) and the state after it."""
         self._state = state
         self.frames_decoded += len(log_probs)
         self._result = self._decoder.accept(log_probs)

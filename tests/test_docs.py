@@ -1,0 +1,66 @@
+"""docs/ARCHITECTURE.md and the README stay true to the tree: the folders they list
+exist and are all the folders there are, and every `file:function` stop of the data
+flows names a function that the file defines."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+README = ROOT / "README.md"
+STOP = re.compile(r"`([\w/]+\.py):([\w.]+)`")
+
+
+def _code_folders() -> set[str]:
+    """Folders of the package and benchmarks: model's subpackages, the other top folders."""
+    tops = {"training", "server", "clients", "protos", "cli", "bench"}
+    model = {f"model/{p.name}" for p in (ROOT / "model").iterdir() if p.is_dir()}
+    return tops | {m for m in model if not m.endswith("__pycache__")}
+
+
+def _table_folders(text: str, heading: str) -> set[str]:
+    """The first-column folders of the table under `heading`."""
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return {m.rstrip("/") for m in re.findall(r"^\| `([\w/]+/)` \|", section, re.M)}
+
+
+@pytest.mark.parametrize(
+    ("doc", "heading"),
+    [
+        pytest.param(ARCHITECTURE, "## The parts", id="architecture"),
+        pytest.param(README, "## What is here", id="readme"),
+    ],
+)
+def test_the_folder_tables_match_the_tree(doc: Path, heading: str) -> None:
+    assert _table_folders(doc.read_text(), heading) == _code_folders()
+
+
+def _defined(path: Path) -> set[str]:
+    """Top-level functions and classes of a module, and Class.method names."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names.update(
+                f"{node.name}.{item.name}"
+                for item in node.body
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+            )
+    return names
+
+
+def test_every_data_flow_stop_exists() -> None:
+    stops = STOP.findall(ARCHITECTURE.read_text())
+    assert len(stops) > 20
+    missing = [
+        f"{file}:{name}"
+        for file, name in stops
+        if not (ROOT / file).is_file() or name not in _defined(ROOT / file)
+    ]
+    assert not missing, f"docs/ARCHITECTURE.md names stops the code lacks: {missing}"
