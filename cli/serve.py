@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import types
+import typing
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TypeVar
+
+from echoic.server.config import Flag, ServerConfig, ServerError
+
+C = TypeVar("C")
 
 EXAMPLES = """\
 examples:
@@ -44,9 +53,6 @@ _SERVE_MODULES = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from echoic.server.config import ServerConfig
-
-    d = ServerConfig()
     p = sub.add_parser(
         "serve",
         help="serve models over gRPC (streaming and batch transcription)",
@@ -56,119 +62,75 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    what = p.add_mutually_exclusive_group()
-    what.add_argument(
-        "--model", type=Path, metavar="DIR",
-        help="a model directory written by `echoic export` (default: the bundled model)",
-    )  # fmt: skip
-    what.add_argument(
-        "--model-repo", type=Path, metavar="DIR",
-        help="a model repository DIR/<name>/<version>/, polled for new versions",
-    )  # fmt: skip
-    p.add_argument(
-        "--poll-seconds", type=float, default=d.poll_seconds, metavar="S",
-        help=f"seconds between repository scans; 0 = only at start (default {d.poll_seconds:g})",
-    )  # fmt: skip
-    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port})")
-    p.add_argument(
-        "--metrics-port", type=int, metavar="PORT",
-        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default: off)",
-    )  # fmt: skip
-    p.add_argument(
-        "--metrics-host", default=d.metrics_host,
-        help=f"address the metrics endpoint binds to (default {d.metrics_host})",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-batch", type=int, default=d.max_batch, metavar="N",
-        help=f"streams per batched model call (default {d.max_batch})",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-wait-ms", type=float, default=d.max_wait_ms, metavar="MS",
-        help="ms to wait for a fuller batch; 0 = run whatever is ready at once (default 0)",
-    )  # fmt: skip
-    p.add_argument(
-        "--threads", type=int, default=d.intra_op_threads, metavar="N",
-        help="ONNX Runtime threads per operator; 0 = onnxruntime's default (default 0)",
-    )  # fmt: skip
-    p.add_argument(
-        "--gpu", action="store_true",
-        help="run on CUDA (needs onnxruntime-gpu: pip install 'echoic[gpu]')",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-streams", type=int, default=d.max_streams, metavar="N",
-        help=f"concurrent streams and requests; more get RESOURCE_EXHAUSTED (default "
-        f"{d.max_streams})",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-audio-seconds", type=float, default=d.max_audio_seconds, metavar="S",
-        help=f"audio per request or stream, s; 0 = no limit (default {d.max_audio_seconds:g})",
-    )  # fmt: skip
-    p.add_argument(
-        "--idle-timeout-seconds", type=float, default=d.idle_timeout_seconds, metavar="S",
-        help=f"a stream silent this long gets DEADLINE_EXCEEDED (default "
-        f"{d.idle_timeout_seconds:g})",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-message-bytes", type=int, default=d.max_message_bytes, metavar="B",
-        help=f"largest request message, bytes (default {d.max_message_bytes})",
-    )  # fmt: skip
-    p.add_argument(
-        "--grace-seconds", type=float, default=d.grace_seconds, metavar="S",
-        help=f"on SIGTERM, time open streams get to finish (default {d.grace_seconds:g})",
-    )  # fmt: skip
-    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate: serve TLS")
-    p.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
-    p.add_argument(
-        "--tls-client-ca", type=Path, metavar="PEM",
-        help="CA of client certificates: require them (mutual TLS)",
-    )  # fmt: skip
+    add_flags(p, ServerConfig)
     p.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"),
-        help="server log level (default info)",
+        help="server log level (default %(default)s)",
     )  # fmt: skip
     p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------- flags from a config
+
+
+def _flagged(config: type) -> Iterator[tuple[dataclasses.Field, Flag, Any]]:
+    """The fields of a config dataclass that are flags: (field, its Flag, its type)."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if f.metadata["flag"] is not None:
+            yield f, f.metadata["flag"], hints[f.name]
+
+
+def _value_type(kind: Any, name: str) -> type:
+    """The type a flag's value is parsed to: the annotation, without `| None`."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kinds = [k for k in typing.get_args(kind) if k is not type(None)]
+        kind = kinds[0] if len(kinds) == 1 else None
+    if kind not in (Path, int, float, str):
+        raise TypeError(f"{name}: no flag for a {kind!r} field; give it a Flag(switch=...)")
+    return kind
+
+
+def _shown(default: Any) -> str:
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
+def add_flags(parser: argparse.ArgumentParser, config: type) -> None:
+    """One flag per field of `config` (a dataclass of `setting`s), in field order."""
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for f, flag, kind in _flagged(config):
+        name = flag.name or f.name.replace("_", "-")
+        target: argparse._ActionsContainer = parser
+        if flag.exclusive:
+            if flag.exclusive not in groups:
+                groups[flag.exclusive] = parser.add_mutually_exclusive_group()
+            target = groups[flag.exclusive]
+        text = (flag.help or f.metadata["help"]).replace("%", "%%")  # argparse formats help
+        if flag.switch is not None:
+            how: dict[str, Any] = dict(action="store_const", const=flag.switch)
+        else:
+            metavar = flag.metavar or name.replace("-", "_").upper()
+            how = dict(type=_value_type(kind, f.name), metavar=metavar)
+            if f.default is not None:
+                text += f" (default {_shown(f.default)})"
+        target.add_argument(f"--{name}", dest=f.name, default=f.default, help=text, **how)
+
+
+def from_flags(config: type[C], args: argparse.Namespace) -> C:
+    """The `config` that parsed flags (`add_flags`) describe; fields without flags keep defaults."""
+    return config(**{f.name: getattr(args, f.name) for f, _, _ in _flagged(config)})
 
 
 def run(args: argparse.Namespace) -> int:
     from echoic.cli.main import UserError, missing_extra
 
     try:
+        config = from_flags(ServerConfig, args)  # a bad combination fails before any import
         from echoic.server.app import serve
-        from echoic.server.config import ServerConfig, ServerError
-    except ModuleNotFoundError as e:
-        if e.name in _SERVE_MODULES:
-            raise missing_extra("serve", _SERVE_MODULES[e.name]) from e
-        raise
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        config = ServerConfig(
-            model_dir=args.model,
-            model_repo=args.model_repo,
-            poll_seconds=args.poll_seconds,
-            host=args.host,
-            port=args.port,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            max_batch=args.max_batch,
-            max_wait_ms=args.max_wait_ms,
-            intra_op_threads=args.threads,
-            providers=(
-                ("CUDAExecutionProvider", "CPUExecutionProvider")
-                if args.gpu
-                else ("CPUExecutionProvider",)
-            ),
-            max_streams=args.max_streams,
-            max_audio_seconds=args.max_audio_seconds,
-            idle_timeout_seconds=args.idle_timeout_seconds,
-            max_message_bytes=args.max_message_bytes,
-            grace_seconds=args.grace_seconds,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
+
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         serve(config)
     except ServerError as e:

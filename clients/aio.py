@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
@@ -24,6 +23,7 @@ from echoic.clients.audio import Chunk
 from echoic.clients.client import (
     ClientError,
     RetryPolicy,
+    Tries,
     open_channel,
 )
 from echoic.clients.messages import (
@@ -107,23 +107,14 @@ class AsyncClient:
         self._stub = pb_grpc.TranscriberStub(self._channel)
 
     async def _unary(self, call: Any, request: Any, timeout: float | None) -> Any:
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for attempt in range(self.retry.attempts):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        tries = Tries(self.retry, self.timeout if timeout is None else timeout)
+        while True:
             try:
-                return await call(request, timeout=left)
+                return await call(request, timeout=tries.time_left())
             except grpc.aio.AioRpcError as e:
-                wait = self.retry.backoff(attempt)
-                last = attempt + 1 == self.retry.attempts
-                if (
-                    last
-                    or e.code() not in self.retry.codes
-                    or (deadline is not None and time.monotonic() + wait >= deadline)
-                ):
+                if (wait := tries.wait_after(e.code())) is None:
                     raise ClientError.from_rpc(e, self.target) from e
                 await asyncio.sleep(wait)
-        raise AssertionError("unreachable")
 
     async def recognize(
         self,

@@ -74,10 +74,58 @@ class RetryPolicy:
     multiplier: float = 2.0  # backoff growth per retry
     codes: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)
 
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, not {self.attempts}")
+
     def backoff(self, retry: int) -> float:
         """Seconds before retry number `retry` (0-based), with +-20 % jitter."""
         base = min(self.max_backoff, self.initial_backoff * self.multiplier**retry)
         return base * random.uniform(0.8, 1.2)
+
+
+class Tries:
+    """The tries of one unary call under a RetryPolicy and an overall timeout.
+
+    The retry loop's decisions, written once: which errors are retried, how many
+    tries, the backoff, and the deadline that bounds tries and waits together.
+    `Client` runs the loop with time.sleep, `AsyncClient` with asyncio.sleep:
+
+        tries = Tries(policy, timeout)
+        while True:
+            try:
+                return call(request, timeout=tries.time_left())
+            except grpc.RpcError as e:
+                if (wait := tries.wait_after(e.code())) is None:
+                    raise ClientError.from_rpc(e, target) from e
+                time.sleep(wait)
+    """
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        timeout: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy, self._clock = policy, clock
+        self.deadline = None if timeout is None else clock() + timeout  # clock s; None = none
+        self.failed = 0  # tries that failed so far, count
+
+    def time_left(self) -> float | None:
+        """Seconds the next try may take (None = no limit)."""
+        return None if self.deadline is None else max(0.0, self.deadline - self._clock())
+
+    def wait_after(self, code: grpc.StatusCode | None) -> float | None:
+        """After a try failed with `code`: seconds to wait before the next, None = give up."""
+        wait = self.policy.backoff(self.failed)
+        self.failed += 1
+        if (
+            self.failed >= self.policy.attempts
+            or code not in self.policy.codes
+            or (self.deadline is not None and self._clock() + wait >= self.deadline)
+        ):
+            return None
+        return wait
 
 
 # ------------------------------------------------------------------ channel
@@ -200,23 +248,14 @@ class Client:
     # ---- unary ---------------------------------------------------------------------
 
     def _unary(self, call: Callable[..., T], request: Any, timeout: float | None) -> T:
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for attempt in range(self.retry.attempts):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        tries = Tries(self.retry, self.timeout if timeout is None else timeout)
+        while True:
             try:
-                return call(request, timeout=left)
+                return call(request, timeout=tries.time_left())
             except grpc.RpcError as e:
-                wait = self.retry.backoff(attempt)
-                last = attempt + 1 == self.retry.attempts
-                if (
-                    last
-                    or e.code() not in self.retry.codes
-                    or (deadline is not None and time.monotonic() + wait >= deadline)
-                ):
+                if (wait := tries.wait_after(e.code())) is None:
                     raise ClientError.from_rpc(e, self.target) from e
                 time.sleep(wait)
-        raise AssertionError("unreachable")
 
     def recognize(
         self,

@@ -1,9 +1,15 @@
-"""ServerConfig: everything `echoic serve` can be told, with units."""
+"""ServerConfig: everything `echoic serve` can be told, with units.
+
+Each field is a `setting`: its default, what it means (with its unit) and how it
+appears on the command line (`Flag`). `echoic serve` builds its flags from these
+fields (echoic.cli.serve), so a default, a type or a help text is written here once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class ServerError(Exception):
@@ -11,35 +17,109 @@ class ServerError(Exception):
 
 
 @dataclass(frozen=True)
+class Flag:
+    """How a ServerConfig field appears on `echoic serve`'s command line.
+
+    The value's type comes from the field's annotation and "(default ...)" from its
+    default (nothing for None: the field's help says what unset means).
+    """
+
+    name: str = ""  # --NAME; "" = the field's name with - for _
+    metavar: str = ""  # the value's placeholder in --help; "" = NAME in capitals
+    exclusive: str = ""  # flags with the same tag exclude each other; "" = none
+    switch: Any = None  # not None: the flag takes no value and sets the field to this
+    help: str = ""  # the flag's help where it differs from the field's (a switch); "" = same
+
+
+def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa: B008 - frozen
+    """A ServerConfig field: default, meaning with unit, flag (None: deliberately not one)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+CPU = ("CPUExecutionProvider",)
+CUDA_THEN_CPU = ("CUDAExecutionProvider", "CPUExecutionProvider")
+_GPU_HELP = "run on CUDA, CPU as fallback (needs onnxruntime-gpu: pip install 'echoic[gpu]')"
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     # What to serve: one model directory, or a repository MODEL_REPO/<name>/<version>/.
-    model_dir: Path | None = None  # a directory written by `echoic export`
-    model_repo: Path | None = None  # polled for new versions (hot reload)
-    poll_seconds: float = 5.0  # s between two scans of model_repo; 0 = scan only at start
+    model_dir: Path | None = setting(
+        None,
+        "a model directory written by `echoic export`; unset = the bundled model",
+        Flag("model", "DIR", exclusive="model"),
+    )
+    model_repo: Path | None = setting(
+        None,
+        "a model repository DIR/<name>/<version>/, polled for new versions (hot reload)",
+        Flag(metavar="DIR", exclusive="model"),
+    )
+    poll_seconds: float = setting(
+        5.0,
+        "s between two scans of the model repository; 0 = scan only at start",
+        Flag(metavar="S"),
+    )
 
     # Where to listen.
-    host: str = "127.0.0.1"  # address to bind gRPC to ("[::]" or "0.0.0.0": every interface)
-    port: int = 50051  # gRPC port; 0 = any free port (create_server returns it)
-    metrics_port: int | None = None  # Prometheus /metrics port; None = off, 0 = any free port
-    metrics_host: str = "127.0.0.1"  # address to bind the metrics endpoint to
+    host: str = setting("127.0.0.1", "address to bind gRPC to; [::] or 0.0.0.0 = every interface")
+    port: int = setting(50051, "gRPC port; 0 = any free port")
+    metrics_port: int | None = setting(
+        None,
+        "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics; 0 = any free port, "
+        "unset = off",
+        Flag(metavar="PORT"),
+    )
+    metrics_host: str = setting("127.0.0.1", "address to bind the metrics endpoint to")
 
     # Batch dispatch (one dispatcher per loaded model version).
-    max_batch: int = 32  # streams per ONNX Runtime call, count
-    max_wait_ms: float = 0.0  # ms a dispatcher waits for a fuller batch; 0 = run at once
-    intra_op_threads: int = 0  # threads inside one ONNX operator, count; 0 = onnxruntime's
-    providers: tuple[str, ...] = ("CPUExecutionProvider",)  # ONNX Runtime execution providers
+    max_batch: int = setting(32, "streams per ONNX Runtime call, count", Flag(metavar="N"))
+    max_wait_ms: float = setting(
+        0.0,
+        "ms a dispatcher waits for a fuller batch; 0 = run whatever is ready at once",
+        Flag(metavar="MS"),
+    )
+    intra_op_threads: int = setting(
+        0,
+        "ONNX Runtime threads inside one operator, count; 0 = onnxruntime's default",
+        Flag("threads", "N"),
+    )
+    providers: tuple[str, ...] = setting(
+        CPU,
+        "ONNX Runtime execution providers, the first preferred",
+        Flag("gpu", switch=CUDA_THEN_CPU, help=_GPU_HELP),
+    )
 
     # Limits.
-    max_streams: int = 256  # concurrent StreamingRecognize + Recognize calls, count
-    max_audio_seconds: float = 3600.0  # audio per request or stream, s; 0 = no limit
-    idle_timeout_seconds: float = 30.0  # s a stream may send nothing before DEADLINE_EXCEEDED
-    max_message_bytes: int = 32 * 1024 * 1024  # largest request message, bytes
-    grace_seconds: float = 30.0  # s open streams get to finish on shutdown (SIGTERM)
+    max_streams: int = setting(
+        256,
+        "concurrent StreamingRecognize and Recognize calls, count; more get RESOURCE_EXHAUSTED",
+        Flag(metavar="N"),
+    )
+    max_audio_seconds: float = setting(
+        3600.0, "audio per request or stream, s; 0 = no limit", Flag(metavar="S")
+    )
+    idle_timeout_seconds: float = setting(
+        30.0, "s a stream may send nothing before it gets DEADLINE_EXCEEDED", Flag(metavar="S")
+    )
+    max_message_bytes: int = setting(
+        32 * 1024 * 1024, "largest request message, bytes", Flag(metavar="B")
+    )
+    grace_seconds: float = setting(
+        30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
+    )
 
     # TLS: a certificate and key serve TLS; a client CA as well requires client certificates.
-    tls_cert: Path | None = None  # PEM server certificate (chain)
-    tls_key: Path | None = None  # PEM private key of tls_cert
-    tls_client_ca: Path | None = None  # PEM CA bundle that client certificates must chain to
+    tls_cert: Path | None = setting(
+        None, "PEM server certificate (chain): serve TLS; unset = plaintext", Flag(metavar="PEM")
+    )
+    tls_key: Path | None = setting(
+        None, "PEM private key of the TLS certificate", Flag(metavar="PEM")
+    )
+    tls_client_ca: Path | None = setting(
+        None,
+        "PEM CA bundle that client certificates must chain to: require them (mutual TLS)",
+        Flag(metavar="PEM"),
+    )
 
     def __post_init__(self) -> None:
         checks = [

@@ -24,6 +24,7 @@ import soxr
 
 from echoic.clients import AsyncClient, Client, ClientError, RetryPolicy
 from echoic.clients.audio import Chunk, paced
+from echoic.clients.client import Tries
 
 pytest.importorskip("grpc_health", reason="the server needs the serve extra")
 pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
@@ -231,6 +232,48 @@ def test_retries_are_bounded(wavs) -> None:
             c.list_models()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "unavailable" in str(e.value)
     assert time.monotonic() - started < 10
+
+
+UNAVAILABLE, INVALID = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    ("timeout", "codes", "tries_made"),
+    [
+        pytest.param(None, [UNAVAILABLE] * 5, 3, id="unavailable-until-attempts-run-out"),
+        pytest.param(None, [INVALID], 1, id="invalid-argument-not-retried"),
+        pytest.param(None, [UNAVAILABLE, INVALID], 2, id="unavailable-then-invalid-argument"),
+        pytest.param(2.0, [UNAVAILABLE] * 5, 2, id="deadline-leaves-no-room-for-a-wait"),
+    ],
+)
+def test_tries_decide_what_the_client_loops_do(
+    timeout: float | None, codes: list[grpc.StatusCode], tries_made: int
+) -> None:
+    """The shared retry logic with a fake clock: each try takes 0.1 s, then fails."""
+    now = [0.0]
+    tries = Tries(RetryPolicy(attempts=3, initial_backoff=1.0), timeout, clock=lambda: now[0])
+    made, lefts = 0, []
+    for code in codes:
+        lefts.append(tries.time_left())
+        made += 1
+        now[0] += 0.1
+        wait = tries.wait_after(code)
+        if wait is None:
+            break
+        assert 0.8 * 2 ** (made - 1) <= wait <= 1.2 * 2 ** (made - 1)  # backoff, +-20 % jitter
+        now[0] += wait
+    assert made == tries_made
+    if timeout is None:
+        assert lefts == [None] * made
+    else:  # each try gets what is left of the call's timeout
+        assert lefts[0] == timeout and lefts == sorted(lefts, reverse=True)
+        now[0] = timeout + 1
+        assert tries.time_left() == 0.0
+
+
+def test_a_retry_policy_makes_at_least_one_try() -> None:
+    with pytest.raises(ValueError, match="attempts"):
+        RetryPolicy(attempts=0)
 
 
 # ------------------------------------------------------------------ echoic stream

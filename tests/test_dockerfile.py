@@ -93,12 +93,14 @@ def test_serving_stages_expose_and_check_health(stage: str) -> None:
 @pytest.mark.parametrize("stage", SERVING)
 def test_entrypoints_are_what_echoic_serve_accepts(stage: str) -> None:
     from echoic.cli.main import build_parser
+    from echoic.cli.serve import from_flags
+    from echoic.server.config import CPU, CUDA_THEN_CPU, ServerConfig
 
     (entrypoint,) = [_exec_form(args) for ins, args in _stages()[stage] if ins == "ENTRYPOINT"]
     assert entrypoint[:2] == ["echoic", "serve"]
-    args = build_parser().parse_args(entrypoint[1:])
-    assert (args.host, args.port, args.metrics_port) == ("0.0.0.0", 50051, 9090)
-    assert args.gpu == (stage == "gpu")
+    config = from_flags(ServerConfig, build_parser().parse_args(entrypoint[1:]))
+    assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, 9090)
+    assert config.providers == (CUDA_THEN_CPU if stage == "gpu" else CPU)
 
 
 def _healthcheck_command(stage: str) -> list[str]:

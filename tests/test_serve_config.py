@@ -1,0 +1,83 @@
+"""`echoic serve`'s flags come from ServerConfig: names, types, defaults and help in one place.
+
+No server runs here: the flags are parsed and turned into a ServerConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from echoic.cli.main import build_parser, main
+from echoic.cli.serve import from_flags
+from echoic.server.config import CUDA_THEN_CPU, ServerConfig
+
+# The flags README.md, the Dockerfile, bench/ and the tests use: each must stay.
+FLAGS = {
+    "--model", "--model-repo", "--poll-seconds", "--host", "--port", "--metrics-port",
+    "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--gpu", "--max-streams",
+    "--max-audio-seconds", "--idle-timeout-seconds", "--max-message-bytes", "--grace-seconds",
+    "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level", "-h", "--help",
+}  # fmt: skip
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices["serve"]
+
+
+def _config(*flags: str) -> ServerConfig:
+    return from_flags(ServerConfig, _serve_parser().parse_args(list(flags)))
+
+
+def test_every_field_is_a_flag_or_deliberately_not_one() -> None:
+    dests = {a.dest for a in _serve_parser()._actions}
+    for field in dataclasses.fields(ServerConfig):
+        assert field.metadata.get("help"), f"{field.name}: not a setting(), or no help"
+        assert "flag" in field.metadata, f"{field.name}: neither a Flag nor flag=None"
+        assert (field.metadata["flag"] is not None) == (field.name in dests), field.name
+
+
+def test_flag_names_stay() -> None:
+    assert {s for a in _serve_parser()._actions for s in a.option_strings} == FLAGS
+
+
+def test_the_default_command_line_is_the_default_config() -> None:
+    assert _config() == ServerConfig()
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "value"),
+    [
+        pytest.param(["--threads", "2"], "intra_op_threads", 2, id="renamed-int"),
+        pytest.param(["--max-wait-ms", "5"], "max_wait_ms", 5.0, id="float"),
+        pytest.param(["--metrics-port", "9090"], "metrics_port", 9090, id="optional-int"),
+        pytest.param(["--host", "0.0.0.0"], "host", "0.0.0.0", id="str"),
+        pytest.param(["--model", "models/m/3"], "model_dir", Path("models/m/3"), id="path"),
+        pytest.param(["--gpu"], "providers", CUDA_THEN_CPU, id="switch"),
+    ],
+)  # fmt: skip
+def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: Any) -> None:
+    got = getattr(_config(*flags), field)
+    assert got == value and type(got) is type(value)
+
+
+def test_help_shows_the_config_defaults() -> None:
+    text = " ".join(_serve_parser().format_help().split())
+    for shown in ("(default 50051)", "(default 5)", "(default 33554432)", "unset = off"):
+        assert shown in text
+    assert "(default None)" not in text
+
+
+def test_model_and_model_repo_exclude_each_other() -> None:
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(["--model", "a", "--model-repo", "b"])
+
+
+def test_a_bad_combination_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--tls-key", "server.key"]) == 1
+    assert capsys.readouterr().err == "echoic serve: error: TLS needs both cert and key\n"
