@@ -20,12 +20,7 @@ import grpc
 import grpc.aio
 
 from echoic.clients.audio import Chunk
-from echoic.clients.client import (
-    ClientError,
-    RetryPolicy,
-    Tries,
-    open_channel,
-)
+from echoic.clients.client import ClientError, Connection, Tries
 from echoic.clients.messages import (
     AudioSource,
     Recognition,
@@ -38,7 +33,6 @@ from echoic.clients.messages import (
     streaming_requests,
 )
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 
 
 async def apaced(chunks: Iterable[Chunk]) -> AsyncIterator[Chunk]:
@@ -81,30 +75,10 @@ async def _requests(
             yield pb.StreamingRecognizeRequest(audio_content=bytes(data))
 
 
-class AsyncClient:
-    """`Client` for asyncio; create it inside the running event loop."""
+class AsyncClient(Connection):
+    """`Client` for asyncio (the same arguments); create it inside the running event loop."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        tls: bool = False,
-        tls_ca: str | os.PathLike[str] | None = None,
-        tls_cert: str | os.PathLike[str] | None = None,
-        tls_key: str | os.PathLike[str] | None = None,
-        tls_server_name: str | None = None,
-        timeout: float | None = 120.0,
-        connect_timeout: float = 10.0,
-        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen
-    ) -> None:
-        self.target, self.timeout, self.connect_timeout, self.retry = (
-            target, timeout, connect_timeout, retry,
-        )  # fmt: skip
-        self._channel = open_channel(
-            grpc.aio, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-            tls_server_name=tls_server_name,
-        )  # fmt: skip
-        self._stub = pb_grpc.TranscriberStub(self._channel)
+    channel_module = grpc.aio
 
     async def _unary(self, call: Any, request: Any, timeout: float | None) -> Any:
         tries = Tries(self.retry, self.timeout if timeout is None else timeout)

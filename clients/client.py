@@ -214,14 +214,11 @@ class ResponseStream:
         self.cancel()
 
 
-class Client:
-    """A connection to one echoic server; thread-safe, share one per process.
+class Connection:
+    """What `Client` and `AsyncClient` share: the target, the timeouts, the retry
+    policy and a channel opened with the `channel_module` of the subclass."""
 
-    target: "host:port". TLS when any of tls_ca (CA to verify the server; None =
-    the system's roots with tls=True), tls_cert and tls_key (mutual TLS) is given.
-    timeout: s per unary call, retries included (None = no limit).
-    connect_timeout: s a stream waits for the server to be reachable.
-    """
+    channel_module: Any = grpc  # grpc, or grpc.aio
 
     def __init__(
         self,
@@ -240,10 +237,20 @@ class Client:
             target, timeout, connect_timeout, retry,
         )  # fmt: skip
         self._channel = open_channel(
-            grpc, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-            tls_server_name=tls_server_name,
+            self.channel_module, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+            tls_key=tls_key, tls_server_name=tls_server_name,
         )  # fmt: skip
         self._stub = pb_grpc.TranscriberStub(self._channel)
+
+
+class Client(Connection):
+    """A connection to one echoic server; thread-safe, share one per process.
+
+    target: "host:port". TLS when any of tls_ca (CA to verify the server; None =
+    the system's roots with tls=True), tls_cert and tls_key (mutual TLS) is given.
+    timeout: s per unary call, retries included (None = no limit).
+    connect_timeout: s a stream waits for the server to be reachable.
+    """
 
     # ---- unary ---------------------------------------------------------------------
 

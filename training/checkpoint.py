@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from echoic.model.core.files import fsync_directory
+
 LAST = "last.pt"  # the checkpoint in out_dir that a run resumes from
 
 
@@ -55,9 +57,5 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_directory(path.parent)
     return path

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from echoic.model.core.configs import config_hash
+from echoic.model.core.files import fsync_directory, write_durably
 from echoic.model.nn.network import DeepSpeech2, count_parameters
 from echoic.model.runtime.card import (
     BATCH,
@@ -336,13 +337,6 @@ def _default_version(out_dir: Path) -> str:
     return out_dir.name if out_dir.name.isdigit() else "1"
 
 
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def export_model(
     checkpoint_path: str | Path,
     out_dir: str | Path,
@@ -382,9 +376,9 @@ def export_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server may run as another user
-        _write(tmp / OFFLINE_FILE, _export_offline(model, card))
+        write_durably(tmp / OFFLINE_FILE, _export_offline(model, card))
         if card.streamable:
-            _write(tmp / STREAM_FILE, _export_stream(model, card))
+            write_durably(tmp / STREAM_FILE, _export_stream(model, card))
         parity = check_parity(model, tmp, tolerance)
         failures = parity.failures()
         if failures:
@@ -393,18 +387,15 @@ def export_model(
                 + "; ".join(failures)
             )
         report = {"model_card": json.loads(card.to_json()), "parity": asdict(parity)}
-        _write(tmp / REPORT_FILE, (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
+        report_text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+        write_durably(tmp / REPORT_FILE, report_text.encode())
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    fd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(out_dir.parent)
     return out_dir
 
 
