@@ -28,8 +28,8 @@ from echoic.clients.messages import (
     open_file_stream,
     payload_of,
     pieces,
-    recognition_config,
     recognize_requests,
+    stream_config,
     streaming_requests,
 )
 from echoic.protos.v1 import transcriber_pb2 as pb
@@ -142,12 +142,7 @@ class AsyncClient(Connection):
         **options: Any,
     ) -> AsyncIterator[pb.StreamingRecognizeResponse]:
         """See `Client.stream`; an async generator (closing it cancels the call)."""
-        if config is not None and options:
-            raise TypeError(f"give a config or its keywords, not both: {', '.join(options)}")
-        if config is None:
-            config = recognition_config(
-                encoding=encoding, sample_rate=sample_rate, channels=channels, **options
-            )
+        config = stream_config(config, encoding, sample_rate, channels, options)
         await self.wait_until_reachable()
         call = self._stub.StreamingRecognize(
             _requests(config, chunks, interim_results, interim_interval_ms)

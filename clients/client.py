@@ -36,8 +36,8 @@ from echoic.clients.messages import (
     open_file_stream,
     payload_of,
     pieces,
-    recognition_config,
     recognize_requests,
+    stream_config,
     streaming_requests,
 )
 from echoic.protos.v1 import transcriber_pb2 as pb
@@ -332,12 +332,7 @@ class Client(Connection):
         as the server takes it. `options`: the keywords of `recognition_config`;
         or a ready `config`.
         """
-        if config is not None and options:
-            raise TypeError(f"give a config or its keywords, not both: {', '.join(options)}")
-        if config is None:
-            config = recognition_config(
-                encoding=encoding, sample_rate=sample_rate, channels=channels, **options
-            )
+        config = stream_config(config, encoding, sample_rate, channels, options)
         self.wait_until_reachable()
         requests = streaming_requests(
             config, chunks, interim_results=interim_results, interim_interval_ms=interim_interval_ms

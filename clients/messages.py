@@ -82,6 +82,23 @@ def recognition_config(
     return config
 
 
+def stream_config(
+    config: pb.RecognitionConfig | None,
+    encoding: str | int | None,
+    sample_rate: int,
+    channels: int,
+    options: dict[str, Any],
+) -> pb.RecognitionConfig:
+    """A stream's config: the ready `config`, or one built from the keywords (not both)."""
+    if config is not None and options:
+        raise TypeError(f"give a config or its keywords, not both: {', '.join(options)}")
+    if config is not None:
+        return config
+    return recognition_config(
+        encoding=encoding, sample_rate=sample_rate, channels=channels, **options
+    )
+
+
 def payload_of(
     audio: AudioSource, encoding: str | int | None, sample_rate: int, channels: int
 ) -> Payload:
