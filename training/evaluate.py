@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jiwer
 import torch
 
 from echoic.model.core.decoding import greedy_decode_batch
 from echoic.model.core.text import Vocabulary
-from echoic.model.nn.network import DeepSpeech2, ctc_loss
+from echoic.model.nn.network import DeepSpeech2, ModelConfig, ctc_loss
 from echoic.training.data import SpeechDataset, collate
-
-if TYPE_CHECKING:
-    from echoic.training.train import TrainConfig
 
 
 def error_rates(references: list[str], hypotheses: list[str]) -> dict[str, float]:
@@ -26,7 +21,7 @@ def error_rates(references: list[str], hypotheses: list[str]) -> dict[str, float
 def evaluate(
     model: DeepSpeech2,
     utts: list,
-    cfg: TrainConfig,
+    cfg: ModelConfig,
     device: torch.device,
     limit: int = 0,
     batch_size: int = 16,
@@ -35,8 +30,8 @@ def evaluate(
     if limit and len(utts) > limit:
         utts = utts[:: len(utts) // limit][:limit]
     utts = sorted(utts, key=lambda u: u.duration)
-    vocab = Vocabulary(cfg.model.vocabulary)
-    dataset = SpeechDataset(utts, cfg.model.features)
+    vocab = Vocabulary(cfg.vocabulary)
+    dataset = SpeechDataset(utts, cfg.features)
     model.eval()
     refs, hyps, loss_sum = [], [], 0.0
     for i in range(0, len(utts), batch_size):

@@ -19,19 +19,22 @@ length-bucketed, shuffled batches. It writes `out_dir/last.pt` atomically every
 `checkpoint_every` steps and resumes from it exactly (model, optimizer, schedule,
 data position, RNG states) when started again with the same recipe. The same
 recipe, seed and world size give a bitwise-identical checkpoint.
+
+The module reads in the order things happen: the configs; `start`, which builds a
+`Run` (one process's state) by resuming, fine-tuning or starting fresh; the steps
+on it (`train_step`, `log_step`, `evaluate`, `save`); and the loop that drives them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -42,22 +45,21 @@ from echoic.model.core.text import Vocabulary
 from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
 from echoic.training import checkpoint, distributed
-from echoic.training.data import DataConfig, SpeechDataset, make_loader, read_manifest
-from echoic.training.evaluate import evaluate
+from echoic.training.data import (
+    Batch,
+    BatchLoader,
+    BucketBatchSampler,
+    DataConfig,
+    SpeechDataset,
+    Utterance,
+    make_loader,
+    read_manifest,
+)
+from echoic.training.evaluate import evaluate as evaluate_model
+from echoic.training.optim import OptimConfig, lr_lambda, make_optimizer
 
-
-@dataclass(frozen=True)
-class OptimConfig:
-    name: Literal["adamw", "sgd"] = "adamw"  # AdamW, or SGD with Nesterov momentum (DS2)
-    lr: float = 1e-3  # peak learning rate
-    momentum: float = 0.9  # SGD momentum (Nesterov)
-    betas: tuple[float, float] = (0.9, 0.98)  # AdamW betas
-    weight_decay: float = 1e-5  # decoupled weight decay (AdamW) or L2 (SGD)
-    warmup_steps: int = 200  # linear warm-up, optimizer steps
-    decay: Literal["cosine", "exponential", "constant"] = "cosine"  # after warm-up
-    decay_steps: int = 0  # steps of the decay; 0 = until max_steps or the last epoch
-    final_lr_ratio: float = 0.05  # lr at the end of the decay, fraction of lr
-    grad_clip: float = 200.0  # max global gradient norm; 0 = no clipping
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -137,37 +139,6 @@ def feature_stats(utts: list, cfg: ModelConfig, count: int) -> tuple[np.ndarray,
     return mean.astype(np.float32), std.astype(np.float32)
 
 
-def make_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
-
-
-def lr_lambda(cfg: OptimConfig, total_steps: int):
-    decay_steps = cfg.decay_steps or max(total_steps - cfg.warmup_steps, 1)
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
-        if cfg.decay == "cosine":
-            return cfg.final_lr_ratio + (1 - cfg.final_lr_ratio) * 0.5 * (
-                1 + math.cos(math.pi * progress)
-            )
-        if cfg.decay == "exponential":
-            return cfg.final_lr_ratio**progress
-        return 1.0
-
-    return factor
-
-
 class MetricLog:
     """JSON lines in out_dir/metrics.jsonl, written by rank 0 only."""
 
@@ -179,6 +150,268 @@ class MetricLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+# ---- a run's state and its set-up ------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What one training process holds and changes as it goes; `start` builds it."""
+
+    cfg: TrainConfig
+    env: distributed.DistEnv
+    device: torch.device
+    model: DeepSpeech2  # the network that is evaluated and checkpointed
+    wrapped: nn.Module  # `model`, or its DistributedDataParallel wrapper on many ranks
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    loader: BatchLoader
+    sampler: BucketBatchSampler  # this rank's data position, checkpointed
+    val_utts: list[Utterance]  # empty = no evaluation, only its barrier
+    log: MetricLog
+    ckpt_path: Path  # out_dir/last.pt: written by `save`, resumed from by `start`
+    total: int  # optimizer steps of the whole run
+    resumed: bool  # started from ckpt_path, not afresh
+    step: int  # optimizer steps taken, counting those before a resume
+    epoch: int  # the sampler's epoch: epochs finished
+    bar: tqdm | None  # progress bar on rank 0, when asked for
+    started: float  # time.perf_counter() when training started, seconds
+    evaluated_at: int = -1  # step of this process's last evaluation; -1 = none yet
+    audio_seconds: float = 0.0  # audio trained on by all ranks since `started`, seconds
+    window_loss: float = 0.0  # sum of the losses since the last train record
+    window_steps: int = 0  # steps since the last train record
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that logs and writes checkpoints."""
+        return self.env.rank == 0
+
+
+def start(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, progress: bool) -> Run:
+    """Read the data and build the run: resumed from out_dir/last.pt when there is one,
+    else fine-tuned from `cfg.init_from` when set, else fresh."""
+    out, main = Path(cfg.out_dir), env.rank == 0
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    vocab = Vocabulary(cfg.model.vocabulary)
+    train_utts, report = read_manifest(cfg.data.train_manifest, vocab, cfg.data)
+    val_utts = []
+    if cfg.data.val_manifest:
+        val_utts, _ = read_manifest(cfg.data.val_manifest, vocab, cfg.data)
+    log = MetricLog(out / "metrics.jsonl", main)
+    if main:
+        print(f"train manifest: {report.summary()}", file=sys.stderr)
+
+    ckpt_path = out / checkpoint.LAST
+    resume = _resumable(ckpt_path, cfg, env)
+    model = _new_model(cfg, train_utts, fresh=resume is None, main=main)
+    model.to(device)
+    model.set_rnn_impl(cfg.rnn_impl)
+    loader, sampler = make_loader(
+        train_utts, cfg.model.features, cfg.data, cfg.seed, env.rank, env.world_size
+    )
+    total = cfg.max_steps or len(sampler) * cfg.epochs
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, total))
+    step, epoch = 0, 0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        sampler.load_state_dict(resume["sampler"])
+        step, epoch = resume["step"], resume["epoch"]
+        checkpoint.set_rng_state(resume["rng"][env.rank])
+    # After the resume: DDP broadcasts rank 0's weights when it wraps them.
+    wrapped: nn.Module = model
+    if env.world_size > 1:
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if main:
+        print(
+            f"model {cfg.model.name}: {count_parameters(model) / 1e6:.2f}M parameters;"
+            f" {env.world_size} rank(s) on {device.type}; {len(sampler)} steps/epoch;"
+            f" {total} steps" + (f"; resuming at step {step}" if step else ""),
+            file=sys.stderr,
+        )
+    bar = None
+    if progress and main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
+    return Run(
+        cfg=cfg,
+        env=env,
+        device=device,
+        model=model,
+        wrapped=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        sampler=sampler,
+        val_utts=val_utts,
+        log=log,
+        ckpt_path=ckpt_path,
+        total=total,
+        resumed=resume is not None,
+        step=step,
+        epoch=epoch,
+        bar=bar,
+        started=time.perf_counter(),
+    )
+
+
+def _resumable(
+    ckpt_path: Path, cfg: TrainConfig, env: distributed.DistEnv
+) -> dict[str, Any] | None:
+    """The checkpoint to resume from, None when there is none; refuses one this run cannot
+    continue exactly."""
+    if not ckpt_path.exists():
+        return None
+    resume = load_checkpoint(ckpt_path)
+    if resume["model_config"] != to_dict(cfg.model):
+        raise CheckpointError(
+            f"{ckpt_path} holds a different model (its [model] config differs from this"
+            " recipe's); use a new out_dir or the recipe that wrote it"
+        )
+    if resume["config_hash"] != config_hash(cfg) and env.rank == 0:
+        print(f"note: resuming {ckpt_path} with a changed training config", file=sys.stderr)
+    if resume["world_size"] != env.world_size:
+        raise CheckpointError(
+            f"{ckpt_path} was written with world size {resume['world_size']}, not"
+            f" {env.world_size}: exact resume needs the same number of ranks"
+        )
+    return resume
+
+
+def _new_model(
+    cfg: TrainConfig, train_utts: list[Utterance], fresh: bool, main: bool
+) -> DeepSpeech2:
+    """The network, seeded; with `init_from`'s weights or this data's feature statistics
+    unless it is about to be resumed (`fresh` False)."""
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model = DeepSpeech2(cfg.model)
+    if fresh and cfg.init_from:
+        _init_from(model, cfg.init_from)
+        if main:
+            print(f"fine-tuning from {cfg.init_from}", file=sys.stderr)
+    elif fresh:
+        mean, std = feature_stats(train_utts, cfg.model, cfg.stats_utterances)
+        model.feature_mean.copy_(torch.from_numpy(mean))
+        model.feature_std.copy_(torch.from_numpy(std))
+    return model
+
+
+def _init_from(model: DeepSpeech2, path: str) -> None:
+    """Load a checkpoint's weights and feature statistics into `model` (fine-tuning)."""
+    ckpt = load_checkpoint(path)
+    ours = model.state_dict()
+    theirs = ckpt["model"]
+    misfit = sorted(set(ours) ^ set(theirs)) or [
+        k for k in ours if ours[k].shape != theirs[k].shape
+    ]
+    if misfit:
+        raise CheckpointError(
+            f"init_from={path}: its network does not fit this recipe's [model] (first"
+            f" difference: {misfit[0]}); fine-tune with the [model] it was trained with"
+        )
+    model.load_state_dict(theirs)
+
+
+# ---- the steps -------------------------------------------------------------------
+
+
+def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on one batch; returns its loss and the gradient norm before
+    clipping (zero when clipping is off)."""
+    cfg, device = run.cfg, run.device
+    use_bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16")
+    features, feature_lengths = batch.features.to(device), batch.feature_lengths.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        log_probs, out_len = run.wrapped(features, feature_lengths)
+    # CTC backward is not deterministic on CUDA; on the CPU it is, and the
+    # log-probs are small, so the loss is computed there.
+    loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), batch.targets, batch.target_lengths)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = (
+        nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip)
+        if cfg.optim.grad_clip
+        else torch.zeros(())
+    )
+    run.optimizer.step()
+    run.scheduler.step()
+    run.step += 1
+    return loss, grad_norm
+
+
+def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    """Advance the progress bar; a train record every `log_every` steps and at the last,
+    its loss the mean since the one before."""
+    run.window_loss += loss.item()
+    run.window_steps += 1
+    hop = run.cfg.model.features.hop_ms / 1000.0
+    run.audio_seconds += float(batch.feature_lengths.sum()) * hop * run.env.world_size
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix(loss=f"{loss.item():.2f}", epoch=run.epoch)
+    if run.step % run.cfg.log_every == 0 or run.step == run.total:
+        elapsed = time.perf_counter() - run.started
+        run.log.write(
+            kind="train",
+            step=run.step,
+            epoch=run.epoch,
+            loss=run.window_loss / run.window_steps,
+            lr=run.scheduler.get_last_lr()[0],
+            grad_norm=float(grad_norm),
+            audio_seconds=run.audio_seconds,
+            elapsed=elapsed,
+            audio_seconds_per_second=run.audio_seconds / max(elapsed, 1e-9),
+        )
+        run.window_loss, run.window_steps = 0.0, 0
+
+
+def evaluate(run: Run) -> None:
+    """Evaluate on the validation set and log it; rank 0 does, the others wait for it."""
+    run.evaluated_at = run.step
+    if run.main and run.val_utts:
+        metrics = evaluate_model(
+            run.model, run.val_utts, run.cfg.model, run.device, limit=run.cfg.eval_max_utterances
+        )
+        run.log.write(kind="eval", step=run.step, epoch=run.epoch, **metrics)
+        print(
+            f"step {run.step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+            file=sys.stderr,
+        )
+        run.model.train()
+    distributed.barrier()
+
+
+def save(run: Run) -> None:
+    """Checkpoint to out_dir/last.pt: every rank's RNG states, gathered; rank 0 writes."""
+    rngs = distributed.all_gather_object(checkpoint.rng_state())
+    if run.main:
+        cfg = run.cfg
+        checkpoint.save_atomic(
+            {
+                "format": FORMAT,
+                "model": run.model.state_dict(),
+                "model_config": to_dict(cfg.model),
+                "train_config": to_dict(cfg),
+                "config_hash": config_hash(cfg),
+                "optimizer": run.optimizer.state_dict(),
+                "scheduler": run.scheduler.state_dict(),
+                "sampler": run.sampler.state_dict(),
+                "rng": rngs,
+                "step": run.step,
+                "epoch": run.epoch,
+                "world_size": run.env.world_size,
+            },
+            run.ckpt_path,
+        )
+    distributed.barrier()
 
 
 # ---- the loop --------------------------------------------------------------------
@@ -198,202 +431,37 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
         distributed.cleanup()
 
 
-def _init_from(model: DeepSpeech2, path: str) -> None:
-    """Load a checkpoint's weights and feature statistics into `model` (fine-tuning)."""
-    ckpt = load_checkpoint(path)
-    ours = model.state_dict()
-    theirs = ckpt["model"]
-    misfit = sorted(set(ours) ^ set(theirs)) or [
-        k for k in ours if ours[k].shape != theirs[k].shape
-    ]
-    if misfit:
-        raise CheckpointError(
-            f"init_from={path}: its network does not fit this recipe's [model] (first"
-            f" difference: {misfit[0]}); fine-tune with the [model] it was trained with"
-        )
-    model.load_state_dict(theirs)
-
-
-def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, progress: bool):
-    out = Path(cfg.out_dir)
-    main = env.rank == 0
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-    vocab = Vocabulary(cfg.model.vocabulary)
-    train_utts, report = read_manifest(cfg.data.train_manifest, vocab, cfg.data)
-    val_utts = []
-    if cfg.data.val_manifest:
-        val_utts, _ = read_manifest(cfg.data.val_manifest, vocab, cfg.data)
-    log = MetricLog(out / "metrics.jsonl", main)
-    if main:
-        print(f"train manifest: {report.summary()}", file=sys.stderr)
-
-    ckpt_path = out / checkpoint.LAST
-    resume = load_checkpoint(ckpt_path) if ckpt_path.exists() else None
-    if resume is not None and resume["model_config"] != to_dict(cfg.model):
-        raise CheckpointError(
-            f"{ckpt_path} holds a different model (its [model] config differs from this"
-            " recipe's); use a new out_dir or the recipe that wrote it"
-        )
-    if resume is not None and resume["config_hash"] != config_hash(cfg) and main:
-        print(f"note: resuming {ckpt_path} with a changed training config", file=sys.stderr)
-    if resume is not None and resume["world_size"] != env.world_size:
-        raise CheckpointError(
-            f"{ckpt_path} was written with world size {resume['world_size']}, not"
-            f" {env.world_size}: exact resume needs the same number of ranks"
-        )
-
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    model = DeepSpeech2(cfg.model)
-    if resume is None and cfg.init_from:
-        _init_from(model, cfg.init_from)
-        if main:
-            print(f"fine-tuning from {cfg.init_from}", file=sys.stderr)
-    elif resume is None:
-        mean, std = feature_stats(train_utts, cfg.model, cfg.stats_utterances)
-        model.feature_mean.copy_(torch.from_numpy(mean))
-        model.feature_std.copy_(torch.from_numpy(std))
-    model.to(device)
-    model.set_rnn_impl(cfg.rnn_impl)
-    loader, sampler = make_loader(
-        train_utts,
-        cfg.model.features,
-        cfg.data,
-        seed=cfg.seed,
-        rank=env.rank,
-        world_size=env.world_size,
-    )
-    steps_per_epoch = len(sampler)
-    total = cfg.max_steps or steps_per_epoch * cfg.epochs
-    optimizer = make_optimizer(model, cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, total))
-    step, epoch = 0, 0
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        sampler.load_state_dict(resume["sampler"])
-        step, epoch = resume["step"], resume["epoch"]
-        checkpoint.set_rng_state(resume["rng"][env.rank])
-    wrapped: nn.Module = model
-    if env.world_size > 1:
-        wrapped = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    use_bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16")
-    if main:
-        print(
-            f"model {cfg.model.name}: {count_parameters(model) / 1e6:.2f}M parameters;"
-            f" {env.world_size} rank(s) on {device.type}; {steps_per_epoch} steps/epoch;"
-            f" {total} steps" + (f"; resuming at step {step}" if step else ""),
-            file=sys.stderr,
-        )
-
-    def save() -> None:
-        rngs = distributed.all_gather_object(checkpoint.rng_state())
-        if main:
-            checkpoint.save_atomic(
-                {
-                    "format": FORMAT,
-                    "model": model.state_dict(),
-                    "model_config": to_dict(cfg.model),
-                    "train_config": to_dict(cfg),
-                    "config_hash": config_hash(cfg),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "sampler": sampler.state_dict(),
-                    "rng": rngs,
-                    "step": step,
-                    "epoch": epoch,
-                    "world_size": env.world_size,
-                },
-                ckpt_path,
-            )
-        distributed.barrier()
-
-    evaluated_at = [-1]
-
-    def run_eval() -> None:
-        evaluated_at[0] = step
-        if main and val_utts:
-            metrics = evaluate(model, val_utts, cfg, device, limit=cfg.eval_max_utterances)
-            log.write(kind="eval", step=step, epoch=epoch, **metrics)
-            print(
-                f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-                file=sys.stderr,
-            )
-            model.train()
-        distributed.barrier()
-
-    bar = None
-    if progress and main:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
-    t0, audio_seconds, window_loss, window_n = time.perf_counter(), 0.0, 0.0, 0
-    model.train()
-    done = step >= total
-    if resume is None:
-        sampler.set_epoch(0)
+def _train(
+    cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, progress: bool
+) -> Path:
+    run = start(cfg, env, device, progress)
+    run.model.train()
+    done = run.step >= run.total
+    if not run.resumed:
+        run.sampler.set_epoch(0)  # SortaGrad's epoch, from its first batch
         if cfg.eval_at_start:
-            run_eval()
-    while not done and epoch < cfg.epochs:
-        for feats, feat_len, targets, target_len in loader:
-            feats, feat_len = feats.to(device), feat_len.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                log_probs, out_len = wrapped(feats, feat_len)
-            # CTC backward is not deterministic on CUDA; on the CPU it is, and the
-            # log-probs are small, so the loss is computed there.
-            loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), targets, target_len)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = (
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                if cfg.optim.grad_clip
-                else torch.zeros(())
-            )
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            window_loss += loss.item()
-            window_n += 1
-            hop = cfg.model.features.hop_ms / 1000.0
-            audio_seconds += float(feat_len.sum()) * hop * env.world_size
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.2f}", epoch=epoch)
-            if step % cfg.log_every == 0 or step == total:
-                elapsed = time.perf_counter() - t0
-                log.write(
-                    kind="train",
-                    step=step,
-                    epoch=epoch,
-                    loss=window_loss / window_n,
-                    lr=scheduler.get_last_lr()[0],
-                    grad_norm=float(grad_norm),
-                    audio_seconds=audio_seconds,
-                    elapsed=elapsed,
-                    audio_seconds_per_second=audio_seconds / max(elapsed, 1e-9),
-                )
-                window_loss, window_n = 0.0, 0
-            if step == total:
-                done = True
-            if (cfg.eval_every and step % cfg.eval_every == 0) or done:
-                run_eval()
-            if step % cfg.checkpoint_every == 0 or done:
-                save()
+            evaluate(run)
+    while not done and run.epoch < cfg.epochs:
+        for batch in run.loader:
+            loss, grad_norm = train_step(run, batch)
+            log_step(run, batch, loss, grad_norm)
+            done = run.step == run.total
+            if (cfg.eval_every and run.step % cfg.eval_every == 0) or done:
+                evaluate(run)
+            if run.step % cfg.checkpoint_every == 0 or done:
+                save(run)
             if done:
                 break
-        else:
-            epoch += 1
-            sampler.set_epoch(epoch)
-            if not cfg.eval_every and evaluated_at[0] != step:
-                run_eval()
-            save()
-    if bar is not None:
-        bar.close()
-    return ckpt_path
+        else:  # the epoch ran out before the last step
+            run.epoch += 1
+            run.sampler.set_epoch(run.epoch)
+            # eval_every 0: evaluate once an epoch, never twice at one step.
+            if not cfg.eval_every and run.evaluated_at != run.step:
+                evaluate(run)
+            save(run)
+    if run.bar is not None:
+        run.bar.close()
+    return run.ckpt_path
 
 
 def config_summary(cfg: TrainConfig) -> str:
