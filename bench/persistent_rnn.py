@@ -210,7 +210,8 @@ def _rows(label: str, r: dict, steps: int, flops: float) -> list[str]:
 def ds2_step(impl: str, batch: int, seconds: float, repeats: int) -> dict:
     """The first step's loss and the median step time of the recipe's model."""
     from echoic.model.nn.network import DeepSpeech2, ctc_loss
-    from echoic.training.train import OptimConfig, load_recipe, make_optimizer
+    from echoic.training.optim import OptimConfig, make_optimizer
+    from echoic.training.train import load_recipe
 
     cfg = load_recipe(Path(__file__).resolve().parents[1] / "training/recipes/default.toml").model
     dev = torch.device("cuda")

@@ -29,7 +29,8 @@ from echoic.model.nn.network import (
     ctc_loss,
     forward_flops,
 )
-from echoic.training.train import load_recipe, make_optimizer
+from echoic.training.optim import OptimConfig, make_optimizer
+from echoic.training.train import load_recipe
 
 # Dense bf16 tensor-core peaks, TFLOP/s (vendor datasheets, SXM parts, no sparsity).
 BF16_PEAK = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
@@ -46,8 +47,6 @@ def measure(
 ) -> dict[str, float]:
     torch.manual_seed(0)
     model = DeepSpeech2(cfg).to(device).train()
-    from echoic.training.train import OptimConfig
-
     opt = make_optimizer(model, OptimConfig())
     b = max(1, min(max_batch, int(batch_seconds // utt_seconds)))
     frames = int(utt_seconds * 1000 / cfg.features.hop_ms)

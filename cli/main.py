@@ -30,13 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"echoic.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"echoic.cli.{name}":
-                continue  # not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"echoic.cli.{name}").register(sub)
     return parser
 
 

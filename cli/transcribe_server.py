@@ -54,7 +54,10 @@ def _model_options(args: argparse.Namespace, client: Client) -> dict[str, str]:
 
 
 def _decoder_options(args: argparse.Namespace) -> dict[str, object]:
-    if args.lm or args.lm_weight != 0.5 or args.word_bonus != 1.0:
+    from echoic.model.core.decoding import DecoderConfig
+
+    here = DecoderConfig()  # what the server's settings are compared with
+    if args.lm or args.lm_weight != here.lm_weight or args.word_bonus != here.word_bonus:
         raise UserError(
             "--lm, --lm-weight and --word-bonus are set on the server (echoic serve);"
             " with --server only --decoder, --beam-size and --no-lm apply"

@@ -24,6 +24,8 @@ from echoic.clients.client import ClientError, Connection, Tries
 from echoic.clients.messages import (
     AudioSource,
     Recognition,
+    audio_request,
+    config_request,
     final_response,
     open_file_stream,
     payload_of,
@@ -62,17 +64,13 @@ async def _requests(
     interim_results: bool,
     interim_interval_ms: int,
 ) -> AsyncIterator[pb.StreamingRecognizeRequest]:
-    yield pb.StreamingRecognizeRequest(
-        streaming_config=pb.StreamingRecognitionConfig(
-            config=config,
-            interim_results=interim_results,
-            interim_interval_ms=interim_interval_ms,
-        )
+    """`messages.streaming_requests` for chunks that may arrive asynchronously."""
+    yield config_request(
+        config, interim_results=interim_results, interim_interval_ms=interim_interval_ms
     )
     async for chunk in _aiter(chunks):
-        data = chunk.data if isinstance(chunk, Chunk) else chunk
-        if data:
-            yield pb.StreamingRecognizeRequest(audio_content=bytes(data))
+        if (request := audio_request(chunk)) is not None:
+            yield request
 
 
 class AsyncClient(Connection):

@@ -114,6 +114,25 @@ def payload_of(
     return Payload(bytes(audio), encoding_value(encoding), sample_rate, channels)
 
 
+def config_request(
+    config: pb.RecognitionConfig, *, interim_results: bool, interim_interval_ms: int = 0
+) -> pb.StreamingRecognizeRequest:
+    """A stream's first message: its config."""
+    return pb.StreamingRecognizeRequest(
+        streaming_config=pb.StreamingRecognitionConfig(
+            config=config,
+            interim_results=interim_results,
+            interim_interval_ms=interim_interval_ms,
+        )
+    )
+
+
+def audio_request(chunk: bytes | Chunk) -> pb.StreamingRecognizeRequest | None:
+    """The message carrying one chunk of audio; None for an empty chunk (nothing to send)."""
+    data = chunk.data if isinstance(chunk, Chunk) else chunk
+    return pb.StreamingRecognizeRequest(audio_content=bytes(data)) if data else None
+
+
 def streaming_requests(
     config: pb.RecognitionConfig,
     chunks: Iterable[bytes | Chunk],
@@ -122,17 +141,12 @@ def streaming_requests(
     interim_interval_ms: int = 0,
 ) -> Iterator[pb.StreamingRecognizeRequest]:
     """The config message, then one message per chunk of audio."""
-    yield pb.StreamingRecognizeRequest(
-        streaming_config=pb.StreamingRecognitionConfig(
-            config=config,
-            interim_results=interim_results,
-            interim_interval_ms=interim_interval_ms,
-        )
+    yield config_request(
+        config, interim_results=interim_results, interim_interval_ms=interim_interval_ms
     )
     for chunk in chunks:
-        data = chunk.data if isinstance(chunk, Chunk) else chunk
-        if data:
-            yield pb.StreamingRecognizeRequest(audio_content=bytes(data))
+        if (request := audio_request(chunk)) is not None:
+            yield request
 
 
 def final_response(

@@ -24,12 +24,31 @@ import struct
 import numpy as np
 import soxr
 
-from echoic.model.core.audio import ENCODINGS, AudioError, check_rate, decode_audio
-
-MAX_CHANNELS = 255  # channels of LINEAR16 audio, count
+from echoic.model.core.audio import (
+    ENCODINGS,
+    AudioError,
+    check_channels,
+    check_rate,
+    decode_audio,
+)
 
 _WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
 _MAX_HEADER_BYTES = 1 << 20  # a WAV whose samples have not begun after this is not streamable
+
+
+def check_format(encoding: str, sample_rate: int | None, channels: int) -> None:
+    """AudioError unless an `AudioInput` can read audio described so (the request's own
+    description, before any audio: each door calls it on its config, as `AudioInput` does).
+    The messages name the config fields (RecognitionConfig's)."""
+    if encoding not in ENCODINGS:
+        raise AudioError(f"unsupported encoding {encoding!r}")
+    if encoding == "linear16" and sample_rate is None:
+        raise AudioError(
+            "LINEAR16 (raw PCM16) has no header: set sample_rate_hertz (e.g. 16000) in the config"
+        )
+    if sample_rate is not None:
+        check_rate(sample_rate, "sample_rate_hertz")
+    check_channels(channels, "audio_channel_count", "the channel count")
 
 
 class AudioInput:
@@ -44,19 +63,7 @@ class AudioInput:
         channels: int = 1,
         name: str = "audio",
     ) -> None:
-        if encoding not in ENCODINGS:
-            raise AudioError(f"{name}: unsupported encoding {encoding!r}")
-        if encoding == "linear16" and sample_rate is None:
-            raise AudioError(
-                f"{name}: LINEAR16 (raw PCM16) has no header: set sample_rate_hertz "
-                "(e.g. 16000) in the config"
-            )
-        if sample_rate is not None:
-            check_rate(sample_rate, name)
-        if not 1 <= channels <= MAX_CHANNELS:
-            raise AudioError(
-                f"{name}: audio_channel_count must be 1-{MAX_CHANNELS}, got {channels}"
-            )
+        check_format(encoding, sample_rate, channels)
         self.encoding = encoding
         self.target_rate = target_rate
         self.name = name

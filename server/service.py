@@ -90,7 +90,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 "per Recognize request: split it, or stream it with StreamingRecognize"
             )
         self._accept(session, samples)
-        session.finish()
+        session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
         first = await self._read(context)

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from echoic.model.core.audio import AudioError
 from echoic.model.core.decoding import DecoderConfig, Transcript
 from echoic.model.runtime.recognizer import Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.audio_input import AudioInput
+from echoic.server.audio_input import AudioInput, check_format
 from echoic.server.models import LoadedModel
 
 _ENCODINGS = {
@@ -74,15 +75,18 @@ class Options:
 
 
 def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interval_ms: int = 0):
-    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong.
-
-    The audio fields (rate, channels) are checked where the audio is read, by
-    `AudioInput`, whichever door the request came through.
-    """
+    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong."""
     if config.encoding not in _ENCODINGS:
         raise invalid(
             f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), WAV or FLAC"
         )
+    encoding = _ENCODINGS[config.encoding]
+    rate = config.sample_rate_hertz or None
+    channels = config.audio_channel_count or 1
+    try:
+        check_format(encoding, rate, channels)
+    except AudioError as e:
+        raise invalid(str(e)) from None
     d = config.decoder
     if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
         raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
@@ -106,9 +110,9 @@ def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interva
         if value < 0:
             raise invalid(f"{field} must be >= 0, got {value}")
     return Options(
-        encoding=_ENCODINGS[config.encoding],
-        sample_rate=config.sample_rate_hertz or None,
-        channels=config.audio_channel_count or 1,
+        encoding=encoding,
+        sample_rate=rate,
+        channels=channels,
         model=config.model,
         version=config.model_version,
         words=config.enable_word_time_offsets,
@@ -238,10 +242,11 @@ class Session:
         elif len(samples):
             self._offline.append(samples)
 
-    def finish(self) -> None:
+    def finish(self, *, features_now: bool = False) -> None:
+        """The audio has ended (`Stream.finish`; features_now: see there)."""
         self.finished = True
         if self.stream is not None:
-            self.stream.finish()
+            self.stream.finish(features_now=features_now)
 
     async def advance(self) -> list[pb.SpeechRecognitionResult]:
         """Decode every ready window (through the dispatcher); the results to send now."""

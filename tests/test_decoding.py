@@ -214,16 +214,6 @@ def test_greedy_stream_partials_and_stability() -> None:
         stream.accept(log_probs[:1])
 
 
-def test_decode_batch_ignores_padding() -> None:
-    rows = [_peaky("-hh-i-"), _peaky("-a-"), _peaky("")]
-    batch = np.full((3, 6, VOCAB.size), np.log(1 / VOCAB.size), dtype=np.float32)
-    batch[:, :, VOCAB.index["z"]] = 0.0  # padding spells "z" if it is read
-    for i, row in enumerate(rows):
-        batch[i, : len(row)] = row
-    result = GreedyDecoder(VOCAB, frame_seconds=FRAME).decode_batch(batch, np.array([6, 3, 0]))
-    assert [t.text for t in result] == ["hi", "a", ""]
-
-
 @pytest.mark.parametrize(
     ("log_probs", "match"),
     [
@@ -360,16 +350,6 @@ def test_beam_stream_stability(cat_lm: str) -> None:
         partials[first_stable].words[:1]
     ] * 3
     assert (partials[-1].text, partials[-1].stable_words) == ("the cat sat", 2)
-
-
-def test_beam_decode_batch(cat_lm: str) -> None:
-    rows = [_ambiguous_cat(), _peaky("-a-", seed=5)]
-    batch = np.zeros((2, len(rows[0]), VOCAB.size), dtype=np.float32)
-    for i, row in enumerate(rows):
-        batch[i, : len(row)] = row
-    decoder = BeamSearchDecoder(VOCAB, frame_seconds=FRAME, lm_path=cat_lm)
-    result = decoder.decode_batch(batch, np.array([len(r) for r in rows]))
-    assert result == [decoder.decode(r) for r in rows]
 
 
 def test_beam_n_best_alternatives(flashlight: None) -> None:

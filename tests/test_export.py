@@ -413,3 +413,42 @@ def test_cli_export(exported, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert (
         err.startswith("echoic export: error:") and "already exists" in err and err.count("\n") == 1
     )
+
+
+def test_the_server_serves_a_model_that_cannot_stream(exported) -> None:
+    """A full-context BiRNN (no stream.onnx): Recognize requests, two at a time so the
+    dispatcher batches them through model.onnx, give exactly the in-process transcripts
+    (words, times and confidences); StreamingRecognize says why it cannot."""
+    import concurrent.futures
+
+    import grpc
+
+    from echoic.model.core.audio import decode_audio
+    from echoic.model.runtime.recognizer import Recognizer
+    from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+    from tests.test_server import channel_to, linear16, recognize, running, status_of, stream
+
+    _, model_dir = exported("bigru-full-context")
+    assert not (model_dir / "stream.onnx").exists()
+    sent = [_audio(1.3, seed=21), _audio(2.1, seed=22), _audio(0.7, seed=23)]
+    pcm = [(np.clip(a, -1, 1) * 32767).astype("<i2").tobytes() for a in sent]
+    audios = [decode_audio(p, 16000, encoding="linear16", sample_rate=16000) for p in pcm]
+    local = Recognizer(model_dir, intra_op_threads=1)
+    want = [local.transcribe([a])[0] for a in audios]
+    assert any(t.words for t in want), "random weights should still spell something"
+    config = linear16(enable_word_time_offsets=True)
+    with running(model_dir, max_wait_ms=50) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda data: recognize(stub, data, config), pcm))
+        code, message = status_of(lambda: stream(stub, pcm[0], config))
+    for response, audio, transcript in zip(got, audios, want, strict=True):
+        (result,) = response.results
+        best = result.alternatives[0]
+        assert result.is_final and best.transcript == transcript.text
+        assert [w.word for w in best.words] == [w.text for w in transcript.words]
+        times = [t for w in best.words for t in (w.start_time, w.end_time, w.confidence)]
+        want_times = [t for w in transcript.words for t in (w.start, w.end, w.confidence)]
+        assert times == pytest.approx(want_times, abs=1e-6)
+        assert response.audio_processed_seconds == pytest.approx(len(audio) / 16000, abs=1e-3)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot stream" in message

@@ -104,15 +104,6 @@ def test_stream_equals_offline_bitwise(cfg: FeatureConfig, chunks: str) -> None:
     np.testing.assert_array_equal(streamed, offline)
 
 
-def test_stream_reset_starts_over() -> None:
-    stream = FeatureStream(LINEAR)
-    stream.accept(_noise(1000, seed=1))
-    stream.reset()
-    audio = _noise(1000)
-    np.testing.assert_array_equal(stream.accept(audio), compute_features(audio, LINEAR))
-    assert stream.frames_emitted == 5
-
-
 def test_long_audio_in_odd_chunks_equals_offline_bitwise() -> None:
     """Many filterbank tiles: frames land at every place in a tile, chunk by chunk."""
     audio = _noise(3 * 16000 + 77, seed=3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from echoic.model.core.decoding import DecoderConfig
-from echoic.model.runtime.recognizer import Recognizer
+from echoic.model.runtime.recognizer import Recognizer, Stream
 from tests.streaming import stream_all
 
 
@@ -19,13 +19,24 @@ def recognizer(tiny_model_dir: Path) -> Recognizer:
     return Recognizer(tiny_model_dir, intra_op_threads=1)
 
 
+class _RecordingStream(Stream):
+    """A stream that keeps the log-prob rows of every step it is given."""
+
+    def __init__(self, recognizer: Recognizer) -> None:
+        super().__init__(recognizer)
+        self.rows: list[np.ndarray] = []
+
+    def accept_step(self, log_probs: np.ndarray, state) -> None:
+        self.rows.append(log_probs)
+        super().accept_step(log_probs, state)
+
+
 def test_stream_equals_offline(recognizer: Recognizer, corpus_audio) -> None:
     audios = [a for _, a in corpus_audio[:4]]
     offline = recognizer.log_probs(audios)
     for audio, expected in zip(audios, offline, strict=True):
-        s = recognizer.stream()
-        rows = []
-        s._decoder.accept = lambda lp, rows=rows, d=s._decoder: (rows.append(lp), d.partial())[1]
+        s = _RecordingStream(recognizer)
+        rows = s.rows
         for i in range(0, len(audio), 1234):
             s.accept_audio(audio[i : i + 1234])
             while recognizer.step([s]):

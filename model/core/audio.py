@@ -23,6 +23,7 @@ import soxr
 
 MIN_RATE = 8000  # Hz, lowest sample rate accepted (narrowband telephony)
 MAX_RATE = 192000  # Hz, highest sample rate accepted
+MAX_CHANNELS = 255  # channels of raw PCM16 audio, count
 ENCODINGS = ("auto", "wav", "flac", "linear16")
 
 # libsndfile format names each explicit encoding accepts.
@@ -42,6 +43,14 @@ def check_rate(rate: int, name: str, what: str = "sample rate") -> None:
             f"{name}: unsupported {what} {rate} Hz (supported: {MIN_RATE}-{MAX_RATE} Hz, "
             "e.g. 8000, 16000, 22050, 44100 or 48000)"
         )
+
+
+def check_channels(channels: int, name: str, what: str = "channels") -> None:
+    """AudioError naming `name` unless `channels` is a channel count we accept."""
+    if isinstance(channels, bool) or not isinstance(channels, (int, np.integer)):
+        raise AudioError(f"{name}: {what} must be an integer, got {channels!r}")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise AudioError(f"{name}: {what} must be 1-{MAX_CHANNELS}, got {channels}")
 
 
 def _libsndfile_reason(err: Exception) -> str:
@@ -79,8 +88,7 @@ def _read_linear16(
 ) -> tuple[np.ndarray, int]:
     if sample_rate is None:
         raise AudioError(f"{name}: raw PCM16 (linear16) has no header; give its sample rate")
-    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-        raise AudioError(f"{name}: channels must be a positive integer, got {channels!r}")
+    check_channels(channels, name)
     frame_bytes = 2 * channels
     if len(data) % frame_bytes:
         raise AudioError(

@@ -262,7 +262,7 @@ class GreedyStream(StreamingDecoder):
 
 
 class _Decoder:
-    """decode and decode_batch, in terms of the subclass's streams."""
+    """decode, in terms of the subclass's streams."""
 
     vocab: Vocabulary
     frame_seconds: float
@@ -279,13 +279,6 @@ class _Decoder:
         if len(chunk):
             stream._accept(chunk)  # not accept(): no partial to build
         return stream.finalize()
-
-    def decode_batch(self, log_probs: np.ndarray, lengths: np.ndarray) -> list[Transcript]:
-        """Transcripts of a padded batch: (B, T, V) and valid frames per row (B,)."""
-        log_probs = _check_log_probs(log_probs, self.vocab, "(B, T, V)")
-        lengths = np.asarray(lengths)
-        _check_lengths(log_probs, lengths)
-        return [self.decode(row[: int(n)]) for row, n in zip(log_probs, lengths, strict=True)]
 
 
 def _check_frame_seconds(frame_seconds: float) -> float:

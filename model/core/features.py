@@ -237,12 +237,6 @@ class FeatureStream:
         self.push(samples)
         return frame_features(self.take_frames(), self.cfg)
 
-    def reset(self) -> None:
-        """Forget all audio, as if newly created."""
-        self.frames_emitted = 0
-        self._pending = np.zeros(0, dtype=np.float32)
-        self._pushed, self._pushed_size = [], 0
-
 
 def batch_features(streams: list[FeatureStream]) -> list[np.ndarray]:
     """Each stream's pending frames, (n_i, F) float32, computed as one batch: one FFT

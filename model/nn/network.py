@@ -337,7 +337,7 @@ class DeepSpeech2(nn.Module):
         return x.reshape(b, c * f, t).transpose(1, 2)  # (B, T', C*F')
 
     def set_rnn_impl(self, impl: Literal["auto", "cudnn", "persistent"]) -> None:
-        """Which kernels run the GRU and plain RNN layers on a GPU (see model.persistent)."""
+        """Which kernels run the GRU and plain RNN layers on a GPU (see model/nn/persistent)."""
         for layer in self.rnns:
             layer.rnn_impl = impl
 

@@ -125,15 +125,16 @@ class Recognizer:
     def step(self, streams: Sequence[Stream]) -> int:
         """One batched step of every given stream that has work ready.
 
-        The new feature frames of all of them are computed as one batch; then every
-        one with a window ready contributes that window (at most one each, so a call
-        costs one stream.onnx call whatever the mix) and decodes its rows. Returns the
-        number of streams that stepped.
+        The new feature frames of all of them are computed as one batch (and the
+        feeders of streams whose audio has ended are finished); then every one with a
+        window ready contributes that window (at most one each, so a call costs one
+        stream.onnx call whatever the mix) and decodes its rows. Returns the number of
+        streams that had work, including any whose step only finished their feeder.
         """
         ready = [s for s in streams if s.is_ready()]
         if not ready:
             return 0
-        Stream.compute_features(ready)
+        Stream.compute_pending_features(ready)
         stepping = [s for s in ready if s.has_window()]
         if stepping:
             windows, frames = zip(*(s.next_window() for s in stepping), strict=True)
@@ -156,8 +157,8 @@ class Stream:
     finish(): no more audio; the remaining windows become ready.
     result(): the transcript so far (final once `is_final`).
 
-    `compute_features`, `has_window`, `next_window`, `state` and `accept_step` are
-    the side that `Recognizer.step` drives.
+    `compute_pending_features`, `has_window`, `next_window`, `state` and
+    `accept_step` are the side that `Recognizer.step` drives.
     """
 
     def __init__(self, recognizer: Recognizer) -> None:
@@ -184,10 +185,15 @@ class Stream:
             self._features.push(samples)
             self.samples_in += len(samples)
 
-    def finish(self) -> None:
-        """No more audio. Cheap: the last frames are computed by the next step."""
+    def finish(self, *, features_now: bool = False) -> None:
+        """No more audio. Cheap: the last frames are computed by the next step, batched
+        with other streams; with `features_now`, here and now instead (a caller already
+        off the event loop holding much audio, such as a whole-file request, so that
+        the batch it joins is not held up by one stream's features)."""
         with self._lock:
             self._ended = True
+        if features_now:
+            Stream.compute_pending_features([self])
 
     @property
     def finished(self) -> bool:
@@ -246,7 +252,7 @@ class Stream:
     # ---- Recognizer.step's side ----------------------------------------------------
 
     @staticmethod
-    def compute_features(streams: Sequence[Stream]) -> None:
+    def compute_pending_features(streams: Sequence[Stream]) -> None:
         """The new feature frames of every stream, as one batch, into their feeders; a
         stream whose audio has ended then has its feeder finished.
 
