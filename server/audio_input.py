@@ -13,6 +13,11 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
 - FLAC (and containers detected by ENCODING_UNSPECIFIED other than WAV): buffered,
   decoded by `decode_audio` when the audio ends.
 
+`max_seconds` holds for every encoding, as early as the audio allows: from the
+WAV or FLAC header when it gives the length, as PCM samples arrive, and for
+buffered audio while it is decoded (a block at a time, stopping at the limit):
+`AudioTooLong`, before the rest is decoded.
+
 Recognize goes through the same class (all bytes, then `finish()`), so a request
 and a stream of the same bytes give the same samples. Errors are `AudioError`.
 """
@@ -22,14 +27,16 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-import soxr
 
 from echoic.model.core.audio import (
     ENCODINGS,
     AudioError,
+    MonoResampler,
     check_channels,
+    check_length,
     check_rate,
     decode_audio,
+    unknown_length,
 )
 
 _WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
@@ -62,11 +69,13 @@ class AudioInput:
         sample_rate: int | None = None,
         channels: int = 1,
         name: str = "audio",
+        max_seconds: float = 0.0,
     ) -> None:
         check_format(encoding, sample_rate, channels)
         self.encoding = encoding
         self.target_rate = target_rate
         self.name = name
+        self.max_seconds = max_seconds  # longest audio accepted, s; 0 = no limit
         self._declared_rate = sample_rate
         self._channels = channels
         self._mode = "linear16" if encoding == "linear16" else "sniff"
@@ -75,7 +84,7 @@ class AudioInput:
         self._sample_format = "int16"
         self._data_left: int | None = None  # WAV data-chunk bytes still to come; None: unbounded
         self._rate = sample_rate or 0
-        self._resampler: soxr.ResampleStream | None = None
+        self._to_model: MonoResampler | None = None
         self.source_samples = 0  # frames (per channel) decoded so far, at the source rate
         self.bytes_in = 0
 
@@ -97,6 +106,8 @@ class AudioInput:
         self._pending += data
         if self._mode == "sniff":
             self._sniff()
+        if self._mode == "flac-header":
+            self._check_flac_header()
         if self._mode == "wav-header":
             self._parse_wav_header()
         if self._mode in ("linear16", "wav"):
@@ -107,7 +118,7 @@ class AudioInput:
         """The audio has ended: the remaining samples (flushes the resampler)."""
         if self.bytes_in == 0:
             raise AudioError(f"{self.name}: no audio data (0 bytes)")
-        if self._mode in ("sniff", "wav-header"):
+        if self._mode in ("sniff", "wav-header", "flac-header"):
             self._mode = "buffer"  # too short to tell: let decode_audio say what is wrong
         if self._mode == "buffer":
             samples = decode_audio(
@@ -116,6 +127,7 @@ class AudioInput:
                 encoding=self.encoding,
                 sample_rate=self._declared_rate,
                 name=self.name,
+                max_seconds=self.max_seconds,
             )
             self._pending = b""
             self.source_samples = len(samples)
@@ -143,7 +155,7 @@ class AudioInput:
         elif head == b"fLaC":
             if self.encoding == "wav":
                 raise AudioError(f"{self.name}: encoding WAV was requested but the data is FLAC")
-            self._mode = "buffer"
+            self._mode = "flac-header"
         elif self.encoding == "auto" and head == b"OggS":
             self._mode = "buffer"
         else:
@@ -153,6 +165,32 @@ class AudioInput:
                 f"{head!r}; for raw PCM16 without a header send encoding LINEAR16 and its "
                 "sample_rate_hertz"
             )
+
+    def _check_flac_header(self) -> None:
+        """FLAC's STREAMINFO (the first metadata block, always): refuse a rate, channel
+        count or length (when the encoder wrote it) out of bounds before buffering more."""
+        info = self._pending[8:42]
+        if len(info) < 34:
+            return
+        self._mode = "buffer"
+        if self._pending[4] & 0x7F != 0 or self._pending[5:8] != b"\x00\x00\x22":
+            return  # not a STREAMINFO block: decode_audio says what is wrong at the end
+        rate = (info[10] << 12) | (info[11] << 4) | (info[12] >> 4)
+        if rate == 0:
+            return  # not a valid header either
+        channels = ((info[12] >> 1) & 0x7) + 1
+        total = ((info[13] & 0x0F) << 32) | int.from_bytes(info[14:18], "big")
+        check_rate(rate, self.name)
+        if self._declared_rate is not None and self._declared_rate != rate:
+            raise AudioError(
+                f"{self.name}: sample rate {self._declared_rate} Hz was given but the FLAC "
+                f"header says {rate} Hz; leave sample_rate_hertz at 0 for FLAC or send the "
+                "matching rate"
+            )
+        check_channels(channels, self.name)
+        if total == 0:  # the encoder did not know the length
+            raise unknown_length(self.name)
+        check_length(total, rate, self.max_seconds, self.name, exact=True)
 
     def _parse_wav_header(self) -> None:
         buf = self._pending
@@ -208,6 +246,9 @@ class AudioInput:
         self._sample_format, self._sample_bytes = formats[tag, bits], bits // 8
         # Writers that stream WAV leave the size at 0 or 0xFFFFFFFF: read to the end then.
         self._data_left = None if data_size in (0, 0xFFFFFFFF) else data_size
+        if self._data_left is not None:
+            frames = self._data_left // (self._sample_bytes * channels)
+            check_length(frames, rate, self.max_seconds, self.name, exact=True)
         return True
 
     def _decode_pcm(self, *, last: bool) -> np.ndarray:
@@ -221,18 +262,15 @@ class AudioInput:
             if self._data_left < frame:
                 rest = b""  # chunks after the data (LIST, ...) are not audio
         self._pending = rest
+        frames = self.source_samples + len(raw) // frame
+        check_length(frames, self._rate, self.max_seconds, self.name, exact=False)
         samples = _pcm_to_float(raw, self._sample_format, self._channels)  # (N, C)
-        self.source_samples += len(samples)
+        self.source_samples = frames
         if not np.isfinite(samples).all():
             raise AudioError(f"{self.name}: the audio contains NaN or infinite samples")
-        mono = samples.astype(np.float64).mean(axis=1).astype(np.float32)  # (N,)
-        if self._rate != self.target_rate:
-            if self._resampler is None:
-                self._resampler = soxr.ResampleStream(
-                    self._rate, self.target_rate, 1, dtype="float32", quality="HQ"
-                )
-            mono = self._resampler.resample_chunk(mono, last=last).astype(np.float32)
-        return np.ascontiguousarray(np.clip(mono, -1.0, 1.0))
+        if self._to_model is None:
+            self._to_model = MonoResampler(self._rate, self.target_rate)
+        return self._to_model(samples, last=last)
 
 
 _EMPTY = np.zeros(0, dtype=np.float32)

@@ -13,12 +13,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from echoic.model.core.audio import AudioError
+from echoic.model.core.audio import AudioError, AudioTooLong
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig
@@ -68,7 +69,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self._registry.acquire(model)
         try:
             recognizer = await model.recognizer(opts.decoder)
-            session = Session(model, recognizer, opts, name="audio_content")
+            session = Session(
+                model, recognizer, opts, name="audio_content",
+                max_seconds=self._config.max_audio_seconds,
+            )  # fmt: skip
             await asyncio.to_thread(self._decode_whole, session, request.audio_content)
             ended = time.perf_counter()
             results = await session.advance()
@@ -81,14 +85,14 @@ class TranscriberService(pb_grpc.TranscriberServicer):
 
     def _decode_whole(self, session: Session, data: bytes) -> None:
         """In a worker thread: decode all the audio, feed it and finish the stream."""
-        samples = np.concatenate([session.audio.feed(data), session.audio.finish()])
-        limit = self._config.max_audio_seconds
-        seconds = len(samples) / session.model.card.sample_rate
-        if limit and seconds > limit:
+        try:
+            samples = np.concatenate([session.audio.feed(data), session.audio.finish()])
+        except AudioTooLong as e:
+            length = f"{e.seconds:.1f} s long" if e.exact else f"longer than {e.seconds:.1f} s"
             raise invalid(
-                f"the audio is {seconds:.1f} s long but this server accepts at most {limit:g} s "
-                "per Recognize request: split it, or stream it with StreamingRecognize"
-            )
+                f"the audio is {length} but this server accepts at most {e.limit:g} s per "
+                "Recognize request: split it, or stream it with StreamingRecognize"
+            ) from None
         self._accept(session, samples)
         session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
@@ -117,7 +121,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self._registry.acquire(model)
         try:
             recognizer = await model.recognizer(opts.decoder)
-            session = Session(model, recognizer, opts, name="audio_content")
+            session = Session(
+                model, recognizer, opts, name="audio_content",
+                max_seconds=self._config.max_audio_seconds,
+            )  # fmt: skip
             ref = _ref(model)
             while True:
                 message = await self._read(context)
@@ -125,7 +132,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     if context.cancelled():
                         raise ClientGone
                     # The end of buffered audio (FLAC) decodes all of it: off the loop.
-                    self._accept(session, await asyncio.to_thread(session.audio.finish))
+                    finish = partial(self._stream_audio, session.audio.finish)
+                    self._accept(session, await asyncio.to_thread(finish))
                     session.finish()
                     ended = time.perf_counter()
                 else:
@@ -135,7 +143,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                             "streaming_config was sent twice: send it only in the first "
                             "message, then only audio_content"
                         )
-                    self._accept(session, session.audio.feed(message.audio_content))
+                    feed = partial(session.audio.feed, message.audio_content)
+                    self._accept(session, self._stream_audio(feed))
                     self._check_stream_limits(session)
                 for result in await session.advance():
                     response = pb.StreamingRecognizeResponse(
@@ -154,14 +163,19 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         finally:
             self._registry.release(model)
 
-    def _check_stream_limits(self, session: Session) -> None:
-        limit = self._config.max_audio_seconds
-        if limit and session.audio.source_seconds > limit:
+    @staticmethod
+    def _stream_audio(read: Callable[[], np.ndarray]) -> np.ndarray:
+        """A stream's next samples from its AudioInput; over the length limit is OUT_OF_RANGE."""
+        try:
+            return read()
+        except AudioTooLong as e:
             raise RequestError(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"the stream went over this server's limit of {limit:g} s of audio: "
+                f"the stream went over this server's limit of {e.limit:g} s of audio: "
                 "close it and open a new stream for the rest",
-            )
+            ) from None
+
+    def _check_stream_limits(self, session: Session) -> None:
         if session.audio.buffered and session.audio.bytes_in > self._config.max_message_bytes:
             raise RequestError(
                 grpc.StatusCode.OUT_OF_RANGE,

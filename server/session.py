@@ -202,7 +202,13 @@ class Session:
     """The audio and transcripts of one request or stream on one model version."""
 
     def __init__(
-        self, model: LoadedModel, recognizer: Recognizer, options: Options, name: str
+        self,
+        model: LoadedModel,
+        recognizer: Recognizer,
+        options: Options,
+        name: str,
+        *,
+        max_seconds: float = 0.0,
     ) -> None:
         self.model = model
         self.options = options
@@ -212,6 +218,7 @@ class Session:
             sample_rate=options.sample_rate,
             channels=options.channels,
             name=name,
+            max_seconds=max_seconds,
         )
         self._recognizer = recognizer
         self.stream = UtteranceStream(recognizer) if model.streamable else None

@@ -34,6 +34,24 @@ class AudioError(ValueError):
     """Audio that cannot be decoded or used; the message names the input and the fix."""
 
 
+class AudioTooLong(AudioError):
+    """Audio longer than the caller's limit, found from its header or while decoding it,
+    before the rest is decoded."""
+
+    def __init__(self, name: str, seconds: float, limit: float, *, exact: bool) -> None:
+        length = f"{seconds:.1f} s long" if exact else f"longer than {seconds:.1f} s"
+        super().__init__(f"{name}: the audio is {length}, over the limit of {limit:g} s")
+        self.seconds = seconds  # the length, or how much was decoded before it stopped, s
+        self.limit = limit  # the limit it went over, s
+        self.exact = exact  # `seconds` is the whole length (from a header)
+
+
+def check_length(frames: int, rate: int, limit: float, name: str, *, exact: bool) -> None:
+    """AudioTooLong when `frames` at `rate` Hz are more than `limit` s (0 = no limit)."""
+    if limit and frames > limit * rate:
+        raise AudioTooLong(name, frames / rate, limit, exact=exact)
+
+
 def check_rate(rate: int, name: str, what: str = "sample rate") -> None:
     """AudioError naming `name` unless `rate` is a whole number of Hz we accept."""
     if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)):
@@ -59,32 +77,110 @@ def _libsndfile_reason(err: Exception) -> str:
     return reason.strip().rstrip(".")
 
 
-def _read_container(data: bytes, encoding: str, name: str) -> tuple[np.ndarray, int]:
+_BLOCK_FRAMES = 1 << 16  # frames a container is decoded by at a time, per channel
+_UNKNOWN_FRAMES = 1 << 62  # libsndfile's frame count for a stream of unknown length is more
+
+
+def _decode_container(
+    data: bytes,
+    encoding: str,
+    sample_rate: int | None,
+    target_rate: int,
+    max_seconds: float,
+    name: str,
+) -> np.ndarray:
+    """A container's audio as float32 mono at `target_rate`, decoded a block at a time
+    (memory bounded by the output, whatever the source rate and channels), after its
+    header is checked: rate, channels, and a length over `max_seconds` (when known)."""
     try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
-            fmt, rate = f.format, f.samplerate
-            samples = f.read(dtype="float32", always_2d=True)  # (N, C)
+        f = sf.SoundFile(io.BytesIO(data))
     except (sf.SoundFileError, RuntimeError) as e:
-        hint = (
-            "; if it is raw PCM16 without a header, send encoding 'linear16' with its sample rate"
-            if encoding == "auto"
-            else ""
+        raise _undecodable(e, encoding, name) from e
+    with f:
+        allowed = _CONTAINER_FORMATS.get(encoding)
+        if allowed is not None and f.format not in allowed:
+            raise AudioError(
+                f"{name}: encoding {encoding!r} was requested but the data is {f.format}; "
+                "send encoding 'auto' to accept any container"
+            )
+        rate = f.samplerate
+        check_rate(rate, name)
+        if sample_rate is not None and sample_rate != rate:
+            raise AudioError(
+                f"{name}: sample rate {sample_rate} Hz was given but the header says {rate} Hz; "
+                "leave the rate unset for WAV/FLAC or send the matching rate"
+            )
+        check_channels(f.channels, name)
+        if f.frames >= _UNKNOWN_FRAMES:
+            raise unknown_length(name)
+        check_length(f.frames, rate, max_seconds, name, exact=True)
+        to_model = MonoResampler(rate, target_rate)
+        out: list[np.ndarray] = []
+        frames = 0
+        while True:
+            try:
+                block = f.read(_BLOCK_FRAMES, dtype="float32", always_2d=True)  # (b, C)
+            except (sf.SoundFileError, RuntimeError) as e:
+                raise _undecodable(e, encoding, name) from e
+            if not len(block):
+                break
+            frames += len(block)
+            check_length(frames, rate, max_seconds, name, exact=False)
+            if not np.isfinite(block).all():
+                raise AudioError(f"{name}: the audio contains NaN or infinite samples")
+            out.append(to_model(block))
+    if frames == 0:
+        raise AudioError(f"{name}: the audio has no samples (0 s long)")
+    out.append(to_model(np.zeros((0, 1), np.float32), last=True))
+    return np.concatenate(out)
+
+
+def unknown_length(name: str) -> AudioError:
+    """The error for a FLAC whose header does not give its length: libsndfile fails at
+    the end of such a stream, after decoding most of it."""
+    return AudioError(
+        f"{name}: the FLAC header does not give the audio's length (total samples 0, as a "
+        "live encoder writes it), and such a stream cannot be decoded to its end: send the "
+        "finished file, or stream WAV or LINEAR16"
+    )
+
+
+def _undecodable(e: Exception, encoding: str, name: str) -> AudioError:
+    hint = (
+        "; if it is raw PCM16 without a header, send encoding 'linear16' with its sample rate"
+        if encoding == "auto"
+        else ""
+    )
+    return AudioError(
+        f"{name}: cannot decode audio ({_libsndfile_reason(e)}): expected WAV, FLAC or OGG{hint}"
+    )
+
+
+class MonoResampler:
+    """(N, C) blocks in, float32 mono at the model's rate out, block by block: channels
+    averaged in float64, soxr HQ resampling as a stream (the same samples as resampling
+    the whole signal at once), clipped to [-1, 1]. `decode_audio` and the server's
+    incremental `AudioInput` both go through it, so their samples are equal."""
+
+    def __init__(self, rate: int, target_rate: int) -> None:
+        self._stream = (
+            soxr.ResampleStream(rate, target_rate, 1, dtype="float32", quality="HQ")
+            if rate != target_rate
+            else None
         )
-        raise AudioError(
-            f"{name}: cannot decode audio ({_libsndfile_reason(e)}): expected WAV, FLAC or OGG"
-            f"{hint}"
-        ) from e
-    allowed = _CONTAINER_FORMATS.get(encoding)
-    if allowed is not None and fmt not in allowed:
-        raise AudioError(
-            f"{name}: encoding {encoding!r} was requested but the data is {fmt}; "
-            "send encoding 'auto' to accept any container"
-        )
-    return samples, rate
+
+    def __call__(self, block: np.ndarray, *, last: bool = False) -> np.ndarray:
+        """The mono samples at the model's rate that `block` (N, C) completes; `last`
+        flushes the resampler (the block may be empty then)."""
+        mono = np.asarray(block, dtype=np.float64).mean(axis=1).astype(np.float32)  # (N,)
+        if self._stream is not None:
+            mono = self._stream.resample_chunk(mono, last=last).astype(np.float32, copy=False)
+        # Float containers and resampling overshoot can leave [-1, 1]; the contract is [-1, 1].
+        return np.ascontiguousarray(np.clip(mono, -1.0, 1.0))
 
 
 def _read_linear16(
-    data: bytes, sample_rate: int | None, channels: int, name: str
+    data: bytes, sample_rate: int | None, channels: int, max_seconds: float, name: str
 ) -> tuple[np.ndarray, int]:
     if sample_rate is None:
         raise AudioError(f"{name}: raw PCM16 (linear16) has no header; give its sample rate")
@@ -95,6 +191,7 @@ def _read_linear16(
             f"{name}: raw PCM16 with {channels} channel(s) needs a multiple of {frame_bytes} "
             f"bytes, got {len(data)} (truncated or not 16-bit PCM)"
         )
+    check_length(len(data) // frame_bytes, sample_rate, max_seconds, name, exact=True)
     pcm = np.frombuffer(data, dtype="<i2").reshape(-1, channels)  # (N, C)
     return pcm.astype(np.float32) / np.float32(32768.0), sample_rate
 
@@ -107,13 +204,16 @@ def decode_audio(
     sample_rate: int | None = None,
     channels: int = 1,
     name: str = "<bytes>",
+    max_seconds: float = 0.0,
 ) -> np.ndarray:
     """Decode `data` to float32 mono in [-1, 1] at `target_rate` Hz.
 
     encoding: "auto" (container detected from its header), "wav", "flac" (the
     header must say so) or "linear16" (raw little-endian PCM16, interleaved when
     `channels` > 1; needs `sample_rate`). For containers, a `sample_rate` that
-    disagrees with the header is an error rather than silently ignored.
+    disagrees with the header is an error rather than silently ignored. Audio longer
+    than `max_seconds` (0 = no limit) raises AudioTooLong as soon as that is known:
+    from the header, or once that much has been decoded.
     """
     if encoding not in ENCODINGS:
         raise AudioError(
@@ -126,30 +226,13 @@ def decode_audio(
     if not data:
         raise AudioError(f"{name}: no audio data (0 bytes)")
 
-    if encoding == "linear16":
-        samples, rate = _read_linear16(data, sample_rate, channels, name)
-    else:
-        samples, rate = _read_container(data, encoding, name)
-        check_rate(rate, name)
-        if sample_rate is not None and sample_rate != rate:
-            raise AudioError(
-                f"{name}: sample rate {sample_rate} Hz was given but the header says {rate} Hz; "
-                "leave the rate unset for WAV/FLAC or send the matching rate"
-            )
+    if encoding != "linear16":
+        return _decode_container(data, encoding, sample_rate, target_rate, max_seconds, name)
+    samples, rate = _read_linear16(data, sample_rate, channels, max_seconds, name)
     if samples.shape[0] == 0:
         raise AudioError(f"{name}: the audio has no samples (0 s long)")
-    if not np.isfinite(samples).all():
-        raise AudioError(f"{name}: the audio contains NaN or infinite samples")
-    return _to_model_rate(samples, rate, target_rate)
-
-
-def _to_model_rate(samples: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
-    # Average in float64 so the mix does not depend on summation order tricks.
-    mono = samples.astype(np.float64).mean(axis=1).astype(np.float32)  # (N,)
-    if rate != target_rate:
-        mono = soxr.resample(mono, rate, target_rate, quality="HQ").astype(np.float32)
-    # Float containers and resampling overshoot can leave [-1, 1]; the contract is [-1, 1].
-    return np.ascontiguousarray(np.clip(mono, -1.0, 1.0, out=mono))
+    to_model = MonoResampler(rate, target_rate)
+    return np.concatenate([to_model(samples), to_model(samples[:0], last=True)])
 
 
 def load_audio(

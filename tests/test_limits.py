@@ -1,0 +1,159 @@
+"""Audio length and size limits against a real server: every encoding, as early as the
+audio allows, with memory bounded by what is accepted rather than by what is sent."""
+
+from __future__ import annotations
+
+import io
+import tracemalloc
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+
+import soundfile as sf  # noqa: E402
+
+from echoic.model.core.audio import AudioTooLong, decode_audio  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from echoic.server.background import BackgroundServer  # noqa: E402
+from tests.test_server import channel_to, recognize, running, status_of  # noqa: E402
+
+Code = grpc.StatusCode
+Config = pb.RecognitionConfig
+LIMIT = 2.0  # the servers' max_audio_seconds here, s
+PIECE = 4096  # bytes per streamed message
+
+
+def _container(seconds: float, rate: int, channels: int, fmt: str, *, tone: bool = False) -> bytes:
+    """`seconds` of silence (or a quiet tone) as a WAV or FLAC file, written a block at a
+    time so that long files cost the test no memory."""
+    buf = io.BytesIO()
+    block = np.zeros((rate, channels), np.float32)
+    if tone:
+        block[:, :] = 0.1 * np.sin(2 * np.pi * 330 * np.arange(rate) / rate)[:, None]
+    with sf.SoundFile(buf, "w", rate, channels, format=fmt, subtype="PCM_16") as f:
+        for _ in range(int(seconds)):
+            f.write(block)
+    return buf.getvalue()
+
+
+def _unknown_length(flac: bytes) -> bytes:
+    """The FLAC with STREAMINFO's total-samples field zeroed, as a live encoder writes it."""
+    data = bytearray(flac)
+    data[8 + 13] &= 0xF0
+    data[8 + 14 : 8 + 18] = bytes(4)
+    return bytes(data)
+
+
+def _streaming_wav(wav: bytes) -> bytes:
+    """The WAV with its RIFF and data sizes set to 0xFFFFFFFF, as a live writer leaves them."""
+    data = bytearray(wav)
+    data[4:8] = b"\xff\xff\xff\xff"
+    at = data.index(b"data")
+    data[at + 4 : at + 8] = b"\xff\xff\xff\xff"
+    return bytes(data)
+
+
+def _messages(data: bytes, encoding: int) -> Iterator[pb.StreamingRecognizeRequest]:
+    yield pb.StreamingRecognizeRequest(
+        streaming_config=pb.StreamingRecognitionConfig(config=Config(encoding=encoding))
+    )
+    for i in range(0, len(data), PIECE):
+        yield pb.StreamingRecognizeRequest(audio_content=data[i : i + PIECE])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir) -> Iterator[BackgroundServer]:
+    with running(tiny_model_dir, max_audio_seconds=LIMIT) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(server: BackgroundServer) -> Iterator[pb_grpc.TranscriberStub]:
+    with channel_to(server) as channel:
+        yield pb_grpc.TranscriberStub(channel)
+
+
+FLAC_10S = _container(10, 16000, 1, "FLAC")
+WAV_10S = _container(10, 16000, 1, "WAV")
+TOO_LONG = [
+    pytest.param(FLAC_10S, Config.FLAC, id="flac-length-in-header"),
+    pytest.param(WAV_10S, Config.WAV, id="wav-length-in-header"),
+    pytest.param(_streaming_wav(WAV_10S), Config.WAV, id="wav-length-unknown"),
+    pytest.param(_container(10, 8000, 2, "FLAC"), Config.ENCODING_UNSPECIFIED, id="auto-8k-stereo"),
+]
+
+
+@pytest.mark.parametrize(("data", "encoding"), TOO_LONG)
+def test_a_stream_over_the_limit_is_out_of_range_in_every_encoding(stub, data, encoding) -> None:
+    call = stub.StreamingRecognize(_messages(data, encoding), timeout=30)
+    code, details = status_of(lambda: list(call))
+    assert code == Code.OUT_OF_RANGE and f"limit of {LIMIT:g} s" in details, details
+
+
+@pytest.mark.parametrize(("data", "encoding"), TOO_LONG)
+def test_a_request_over_the_limit_is_refused_in_every_encoding(stub, data, encoding) -> None:
+    code, details = status_of(lambda: recognize(stub, data, Config(encoding=encoding)))
+    assert code == Code.INVALID_ARGUMENT and f"at most {LIMIT:g} s" in details, details
+
+
+def test_a_flac_without_its_length_is_refused_at_its_header(server) -> None:
+    """libsndfile cannot decode such a stream to its end (it fails on the last block), so
+    the server says so from STREAMINFO, before the audio arrives, and names what to send."""
+    flac = _unknown_length(_container(1, 16000, 1, "FLAC", tone=True))
+    with channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        for call in (
+            lambda: list(stub.StreamingRecognize(_messages(flac, Config.FLAC), timeout=30)),
+            lambda: recognize(stub, flac, Config(encoding=Config.FLAC)),
+        ):
+            code, details = status_of(call)
+            assert code == Code.INVALID_ARGUMENT and "stream WAV or LINEAR16" in details
+
+
+@pytest.mark.parametrize(
+    ("data", "limit", "ceiling_mb"),
+    [
+        pytest.param(_container(600, 8000, 1, "FLAC"), 60.0, 40, id="10-min-of-silence"),
+        pytest.param(_streaming_wav(_container(600, 8000, 1, "WAV")), 60.0, 40,
+                     id="10-min-of-silence-wav-length-unknown"),
+        pytest.param(_container(20, 192000, 8, "FLAC"), 60.0, 40, id="192khz-8-channels"),
+    ],
+)  # fmt: skip
+def test_decoding_memory_is_bounded_by_what_is_accepted(data, limit, ceiling_mb) -> None:
+    """Peak memory of decoding (numpy's allocations, traced) stays near the size of the
+    audio accepted at the model's rate, however long or wide the source is."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        try:
+            samples = decode_audio(data, 16000, max_seconds=limit)
+        except AudioTooLong as e:
+            assert e.limit == limit
+            samples = None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < ceiling_mb * 2**20, f"peak {peak / 2**20:.0f} MB"
+    if samples is not None:
+        assert len(samples) == 20 * 16000
+
+
+def test_the_header_decides_before_the_audio_arrives(server) -> None:
+    """A 10-minute FLAC is refused at its first message, from STREAMINFO: the server reads
+    none of the rest."""
+    sent = []
+
+    def messages() -> Iterator[pb.StreamingRecognizeRequest]:
+        for message in _messages(_container(600, 8000, 1, "FLAC"), Config.FLAC):
+            sent.append(message)
+            yield message
+
+    with channel_to(server) as channel:
+        call = pb_grpc.TranscriberStub(channel).StreamingRecognize(messages(), timeout=30)
+        code, _ = status_of(lambda: list(call))
+    assert code == Code.OUT_OF_RANGE
+    assert len(sent) < 10, f"{len(sent)} messages were sent before the refusal"
