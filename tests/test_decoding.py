@@ -402,3 +402,17 @@ def test_missing_flashlight_says_how_to_install(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(sys.modules, "flashlight.lib.text", None)
     with pytest.raises(ImportError, match=r"pip install 'echoic\[serve\]'"):
         BeamSearchDecoder(VOCAB, frame_seconds=FRAME)
+
+
+def test_decoders_of_one_lm_file_share_one_copy(cat_lm: str, tmp_path) -> None:
+    """Every beam size asked for decodes with the same loaded LM (one copy per file),
+    with the same results as a decoder of its own; a changed file is loaded again."""
+    log_probs = _ambiguous_cat()
+    small, big = (
+        BeamSearchDecoder(VOCAB, frame_seconds=FRAME, lm_path=cat_lm, beam_size=n) for n in (8, 16)
+    )
+    assert small.lm is not None and small.lm is big.lm
+    assert big.decode(log_probs) == small.decode(log_probs)
+    other = tmp_path / "other.arpa"
+    build_arpa(["the bat sat"], other, order=2)
+    assert BeamSearchDecoder(VOCAB, frame_seconds=FRAME, lm_path=other).lm is not small.lm

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, replace
@@ -382,9 +384,7 @@ class BeamSearchDecoder(_Decoder):
             log_add=True,  # merge alignments of one prefix by summing: CTC's prefix probability
             criterion_type=fl.CriterionType.CTC,
         )
-        self._lm = None
-        if lm_path is not None:
-            self._lm = _KenLM(lm_path)
+        self.lm = None if lm_path is None else _KenLM.shared(lm_path)  # shared by all decoders
         self._lm_weights = (lm_weight, word_bonus, unk_penalty)
 
     def stream(self, stable_after: int = 3) -> BeamStream:
@@ -393,10 +393,10 @@ class BeamSearchDecoder(_Decoder):
             raise ValueError(f"stable_after must be at least 1, got {stable_after}")
         fl = _flashlight()
         space = self.vocab.index[" "]
-        if self._lm is None:
+        if self.lm is None:
             lm = fl.ZeroLM()
         else:
-            lm = _words_lm_class()(self._lm, self.vocab, self._lm_weights)
+            lm = _words_lm_class()(self.lm, self.vocab, self._lm_weights)
         decoder = fl.LexiconFreeDecoder(self._options, lm, space, self.vocab.blank_id, [])
         return BeamStream(self.vocab, self.frame_seconds, decoder, lm, stable_after)
 
@@ -491,7 +491,27 @@ def _common_prefix(a: tuple, b: tuple) -> int:
 
 
 class _KenLM:
-    """A word ARPA model loaded through flashlight's KenLM wrapper, shared by all streams."""
+    """A word ARPA model loaded through flashlight's KenLM wrapper, shared by all streams
+    and by every decoder of the same file (`shared`): one copy in memory per LM file,
+    whatever the beam sizes asked for, freed once no decoder holds it."""
+
+    _loaded: weakref.WeakValueDictionary[tuple, _KenLM] = weakref.WeakValueDictionary()
+    _lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, path: str | os.PathLike[str]) -> _KenLM:
+        """The loaded LM of `path` (loaded now if no decoder holds it; again if the file
+        changed)."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"language model {os.fspath(path)!r} does not exist") from None
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        with cls._lock:
+            lm = cls._loaded.get(key)
+            if lm is None:
+                lm = cls._loaded[key] = cls(path)
+            return lm
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from echoic.model.core.lm import UNK, arpa_words
