@@ -62,7 +62,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
     # ------------------------------------------------------------------ bodies
 
     async def _recognize(self, request: pb.RecognizeRequest) -> pb.RecognizeResponse:
-        opts = parse_config(request.config)
+        opts = parse_config(request.config, max_beam=self._config.max_beam_size)
         if not request.audio_content:
             raise invalid("audio_content is empty: send the whole audio in the request")
         model = self._registry.resolve(opts.model, opts.version)
@@ -110,7 +110,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             )
         sc = first.streaming_config
         opts = parse_config(
-            sc.config, interim=sc.interim_results, interval_ms=sc.interim_interval_ms
+            sc.config,
+            max_beam=self._config.max_beam_size,
+            interim=sc.interim_results,
+            interval_ms=sc.interim_interval_ms,
         )
         model = self._registry.resolve(opts.model, opts.version)
         if not model.streamable:

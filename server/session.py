@@ -41,7 +41,6 @@ _ENCODINGS = {
     pb.RecognitionConfig.WAV: "wav",
     pb.RecognitionConfig.FLAC: "flac",
 }
-MAX_BEAM = 1024  # hypotheses per frame, count: more is a typo, not a setting
 
 
 class RequestError(Exception):
@@ -74,8 +73,15 @@ class Options:
     alternatives: int = 1  # most alternatives in a final result, count
 
 
-def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interval_ms: int = 0):
-    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong."""
+def parse_config(
+    config: pb.RecognitionConfig,
+    *,
+    max_beam: int,
+    interim: bool = False,
+    interval_ms: int = 0,
+) -> Options:
+    """Options from a RecognitionConfig; RequestError(INVALID_ARGUMENT) saying what is wrong.
+    `max_beam`: the largest beam_size this server allows (`ServerConfig.max_beam_size`)."""
     if config.encoding not in _ENCODINGS:
         raise invalid(
             f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), WAV or FLAC"
@@ -91,12 +97,13 @@ def parse_config(config: pb.RecognitionConfig, *, interim: bool = False, interva
     if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
         raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
     default_beam = DecoderConfig.beam_size
-    if not 0 <= d.beam_size <= MAX_BEAM:
+    if not 0 <= d.beam_size <= max_beam:
         raise invalid(
-            f"beam_size must be 0 (the default, {default_beam}) to {MAX_BEAM}, got {d.beam_size}"
+            f"beam_size must be 0 (the default, {min(default_beam, max_beam)}) to {max_beam} "
+            f"(this server's --max-beam-size), got {d.beam_size}"
         )
     decoder = (
-        DecoderConfig("beam", d.beam_size or default_beam, use_lm=not d.disable_lm)
+        DecoderConfig("beam", d.beam_size or min(default_beam, max_beam), use_lm=not d.disable_lm)
         if d.kind == pb.DecoderConfig.BEAM
         else DecoderConfig()
     )

@@ -157,3 +157,19 @@ def test_the_header_decides_before_the_audio_arrives(server) -> None:
         code, _ = status_of(lambda: list(call))
     assert code == Code.OUT_OF_RANGE
     assert len(sent) < 10, f"{len(sent)} messages were sent before the refusal"
+
+
+def test_the_beam_is_capped_by_the_server(tiny_model_dir) -> None:
+    """--max-beam-size bounds what one client can make the shared batch spend on it."""
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    tone = _container(1, 16000, 1, "WAV", tone=True)
+
+    def beam(size: int) -> Config:
+        return Config(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=size))
+
+    with running(tiny_model_dir, max_beam_size=16) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        assert recognize(stub, tone, beam(16)).results
+        assert recognize(stub, tone, beam(0)).results  # the default, within the cap
+        code, details = status_of(lambda: recognize(stub, tone, beam(17)))
+    assert code == Code.INVALID_ARGUMENT and "--max-beam-size" in details and "16" in details
