@@ -29,11 +29,10 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig, ServerError
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
-from echoic.server.service import TranscriberService
+from echoic.server.service import TranscriberService, add_to_server
 
 log = logging.getLogger("echoic.server")
 
@@ -117,7 +116,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     ]
     grpc_server = grpc.aio.server(options=options)
     service = TranscriberService(config, registry, metrics)
-    pb_grpc.add_TranscriberServicer_to_server(service, grpc_server)
+    add_to_server(service, grpc_server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
     reflection.enable_server_reflection(

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from echoic.model.core.audio import AudioError, AudioTooLong
 from echoic.protos.v1 import transcriber_pb2 as pb
@@ -37,12 +38,94 @@ class ClientGone(Exception):
     """The client cancelled the call or went away; its resources are freed."""
 
 
+class MalformedRequest(RequestError):
+    """A message that did not parse: INVALID_ARGUMENT, and a rate-limited log line."""
+
+
+class Malformed:
+    """A request message that did not parse, in place of the message: the rpc answers it
+    with INVALID_ARGUMENT (grpc itself would answer UNKNOWN or INTERNAL, and log a
+    traceback)."""
+
+    def __init__(self, kind: str, error: DecodeError) -> None:
+        self.kind, self.error = kind, error
+
+    def problem(self) -> MalformedRequest:
+        return MalformedRequest(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {self.kind} message ({_reason(self.error)}): "
+            "build it with stubs generated from echoic/v1/transcriber.proto",
+        )
+
+
+class _RateLimitedWarning:
+    """At most one log line per `seconds`, saying how many were left out since."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._next = 0.0  # time.monotonic() from which the next line may be written
+        self._skipped = 0  # lines left out since the last one written
+
+    def __call__(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._skipped += 1
+            return
+        if self._skipped:
+            message += f" (and {self._skipped} more in the last {self.seconds:g} s)"
+        log.warning(message, *args)
+        self._next, self._skipped = now + self.seconds, 0
+
+
+def _reason(error: DecodeError) -> str:
+    text = str(error)
+    return text.rsplit(": ", 1)[-1][:200] if ": " in text else "truncated or corrupt"
+
+
+def _lenient(message: type) -> Callable[[bytes], Any]:
+    """A deserializer that hands the rpc a `Malformed` instead of raising."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Malformed(message.DESCRIPTOR.name, e)
+
+    return parse
+
+
+def add_to_server(service: TranscriberService, server: grpc.aio.Server) -> None:
+    """Register `service` as echoic.v1.Transcriber, with messages that do not parse handed
+    to it (as `Malformed`) rather than failed inside grpc."""
+    handlers = {
+        "Recognize": grpc.unary_unary_rpc_method_handler(
+            service.Recognize,
+            request_deserializer=_lenient(pb.RecognizeRequest),
+            response_serializer=pb.RecognizeResponse.SerializeToString,
+        ),
+        "StreamingRecognize": grpc.stream_stream_rpc_method_handler(
+            service.StreamingRecognize,
+            request_deserializer=_lenient(pb.StreamingRecognizeRequest),
+            response_serializer=pb.StreamingRecognizeResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels,
+            request_deserializer=_lenient(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Transcriber"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 class TranscriberService(pb_grpc.TranscriberServicer):
     def __init__(self, config: ServerConfig, registry: ModelRegistry, metrics: Metrics) -> None:
         self._config = config
         self._registry = registry
         self._metrics = metrics
         self.active = 0  # admitted StreamingRecognize and Recognize calls, count
+        self._warn_malformed = _RateLimitedWarning(10.0)
 
     # ------------------------------------------------------------------ rpcs
 
@@ -57,11 +140,15 @@ class TranscriberService(pb_grpc.TranscriberServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        return await self._guard("ListModels", context, self._list_models, admit=False)
+        return await self._guard(
+            "ListModels", context, lambda: self._list_models(request), admit=False
+        )
 
     # ------------------------------------------------------------------ bodies
 
     async def _recognize(self, request: pb.RecognizeRequest) -> pb.RecognizeResponse:
+        if isinstance(request, Malformed):
+            raise request.problem()
         opts = parse_config(request.config, max_beam=self._config.max_beam_size)
         if not request.audio_content:
             raise invalid("audio_content is empty: send the whole audio in the request")
@@ -197,15 +284,20 @@ class TranscriberService(pb_grpc.TranscriberServicer):
     async def _read(self, context: grpc.aio.ServicerContext) -> Any:
         timeout = self._config.idle_timeout_seconds
         try:
-            return await asyncio.wait_for(context.read(), timeout)
+            message = await asyncio.wait_for(context.read(), timeout)
         except asyncio.TimeoutError:
             raise RequestError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"the stream sent nothing for {timeout:g} s: send audio at least that often "
                 "(silence included), or half-close the stream when the audio ends",
             ) from None
+        if isinstance(message, Malformed):
+            raise message.problem()
+        return message
 
-    async def _list_models(self) -> pb.ListModelsResponse:
+    async def _list_models(self, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
+        if isinstance(request, Malformed):
+            raise request.problem()
         models = sorted(self._registry.loaded, key=lambda m: (m.name, version_key(m.version)))
         return pb.ListModelsResponse(models=[_info(m) for m in models])
 
@@ -243,6 +335,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             code, message = _status(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
+            elif isinstance(e, MalformedRequest):
+                self._warn_malformed("%s from %s: %s", method, context.peer(), message)
             await context.abort(code, message)
             raise  # not reached: abort() raises
         finally:
@@ -252,7 +346,17 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             self._metrics.requests.labels(method, code.name).inc()
 
 
+MAX_DETAILS = 1000  # characters of a status message: enough to act on, never a whole input
+
+
 def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+    code, message = _status_of(e)
+    if len(message) > MAX_DETAILS:
+        message = message[: MAX_DETAILS - 20] + " ... (message cut)"
+    return code, message
+
+
+def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, RequestError):
         return e.code, str(e)
     if isinstance(e, (AudioError, ModelLookupError)):

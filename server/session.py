@@ -43,6 +43,9 @@ _ENCODINGS = {
 }
 
 
+MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
+
+
 class RequestError(Exception):
     """A request the server refuses: a gRPC status code and a sentence saying what to change."""
 
@@ -86,6 +89,9 @@ def parse_config(
         raise invalid(
             f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), WAV or FLAC"
         )
+    for field, value in (("model", config.model), ("model_version", config.model_version)):
+        if len(value) > MAX_NAME:
+            raise invalid(f"{field} is {len(value)} characters long; at most {MAX_NAME}")
     encoding = _ENCODINGS[config.encoding]
     rate = config.sample_rate_hertz or None
     channels = config.audio_channel_count or 1

@@ -19,7 +19,13 @@ from echoic.model.core.audio import AudioTooLong, decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
-from tests.test_server import channel_to, recognize, running, status_of  # noqa: E402
+from tests.test_server import (  # noqa: E402
+    channel_to,
+    recognize,
+    running,
+    status_of,
+    wait_until,
+)
 
 Code = grpc.StatusCode
 Config = pb.RecognitionConfig
@@ -173,3 +179,78 @@ def test_the_beam_is_capped_by_the_server(tiny_model_dir) -> None:
         assert recognize(stub, tone, beam(0)).results  # the default, within the cap
         code, details = status_of(lambda: recognize(stub, tone, beam(17)))
     assert code == Code.INVALID_ARGUMENT and "--max-beam-size" in details and "16" in details
+
+
+BAD_UTF8 = bytes.fromhex("0a032201ff")  # config { model: "\xff" }: a string field, not UTF-8
+STREAM_BAD_UTF8 = bytes.fromhex("0a050a032201ff")  # streaming_config { the same config }
+TRUNCATED = bytes.fromhex("0a0a2203")  # config, 10 bytes long, of which 2 arrive
+
+
+@pytest.mark.parametrize(
+    ("method", "data"),
+    [
+        pytest.param("Recognize", BAD_UTF8, id="recognize-bad-utf8"),
+        pytest.param("Recognize", TRUNCATED, id="recognize-truncated"),
+        pytest.param("StreamingRecognize", STREAM_BAD_UTF8, id="stream-bad-utf8"),
+        pytest.param("StreamingRecognize", TRUNCATED, id="stream-truncated"),
+        pytest.param("ListModels", b"\xff\xff\xff", id="list-models-garbage"),
+    ],
+)
+def test_a_message_that_does_not_parse_is_invalid_argument(
+    server, stub, method, data, caplog
+) -> None:
+    """Counted like any request, one warning line at most, no traceback; the server
+    goes on transcribing."""
+    metrics = server.server.metrics.registry
+
+    def count() -> float:
+        labels = {"method": method, "code": "INVALID_ARGUMENT"}
+        return metrics.get_sample_value("echoic_requests_total", labels) or 0.0
+
+    before = count()
+    with channel_to(server) as channel:
+        path = f"/echoic.v1.Transcriber/{method}"
+        if method == "StreamingRecognize":
+            call = channel.stream_stream(path)  # raw bytes both ways
+            code, details = status_of(lambda: list(call(iter([data]), timeout=30)))
+        else:
+            code, details = status_of(lambda: channel.unary_unary(path)(data, timeout=30))
+    assert code == Code.INVALID_ARGUMENT and "not a valid" in details, details
+    wait_until(lambda: count() == before + 1, what="the call counted")  # counted after abort
+    assert "Traceback" not in caplog.text
+    assert recognize(stub, _container(1, 16000, 1, "WAV", tone=True), Config()).results
+
+
+def test_malformed_messages_log_one_line_at_most(tiny_model_dir, caplog) -> None:
+    with running(tiny_model_dir) as server, channel_to(server) as channel:
+        call = channel.unary_unary("/echoic.v1.Transcriber/Recognize")
+        for _ in range(5):
+            code, _ = status_of(lambda: call(BAD_UTF8, timeout=30))
+            assert code == Code.INVALID_ARGUMENT
+    lines = [r for r in caplog.records if "not a valid" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "WARNING"
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(Config(model="m" * 100_000), id="100k-model-name"),
+        pytest.param(Config(model_version="9" * 100_000), id="100k-version"),
+    ],
+)
+def test_unbounded_input_is_never_echoed(stub, config) -> None:
+    """The status names the problem in a few words; it carries no copy of the input, so
+    the client gets INVALID_ARGUMENT rather than a trailer too large to read."""
+    tone = _container(1, 16000, 1, "WAV", tone=True)
+    code, details = status_of(lambda: recognize(stub, tone, config))
+    assert code == Code.INVALID_ARGUMENT and "at most 256" in details and len(details) < 200
+
+
+def test_status_messages_are_cut_to_a_readable_size() -> None:
+    from echoic.server.service import MAX_DETAILS, _status
+    from echoic.server.session import invalid
+
+    code, message = _status(invalid("x" * 50_000))
+    assert code == Code.INVALID_ARGUMENT and len(message) <= MAX_DETAILS
+    assert message.endswith("(message cut)")
