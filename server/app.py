@@ -119,11 +119,12 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     add_to_server(service, grpc_server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
-        grpc_server,
-    )  # fmt: skip
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            grpc_server,
+        )  # fmt: skip
     server = Server(config, grpc_server, registry, metrics, health, service, executor)
     address = f"{config.host}:{config.port}"
     try:
@@ -148,11 +149,30 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     await grpc_server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if credentials is None and not _loopback(config.host):
+        log.warning(
+            "serving plaintext gRPC on %s, reachable from other machines: audio and transcripts "
+            "cross the network unencrypted (--tls-cert/--tls-key, or a TLS proxy in front)",
+            config.host,
+        )
     log.info(
         "listening on %s:%d (%s)%s", config.host, port, "TLS" if config.tls_cert else "plaintext",
         f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "",
     )  # fmt: skip
     return server, port
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` (as given to --host) is reachable only from this machine."""
+    import ipaddress
+
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: assume it resolves to a reachable address
 
 
 async def _serve(config: ServerConfig) -> None:

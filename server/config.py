@@ -114,6 +114,18 @@ class ServerConfig:
         30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
     )
 
+    # What the server shows.
+    reflection: bool = setting(
+        True,
+        "gRPC server reflection (grpcurl list/describe)",
+        Flag("no-reflection", switch=False, help="turn gRPC server reflection off"),
+    )
+    expose_paths: bool = setting(
+        False,
+        "ListModels gives each version's directory on the server",
+        Flag(switch=True, help="show each model version's directory in ListModels (off: hidden)"),
+    )
+
     # TLS: a certificate and key serve TLS; a client CA as well requires client certificates.
     tls_cert: Path | None = setting(
         None, "PEM server certificate (chain): serve TLS; unset = plaintext", Flag(metavar="PEM")

@@ -11,6 +11,9 @@ Names are in base units (seconds, counts) with the prefix `echoic_`:
     echoic_final_result_latency_seconds{method}     end of audio -> final result sent (histogram)
     echoic_real_time_factor{model, version}         compute s per s of audio in a batch (histogram)
     echoic_model_versions_loaded{model, version, state}   1 per loaded version
+
+plus the standard process_* (CPU, memory, open files) and python_* collectors. The
+endpoint answers GET /metrics and nothing else (404).
 """
 
 from __future__ import annotations
@@ -20,13 +23,24 @@ from typing import Any
 
 class Metrics:
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            Histogram,
+            PlatformCollector,
+            ProcessCollector,
+        )
 
         self._http: tuple[Any, Any] | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         model = ("model", "version")
-        fast = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+        # Latency, s: from a fraction of a millisecond to the half minute of a stalled server.
+        fast = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0, 30.0)  # fmt: skip
         self.requests = Counter(
             "echoic_requests", "Finished RPCs by method and gRPC status code.",
             ("method", "code"), registry=r,
@@ -77,11 +91,43 @@ class Metrics:
             self.model_loaded.labels(name, version, state).set(1)
 
     def start_http(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0 = any free port) in a thread; returns the port."""
-        from prometheus_client import start_http_server
+        """Serve GET /metrics on host:port (0 = any free port) in a thread; returns the port."""
+        import socket
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
 
-        self._http = start_http_server(port, addr=host, registry=self.registry)
-        return self._http[0].server_port
+        from prometheus_client.exposition import choose_encoder
+
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if urlsplit(self.path).path != "/metrics":
+                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
+                    return
+                encode, content_type = choose_encoder(self.headers.get("Accept", ""))
+                self._send(200, content_type, encode(registry))
+
+            def _send(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass  # a scrape every few seconds is not news
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        httpd = Server((host.strip("[]"), port), Handler)
+        thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+        thread.start()
+        self._http = (httpd, thread)
+        return httpd.server_port
 
     def stop_http(self) -> None:
         if self._http is not None:

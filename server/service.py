@@ -299,7 +299,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         if isinstance(request, Malformed):
             raise request.problem()
         models = sorted(self._registry.loaded, key=lambda m: (m.name, version_key(m.version)))
-        return pb.ListModelsResponse(models=[_info(m) for m in models])
+        expose = self._config.expose_paths
+        return pb.ListModelsResponse(models=[_info(m, expose_path=expose) for m in models])
 
     # ------------------------------------------------------------------ errors and accounting
 
@@ -372,7 +373,8 @@ def _ref(model: LoadedModel) -> pb.ModelRef:
     return pb.ModelRef(name=model.name, version=model.version)
 
 
-def _info(model: LoadedModel) -> pb.ModelInfo:
+def _info(model: LoadedModel, *, expose_path: bool) -> pb.ModelInfo:
+    """What ListModels tells of a version; its directory only when the server is told to."""
     card = model.card
     frame = card.output_frame_ms / 1000.0
     return pb.ModelInfo(
@@ -387,7 +389,7 @@ def _info(model: LoadedModel) -> pb.ModelInfo:
         lookahead_seconds=card.context_frames * frame if model.streamable else 0.0,
         has_language_model=model.has_lm,
         active_streams=model.active,
-        path=str(model.path),
+        path=str(model.path) if expose_path else "",
         rnn_type=card.rnn_type,
         bidirectional=card.bidirectional,
         parameters=card.parameters,

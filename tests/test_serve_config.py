@@ -21,7 +21,7 @@ FLAGS = {
     "--model", "--model-repo", "--poll-seconds", "--host", "--port", "--metrics-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--gpu", "--max-streams",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-beam-size", "--max-message-bytes",
-    "--grace-seconds",
+    "--grace-seconds", "--no-reflection", "--expose-paths",
     "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level", "-h", "--help",
 }  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""Audio length and size limits against a real server: every encoding, as early as the
-audio allows, with memory bounded by what is accepted rather than by what is sent."""
+"""A server no client can exhaust, against a real server: audio limits in every encoding
+(as early as the audio allows, with memory bounded by what is accepted rather than by
+what is sent), messages that do not parse, unbounded input, and what the server shows."""
 
 from __future__ import annotations
 
@@ -254,3 +255,54 @@ def test_status_messages_are_cut_to_a_readable_size() -> None:
     code, message = _status(invalid("x" * 50_000))
     assert code == Code.INVALID_ARGUMENT and len(message) <= MAX_DETAILS
     assert message.endswith("(message cut)")
+
+
+def test_what_the_server_shows(tiny_model_dir, caplog) -> None:
+    """Metrics only at /metrics, with process metrics and latency buckets to 10 s and
+    more; no directories in ListModels unless asked; reflection can be turned off; a
+    plaintext server on a non-loopback address says so in its log."""
+    import urllib.error
+    import urllib.request
+
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with running(tiny_model_dir, metrics_port=0) as server, channel_to(server) as channel:
+        tone = _container(1, 16000, 1, "WAV", tone=True)
+        assert recognize(pb_grpc.TranscriberStub(channel), tone, Config()).results
+        base = f"http://127.0.0.1:{server.metrics_port}"
+        text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        for path in ("/", "/other", "/metrics/x"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(base + path, timeout=10)
+            assert e.value.code == 404
+    assert "process_resident_memory_bytes" in text and "python_info" in text
+    buckets = [line for line in text.splitlines() if "final_result_latency_seconds_bucket" in line]
+    assert any('le="10.0"' in line for line in buckets), buckets
+
+    def list_models(**settings) -> pb.ModelInfo:
+        with running(tiny_model_dir, **settings) as server, channel_to(server) as channel:
+            return pb_grpc.TranscriberStub(channel).ListModels(pb.ListModelsRequest()).models[0]
+
+    assert list_models().path == ""
+    assert list_models(expose_paths=True).path == str(tiny_model_dir.resolve())
+
+    def reflected(**settings) -> grpc.StatusCode:
+        with running(tiny_model_dir, **settings) as server, channel_to(server) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            try:
+                list(stub.ServerReflectionInfo(iter([ask]), timeout=10))
+            except grpc.RpcError as e:
+                return e.code()
+            return Code.OK
+
+    assert reflected() == Code.OK and reflected(reflection=False) == Code.UNIMPLEMENTED
+
+    caplog.clear()
+    with running(tiny_model_dir, host="0.0.0.0"):
+        pass
+    assert "plaintext" in caplog.text and "0.0.0.0" in caplog.text
+    caplog.clear()
+    with running(tiny_model_dir):  # 127.0.0.1
+        pass
+    assert "reachable from other machines" not in caplog.text
