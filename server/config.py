@@ -101,6 +101,12 @@ class ServerConfig:
     idle_timeout_seconds: float = setting(
         30.0, "s a stream may send nothing before it gets DEADLINE_EXCEEDED", Flag(metavar="S")
     )
+    max_stream_seconds: float = setting(
+        3900.0,
+        "wall time a stream may stay open, s, however slowly it sends (the longest audio "
+        "accepted, at real time, plus slack); 0 = no limit",
+        Flag(metavar="S"),
+    )
     max_beam_size: int = setting(
         64,
         "largest beam_size a request may ask for, hypotheses per frame (a beam search's cost "
@@ -150,6 +156,7 @@ class ServerConfig:
             (self.max_streams >= 1, "max_streams must be >= 1"),
             (self.max_audio_seconds >= 0, "max_audio_seconds must be >= 0"),
             (self.max_beam_size >= 1, "max_beam_size must be >= 1"),
+            (self.max_stream_seconds >= 0, "max_stream_seconds must be >= 0"),
             (self.idle_timeout_seconds > 0, "idle_timeout_seconds must be > 0"),
             (self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
             (self.grace_seconds >= 0, "grace_seconds must be >= 0"),

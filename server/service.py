@@ -184,7 +184,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
-        first = await self._read(context)
+        limit = self._config.max_stream_seconds
+        closes_at = time.monotonic() + limit if limit else None  # the stream's wall-time limit
+        first = await self._read(context, closes_at)
         if first is grpc.aio.EOF:
             raise invalid(
                 "the stream ended before its config: send a StreamingRecognizeRequest with "
@@ -217,7 +219,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             )  # fmt: skip
             ref = _ref(model)
             while True:
-                message = await self._read(context)
+                message = await self._read(context, closes_at)
                 if message is grpc.aio.EOF:
                     if context.cancelled():
                         raise ClientGone
@@ -281,14 +283,24 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             seconds = len(samples) / m.card.sample_rate
             self._metrics.audio_seconds.labels(m.name, m.version).inc(seconds)
 
-    async def _read(self, context: grpc.aio.ServicerContext) -> Any:
-        timeout = self._config.idle_timeout_seconds
+    async def _read(self, context: grpc.aio.ServicerContext, closes_at: float | None) -> Any:
+        """The stream's next message; DEADLINE_EXCEEDED when it sends nothing for the idle
+        timeout, or when its wall time (`closes_at`, time.monotonic()) runs out."""
+        idle = self._config.idle_timeout_seconds
+        timeout = idle if closes_at is None else min(idle, closes_at - time.monotonic())
         try:
-            message = await asyncio.wait_for(context.read(), timeout)
+            message = await asyncio.wait_for(context.read(), max(timeout, 0.0))
         except asyncio.TimeoutError:
+            if closes_at is not None and time.monotonic() >= closes_at:
+                raise RequestError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the stream was open for this server's limit of "
+                    f"{self._config.max_stream_seconds:g} s (--max-stream-seconds): send audio "
+                    "at least as fast as real time, and open a new stream for more",
+                ) from None
             raise RequestError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the stream sent nothing for {timeout:g} s: send audio at least that often "
+                f"the stream sent nothing for {idle:g} s: send audio at least that often "
                 "(silence included), or half-close the stream when the audio ends",
             ) from None
         if isinstance(message, Malformed):

@@ -43,6 +43,7 @@ _ENCODINGS = {
 }
 
 
+MAX_CUT_DELAY = 2.0  # s an utterance may run past max_utterance_ms waiting for a blank frame
 MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
 
 
@@ -300,10 +301,15 @@ class Session:
     def _endpoint(self) -> bool:
         stream, opts = self.stream, self.options
         spoken = stream.utterance_seconds
+        words = stream.result().words
         if opts.max_utterance and spoken >= opts.max_utterance:
-            return True
+            # Not inside a character's run of frames: its next frames would start the
+            # same character again in the next utterance. A path that never leaves
+            # characters is cut anyway, MAX_CUT_DELAY later.
+            frame = stream.recognizer.frame_seconds
+            in_a_character = bool(words) and spoken - words[-1].end < frame / 2
+            return not in_a_character or spoken >= opts.max_utterance + MAX_CUT_DELAY
         if opts.trailing_silence:
-            words = stream.result().words
             return bool(words) and spoken - words[-1].end >= opts.trailing_silence
         return False
 

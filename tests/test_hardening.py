@@ -64,9 +64,12 @@ def _streaming_wav(wav: bytes) -> bytes:
     return bytes(data)
 
 
-def _messages(data: bytes, encoding: int) -> Iterator[pb.StreamingRecognizeRequest]:
+def _messages(
+    data: bytes, encoding: int, config: pb.RecognitionConfig | None = None
+) -> Iterator[pb.StreamingRecognizeRequest]:
+    config = config or Config(encoding=encoding)
     yield pb.StreamingRecognizeRequest(
-        streaming_config=pb.StreamingRecognitionConfig(config=Config(encoding=encoding))
+        streaming_config=pb.StreamingRecognitionConfig(config=config)
     )
     for i in range(0, len(data), PIECE):
         yield pb.StreamingRecognizeRequest(audio_content=data[i : i + PIECE])
@@ -306,3 +309,51 @@ def test_what_the_server_shows(tiny_model_dir, caplog) -> None:
     with running(tiny_model_dir):  # 127.0.0.1
         pass
     assert "reachable from other machines" not in caplog.text
+
+
+def test_cutting_utterances_every_chunk_loses_and_doubles_nothing(
+    tiny_model_dir, speech_corpus
+) -> None:
+    """max_utterance_ms=1 ends an utterance after every model step; the characters of
+    all of them, in order, are those of the whole clip decoded at once (greedy): no
+    character that runs across a cut is written twice, none is lost."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][:6]
+    config = Config(encoding=Config.WAV, endpointing=pb.EndpointingConfig(max_utterance_ms=1))
+    utterances = 0
+    with running(tiny_model_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        for row in rows:
+            wav = Path(row["audio_filepath"]).read_bytes()
+            whole = recognize(stub, wav, Config()).results[0].alternatives[0].transcript
+            call = stub.StreamingRecognize(_messages(wav, Config.WAV, config), timeout=30)
+            finals = [r.results[0] for r in call if r.results and r.results[0].is_final]
+            utterances += len(finals)
+            cut = "".join(r.alternatives[0].transcript for r in finals)
+            assert cut.replace(" ", "") == whole.replace(" ", ""), (cut, whole)
+    assert utterances > 2 * len(rows), "the clips were hardly cut"
+
+
+def test_a_slow_sender_cannot_hold_a_stream_forever(tiny_model_dir) -> None:
+    """Two bytes every 0.2 s never trips the idle timeout; --max-stream-seconds ends the
+    stream anyway and frees its slot."""
+    import time
+
+    def trickle() -> Iterator[pb.StreamingRecognizeRequest]:
+        yield pb.StreamingRecognizeRequest(
+            streaming_config=pb.StreamingRecognitionConfig(
+                config=Config(encoding=Config.LINEAR16, sample_rate_hertz=16000)
+            )
+        )
+        for _ in range(100):  # 20 s at most
+            time.sleep(0.2)
+            yield pb.StreamingRecognizeRequest(audio_content=b"\0\0")
+
+    settings = dict(max_stream_seconds=1.0, idle_timeout_seconds=10.0)
+    with running(tiny_model_dir, **settings) as server, channel_to(server) as channel:
+        call = pb_grpc.TranscriberStub(channel).StreamingRecognize(trickle(), timeout=30)
+        code, details = status_of(lambda: list(call))
+        wait_until(lambda: server.server.service.active == 0, what="the slot freed")
+    assert code == Code.DEADLINE_EXCEEDED and "--max-stream-seconds" in details, details

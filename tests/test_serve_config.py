@@ -20,7 +20,8 @@ from echoic.server.config import CUDA_THEN_CPU, ServerConfig
 FLAGS = {
     "--model", "--model-repo", "--poll-seconds", "--host", "--port", "--metrics-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--gpu", "--max-streams",
-    "--max-audio-seconds", "--idle-timeout-seconds", "--max-beam-size", "--max-message-bytes",
+    "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
+    "--max-message-bytes",
     "--grace-seconds", "--no-reflection", "--expose-paths",
     "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level", "-h", "--help",
 }  # fmt: skip
