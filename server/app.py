@@ -39,6 +39,9 @@ log = logging.getLogger("echoic.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transcriber"].full_name  # "echoic.v1.Transcriber"
 
 
+END_SECONDS = 10.0  # s streams still open when the grace ends get to send their final results
+
+
 class Server:
     """A running echoic server: the gRPC server plus its models, metrics and poller."""
 
@@ -64,13 +67,28 @@ class Server:
         self._stopped = False
 
     async def stop(self, grace: float | None = None) -> None:
-        """Refuse new calls, give open ones `grace` s (default: config.grace_seconds), stop."""
+        """Drain, then stop, so that a load balancer can follow: health says NOT_SERVING
+        at once while connections are still accepted; new calls get UNAVAILABLE (retry
+        elsewhere); open streams get `grace` s (default: config.grace_seconds) to end,
+        and those still open then get their final result for the audio received so far
+        and end with OK."""
         if self._stopped:
             return
         self._stopped = True
         grace = self.config.grace_seconds if grace is None else grace
+        self.service.draining = True
         await self.health.enter_graceful_shutdown()  # health checks say NOT_SERVING from now
-        await self.grpc_server.stop(grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.service.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.service.active:
+            log.info("grace over: ending %d open stream(s) with their results", self.service.active)
+            self.service.end_open_streams()
+            deadline = loop.time() + END_SECONDS
+            while self.service.active and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        await self.grpc_server.stop(0)
         await self.registry.close()
         self.metrics.stop_http()
         await asyncio.to_thread(self._executor.shutdown)  # a model call in flight ends first

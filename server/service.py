@@ -125,7 +125,14 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self._registry = registry
         self._metrics = metrics
         self.active = 0  # admitted StreamingRecognize and Recognize calls, count
+        self.draining = False  # shutting down: new calls get UNAVAILABLE
+        self._ending = asyncio.Event()  # set: open streams end now, with their final results
         self._warn_malformed = _RateLimitedWarning(10.0)
+
+    def end_open_streams(self) -> None:
+        """Every open stream stops reading, sends its final results for the audio it has,
+        and ends with OK (the end of a shutdown's grace period)."""
+        self._ending.set()
 
     # ------------------------------------------------------------------ rpcs
 
@@ -184,9 +191,21 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
+        ending = asyncio.ensure_future(self._ending.wait())  # done: end with final results
+        try:
+            await self._stream_until(context, ending)
+        finally:
+            ending.cancel()
+
+    async def _stream_until(self, context: grpc.aio.ServicerContext, ending: asyncio.Future):
         limit = self._config.max_stream_seconds
         closes_at = time.monotonic() + limit if limit else None  # the stream's wall-time limit
-        first = await self._read(context, closes_at)
+        first = await self._read(context, closes_at, ending)
+        if first is grpc.aio.EOF and ending.done():
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: retry the stream on another replica",
+            )
         if first is grpc.aio.EOF:
             raise invalid(
                 "the stream ended before its config: send a StreamingRecognizeRequest with "
@@ -219,7 +238,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             )  # fmt: skip
             ref = _ref(model)
             while True:
-                message = await self._read(context, closes_at)
+                message = await self._read(context, closes_at, ending)
                 if message is grpc.aio.EOF:
                     if context.cancelled():
                         raise ClientGone
@@ -283,14 +302,25 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             seconds = len(samples) / m.card.sample_rate
             self._metrics.audio_seconds.labels(m.name, m.version).inc(seconds)
 
-    async def _read(self, context: grpc.aio.ServicerContext, closes_at: float | None) -> Any:
-        """The stream's next message; DEADLINE_EXCEEDED when it sends nothing for the idle
-        timeout, or when its wall time (`closes_at`, time.monotonic()) runs out."""
+    async def _read(
+        self, context: grpc.aio.ServicerContext, closes_at: float | None, ending: asyncio.Future
+    ) -> Any:
+        """The stream's next message, or EOF once `ending` (the server's end of open streams)
+        is done; DEADLINE_EXCEEDED when it sends nothing for the idle timeout, or when its
+        wall time (`closes_at`, time.monotonic()) runs out."""
         idle = self._config.idle_timeout_seconds
         timeout = idle if closes_at is None else min(idle, closes_at - time.monotonic())
-        try:
-            message = await asyncio.wait_for(context.read(), max(timeout, 0.0))
-        except asyncio.TimeoutError:
+        read = asyncio.ensure_future(context.read())
+        done, _ = await asyncio.wait(
+            (read, ending), timeout=max(timeout, 0.0), return_when=asyncio.FIRST_COMPLETED
+        )
+        if read not in done:
+            read.cancel()
+        if read in done:
+            message = read.result()
+        elif ending in done:
+            return grpc.aio.EOF  # the server is stopping: end as if the audio had ended
+        else:  # neither within the timeout
             if closes_at is not None and time.monotonic() >= closes_at:
                 raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -328,6 +358,11 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         admitted = False
         try:
             if admit:
+                if self.draining:
+                    raise RequestError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        "the server is shutting down: retry the call on another replica",
+                    )
                 if self.active >= self._config.max_streams:
                     raise RequestError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -20,6 +20,7 @@ from echoic.model.core.audio import AudioTooLong, decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
+from echoic.server.config import ServerConfig  # noqa: E402
 from tests.test_server import (  # noqa: E402
     channel_to,
     recognize,
@@ -357,3 +358,65 @@ def test_a_slow_sender_cannot_hold_a_stream_forever(tiny_model_dir) -> None:
         code, details = status_of(lambda: list(call))
         wait_until(lambda: server.server.service.active == 0, what="the slot freed")
     assert code == Code.DEADLINE_EXCEEDED and "--max-stream-seconds" in details, details
+
+
+def test_shutdown_that_a_load_balancer_can_follow(tiny_model_dir) -> None:
+    """stop(): health says NOT_SERVING at once on a connection that still works, new
+    calls get UNAVAILABLE, and a stream still open when the grace ends gets its final
+    result for the audio it sent, then OK."""
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tone = _container(2, 16000, 1, "WAV", tone=True)
+    pcm = np.frombuffer(tone[44:], "<i2").tobytes()  # the samples, raw
+    half, release = threading.Event(), threading.Event()
+
+    def messages() -> Iterator[pb.StreamingRecognizeRequest]:
+        yield pb.StreamingRecognizeRequest(
+            streaming_config=pb.StreamingRecognitionConfig(
+                config=Config(encoding=Config.LINEAR16, sample_rate_hertz=16000)
+            )
+        )
+        for i in range(0, len(pcm) // 2, 3200):
+            yield pb.StreamingRecognizeRequest(audio_content=pcm[i : i + 3200])
+        half.set()
+        release.wait(60)  # does not half-close: the server must end the stream
+
+    server = BackgroundServer(
+        ServerConfig(model_dir=tiny_model_dir, port=0, intra_op_threads=1, grace_seconds=1.0)
+    )
+    try:
+        with channel_to(server) as channel:
+            stub = pb_grpc.TranscriberStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            responses: list[pb.StreamingRecognizeResponse] = []
+            outcome: list[object] = []
+
+            def run() -> None:
+                try:
+                    responses.extend(stub.StreamingRecognize(messages(), timeout=60))
+                    outcome.append(Code.OK)
+                except grpc.RpcError as e:
+                    outcome.append(e.code())
+
+            reader = threading.Thread(target=run)
+            reader.start()
+            assert half.wait(30)
+            wait_until(lambda: server.server.service.active == 1, what="the stream open")
+            stopping = threading.Thread(target=server.stop, kwargs={"grace": 1.0})
+            stopping.start()
+            wait_until(lambda: server.server.service.draining, what="draining")
+            check = health_pb2.HealthCheckRequest(service="echoic.v1.Transcriber")
+            status = health.Check(check, timeout=10).status
+            code, details = status_of(lambda: recognize(stub, tone, Config()))
+            reader.join(60)
+            stopping.join(60)
+    finally:
+        release.set()
+        server.stop()
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert code == Code.UNAVAILABLE and "another replica" in details
+    assert outcome == [Code.OK]
+    final = [r.results[0] for r in responses if r.results and r.results[0].is_final]
+    assert len(final) == 1 and final[0].utterance_end_time == pytest.approx(1.0, abs=0.05)
