@@ -1,4 +1,5 @@
-"""Session-wide fixtures: a small synthetic corpus and the tiny recipe."""
+"""Session-wide fixtures (a small synthetic corpus, the tiny recipe) and, under CI, the
+check that the system tools the suite needs are installed."""
 
 from __future__ import annotations
 
@@ -47,6 +48,27 @@ Beauty is in the eye of the beholder.
 Do not count your chickens before they hatch.
 Easy come, easy go, as the old saying goes.
 """
+
+
+# The programs some tests need, and the Debian package of each (scripts/bootstrap.sh).
+SYSTEM_TOOLS = {"espeak-ng": "espeak-ng", "flite": "flite", "mpirun": "openmpi-bin"}
+
+
+def _running_in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With CI set, a missing system tool fails the run before any test: the tests that
+    need it would skip and the run would pass without checking them. Elsewhere they skip."""
+    missing = [tool for tool in SYSTEM_TOOLS if not shutil.which(tool)]
+    if missing and _running_in_ci():
+        packages = " ".join(SYSTEM_TOOLS[tool] for tool in missing)
+        raise pytest.UsageError(
+            f"CI is set and not installed: {', '.join(missing)} (the tests that need them"
+            f" would skip). Install: bash scripts/bootstrap.sh"
+            f" (or: sudo apt-get install -y {packages})"
+        )
 
 
 def _have_synthesizers() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from echoic.training import distributed
 from echoic.training.distributed import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -55,6 +57,7 @@ seen = {
     "rank": env.rank, "world_size": env.world_size, "local_rank": env.local_rank,
     "launcher": env.launcher, "mean": mean.item(), "main": d.is_main(),
     "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"],
+    "mpi4py": "mpi4py.MPI" in sys.modules,
     "gathered": d.all_gather_object({"rank": env.rank}),
 }
 with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
@@ -157,32 +160,43 @@ def test_detect_env_rejects_inconsistent_variables(environ: dict[str, str]) -> N
 
 
 @pytest.mark.parametrize(
-    ("env", "environ", "expected"),
+    ("env", "environ", "expected", "warning"),
     [
         pytest.param(
             DistEnv(0, 2, 0, 2, "torchrun"),
             {"MASTER_ADDR": "node7", "MASTER_PORT": "1234"},
             ("node7", 1234),
+            "",
             id="from-environment",
         ),
         pytest.param(
             DistEnv(0, 2, 0, 2, "torchrun"),
             {},
             (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT),
+            "",
             id="default-one-node",
         ),
         pytest.param(
             DistEnv(0, 4, 0, 2, "slurm"),
             {},
             (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT),
+            f"using {DEFAULT_MASTER_ADDR}:{DEFAULT_MASTER_PORT}, which only works on one node",
             id="default-several-nodes-warns",
         ),
     ],
 )
 def test_rendezvous_address(
-    env: DistEnv, environ: dict[str, str], expected: tuple[str, int]
+    env: DistEnv,
+    environ: dict[str, str],
+    expected: tuple[str, int],
+    warning: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert rendezvous_address(env, environ) == expected
+    with caplog.at_level(logging.WARNING, logger=distributed.log.name):
+        assert rendezvous_address(env, environ) == expected
+    said = [r.getMessage() for r in caplog.records if r.name == distributed.log.name]
+    assert len(said) == (1 if warning else 0), said
+    assert all(warning in message for message in said), said
 
 
 def test_single_process_needs_no_process_group() -> None:
@@ -200,12 +214,14 @@ def test_unknown_device_type_is_an_error() -> None:
 
 @pytest.mark.slow
 def test_mpirun_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
+    """No MASTER_ADDR/PORT: rank 0 picks a free port and mpi4py broadcasts it, so the
+    ranks meet there and not at the one-node fallback (tests/mutations checks that)."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun is not installed")
+    pytest.importorskip("mpi4py", reason="mpi4py (the train extra) is not installed")
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    # No MASTER_ADDR/PORT: rank 0 picks them and mpi4py broadcasts them (when installed).
     cmd = [mpirun, *MPIRUN_ARGS, "-np", "2", sys.executable, str(script), str(tmp_path)]
     proc = subprocess.run(
         cmd, env=_clean_environ(), capture_output=True, text=True, timeout=180, check=False
@@ -220,6 +236,12 @@ def test_mpirun_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
     assert [r["main"] for r in ranks] == [True, False]
     assert ranks[1]["gathered"] == [{"rank": 0}, {"rank": 1}]
     assert ranks[0]["master"] == ranks[1]["master"]
+    # One node: loopback, at the port rank 0 found free (never 29500, below the
+    # ephemeral range), and both ranks loaded mpi4py's MPI to hear it.
+    fallback = f"{DEFAULT_MASTER_ADDR}:{DEFAULT_MASTER_PORT}"
+    assert ranks[0]["master"] != fallback, f"ranks met at {fallback}: not through mpi4py"
+    assert ranks[0]["master"].startswith(f"{DEFAULT_MASTER_ADDR}:")
+    assert [r["mpi4py"] for r in ranks] == [True, True], "not through mpi4py"
 
 
 def _free_port() -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -290,6 +291,7 @@ def _new_model(
 ) -> DeepSpeech2:
     """The network, seeded; with `init_from`'s weights or this data's feature statistics
     unless it is about to be resumed (`fresh` False)."""
+    random.seed(cfg.seed)  # nothing draws from it, but its state is checkpointed
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     model = DeepSpeech2(cfg.model)

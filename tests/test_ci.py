@@ -1,0 +1,36 @@
+"""The suite under CI: a missing system tool fails the run instead of skipping tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+# A test that needs mpirun, and skips without it when CI is not set.
+NEEDS_MPIRUN = "tests/test_distributed.py::test_mpirun_two_ranks_all_reduce_over_gloo"
+
+
+@pytest.mark.parametrize(
+    ("ci", "returncode", "output"),
+    [
+        pytest.param("1", 4, "CI is set and not installed: espeak-ng, flite, mpirun", id="ci"),
+        pytest.param("true", 4, "Install: bash scripts/bootstrap.sh", id="ci-true"),
+        pytest.param("", 0, "mpirun is not installed", id="not-ci-skips"),
+    ],
+)
+def test_missing_system_tools(ci: str, returncode: int, output: str, tmp_path: Path) -> None:
+    nothing = tmp_path / "empty-bin"
+    nothing.mkdir()  # PATH with no programs: espeak-ng, flite and mpirun are all missing
+    env = {**os.environ, "PATH": str(nothing), "CI": ci}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+         f"--basetemp={tmp_path / 'child'}", NEEDS_MPIRUN],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == returncode, run.stdout[-2000:] + run.stderr[-2000:]
+    assert output in run.stdout + run.stderr
