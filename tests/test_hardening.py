@@ -420,3 +420,83 @@ def test_shutdown_that_a_load_balancer_can_follow(tiny_model_dir) -> None:
     assert outcome == [Code.OK]
     final = [r.results[0] for r in responses if r.results and r.results[0].is_final]
     assert len(final) == 1 and final[0].utterance_end_time == pytest.approx(1.0, abs=0.05)
+
+
+ALLOWED = {Code.OK, Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.RESOURCE_EXHAUSTED}
+
+
+def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
+    """One random edit of a serialized message: flip, drop, insert, truncate or repeat."""
+    b = bytearray(data)
+    kind = rng.integers(5)
+    at = int(rng.integers(len(b))) if b else 0
+    if kind == 0 and b:
+        b[at] ^= 1 << int(rng.integers(8))
+    elif kind == 1 and b:
+        del b[at : at + int(rng.integers(1, 8))]
+    elif kind == 2:
+        b[at:at] = rng.integers(0, 256, int(rng.integers(1, 8)), dtype=np.uint8).tobytes()
+    elif kind == 3:
+        b = b[:at]
+    else:
+        b = b[:at] + b[at : at + 16] * int(rng.integers(2, 5)) + b[at + 16 :]
+    return bytes(b)
+
+
+@pytest.mark.slow
+def test_fuzzed_requests_get_clean_statuses_and_the_server_goes_on(tiny_model_dir) -> None:
+    """300 randomly edited Recognize and StreamingRecognize messages (fixed seed, at most
+    60 s): every status is OK or one a client can act on, never INTERNAL or UNKNOWN, and
+    afterwards the server gives the same transcript as before."""
+    import time
+
+    rng = np.random.default_rng(2026)
+    tone = _container(1, 16000, 1, "WAV", tone=True)
+    pcm = tone[44:]
+    linear16 = Config(encoding=Config.LINEAR16, sample_rate_hertz=16000, max_alternatives=2)
+    beam = Config(
+        encoding=Config.WAV,
+        decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=4),
+        endpointing=pb.EndpointingConfig(trailing_silence_ms=300, max_utterance_ms=500),
+    )
+    unary = [
+        pb.RecognizeRequest(config=linear16, audio_content=pcm).SerializeToString(),
+        pb.RecognizeRequest(config=beam, audio_content=tone).SerializeToString(),
+    ]
+    stream_config = pb.StreamingRecognizeRequest(
+        streaming_config=pb.StreamingRecognitionConfig(
+            config=linear16, interim_results=True, interim_interval_ms=100
+        )
+    ).SerializeToString()
+    chunks = [
+        pb.StreamingRecognizeRequest(audio_content=pcm[i : i + 3200]).SerializeToString()
+        for i in range(0, len(pcm), 3200)
+    ]
+    seen: dict[str, int] = {}
+    settings = dict(max_audio_seconds=5.0, idle_timeout_seconds=5.0)
+    with running(tiny_model_dir, **settings) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        before = recognize(stub, tone, Config()).results[0].alternatives[0].transcript
+        recognize_raw = channel.unary_unary("/echoic.v1.Transcriber/Recognize")
+        stream_raw = channel.stream_stream("/echoic.v1.Transcriber/StreamingRecognize")
+        stop = time.monotonic() + 60
+        for i in range(300):
+            if time.monotonic() > stop:
+                break
+            try:
+                if i % 2:
+                    recognize_raw(_mutate(unary[i % 4 // 2], rng), timeout=30)
+                else:
+                    messages = [stream_config, *chunks]
+                    for _ in range(int(rng.integers(1, 4))):
+                        k = int(rng.integers(len(messages)))
+                        messages[k] = _mutate(messages[k], rng)
+                    list(stream_raw(iter(messages), timeout=30))
+                code = Code.OK
+            except grpc.RpcError as e:
+                code = e.code()
+                assert code in ALLOWED, (i, code, e.details())
+            seen[code.name] = seen.get(code.name, 0) + 1
+        after = recognize(stub, tone, Config()).results[0].alternatives[0].transcript
+    assert sum(seen.values()) >= 100 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
+    assert after == before
