@@ -129,8 +129,9 @@ class Server:
 
 
 def start_server(
-    model: str | None, max_batch: int, max_wait_ms: float, max_streams: int, threads: int, log
-) -> Server:
+    model: str | None, max_batch: int, max_wait_ms: float, max_streams: int, threads: int, log,
+    extra: tuple[str, ...] | list[str] = (),
+) -> Server:  # fmt: skip
     port, metrics_port = free_port(), free_port()
     cmd = [*ECHOIC, "serve", "--host", "127.0.0.1", "--port", str(port),
            "--metrics-port", str(metrics_port), "--max-batch", str(max_batch),
@@ -138,6 +139,7 @@ def start_server(
            "--grace-seconds", "5", "--log-level", "warning", "--threads", str(threads)]  # fmt: skip
     if model:
         cmd += ["--model", model]
+    cmd += list(extra)
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Server(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
 
