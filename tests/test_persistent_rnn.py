@@ -4,7 +4,9 @@ the kernels against cuDNN.
 
 Checks that need a fresh interpreter (TRITON_INTERPRET=1, a GPU with a timeout,
 no triton at all) run this file as a script: `python -m tests.test_persistent_rnn
-CHECK JSON` prints one JSON line.
+CHECK JSON` prints one JSON line. They run with ECHOIC_PERSISTENT_STRICT=1: a
+fallback to cuDNN there (whose results would pass any comparison with cuDNN) is an
+error, and so a failed check, not a warning that nobody sees.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from echoic.model.nn.persistent import KernelConfig, Problem, capacity, function
 from tests.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
+STRICT = function.STRICT_ENV
+
+
+@pytest.fixture(autouse=True)
+def lenient_unless_a_test_says(monkeypatch) -> None:
+    """The tests in this process set strict mode themselves, whatever the environment
+    says; the check processes run strict (`_run_check`)."""
+    monkeypatch.delenv(STRICT, raising=False)
 
 
 def _module(kind: str, d: int, h: int, dtype=torch.float64, device="cpu") -> nn.Module:
@@ -425,9 +435,11 @@ def test_choose_runs_the_modules_on_the_cpu_and_after_a_failure(monkeypatch) -> 
     assert function.choose("persistent", "gru", 1024, _on_gpu(torch.float32), 2, 2) is not None
 
 
-def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None:
-    """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
-    the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
+@pytest.fixture
+def failing_launch(monkeypatch):
+    """The tiny model with rnn_impl=persistent, whose every launch fails as a barrier
+    timeout does (the seam: `recurrences`; `choose` stands in a GPU that picks the
+    kernels). Returns the model, its input, what the modules compute, and the launches."""
     from echoic.model.nn.persistent import PersistentKernelError
 
     torch.manual_seed(0)
@@ -447,8 +459,15 @@ def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None
     monkeypatch.setattr(function, "_broken", set())
     monkeypatch.setattr(function, "_warned", set())
     model.set_rnn_impl("persistent")
+    return model, (feats, lengths), expected, launches
+
+
+def test_a_failed_launch_falls_back_to_the_modules(failing_launch, recwarn) -> None:
+    """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
+    the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
+    model, inputs, expected, launches = failing_launch
     with torch.no_grad():
-        got = [model(feats, lengths)[0] for _ in range(2)]
+        got = [model(*inputs)[0] for _ in range(2)]
     assert all(torch.equal(g, expected) for g in got)
     assert len(launches) == 2 * TINY.rnn_layers  # choose is replaced: every layer tries
     assert function._broken == {("gru", TINY.rnn_hidden)}
@@ -456,6 +475,142 @@ def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None
         "persistent forward launch timed out at its grid barrier;"
         " this layer shape uses cuDNN from now on"
     ]
+
+
+def test_strict_mode_raises_where_a_failed_launch_would_fall_back(
+    failing_launch, monkeypatch, recwarn
+) -> None:
+    from echoic.model.nn.persistent import PersistentKernelError
+
+    model, inputs, _, launches = failing_launch
+    monkeypatch.setenv(STRICT, "1")
+    with torch.no_grad(), pytest.raises(PersistentKernelError) as raised:
+        model(*inputs)
+    assert str(raised.value) == (
+        "persistent forward launch timed out at its grid barrier"
+        " (ECHOIC_PERSISTENT_STRICT=1: no fallback)"
+    )
+    assert len(launches) == 1  # the first layer's, and no other
+    assert function._broken == set()  # nothing to remember: every failure raises
+    assert len(recwarn) == 0
+
+
+@pytest.mark.parametrize(
+    ("impl", "on_gpu", "fits", "raises"),
+    [
+        pytest.param("persistent", True, True, None, id="persistent-fits"),
+        pytest.param(
+            "persistent",
+            True,
+            False,
+            "persistent kernels do not fit gru H=1024 torch.bfloat16"
+            " x2: 8 warps: PersistentKernelError: 64 register spills;",
+            id="persistent-does-not-fit",
+        ),
+        pytest.param(
+            "persistent",
+            False,
+            True,
+            "the persistent kernels run on a CUDA GPU, not on cpu",
+            id="persistent-on-the-cpu",
+        ),
+        pytest.param("auto", True, False, None, id="auto-does-not-fit-is-no-fallback"),
+        pytest.param("cudnn", True, True, None, id="cudnn"),
+    ],
+)
+def test_strict_mode_raises_where_choose_would_fall_back(
+    impl, on_gpu: bool, fits: bool, raises: str | None, stand_in_gpu, monkeypatch, recwarn
+) -> None:
+    """Where `persistent` would run the modules (kernels that do not fit, a tensor off
+    the GPU), strict mode raises; `auto` choosing cuDNN by its policy is no fallback."""
+    from echoic.model.nn.persistent import PersistentKernelError
+
+    failing, _ = stand_in_gpu
+    if not fits:
+        failing.update(capacity.candidates(1024, 2, 132, tiles=True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv(STRICT, "1")
+    x = _on_gpu() if on_gpu else torch.zeros(2, 3, 4)
+    if raises is None:
+        got = function.choose(impl, "gru", 1024, x, 2, 4)
+        assert (got is not None) == (fits and impl != "cudnn")
+    else:
+        with pytest.raises(PersistentKernelError) as raised:
+            function.choose(impl, "gru", 1024, x, 2, 4)
+        assert str(raised.value).startswith(raises)
+        assert str(raised.value).endswith(" (ECHOIC_PERSISTENT_STRICT=1: no fallback)")
+    assert len(recwarn) == 0
+
+
+@pytest.mark.parametrize(
+    ("strict", "modes", "said"),
+    [
+        pytest.param(
+            "0",
+            ["persistent", "steps"],
+            [
+                "persistent backward launch timed out at its grid barrier;"
+                " backward runs one launch per step"
+            ],
+            id="lenient-finishes-one-launch-per-step",
+        ),
+        pytest.param("1", ["persistent"], [], id="strict-raises"),
+    ],
+)
+def test_a_failed_persistent_backward(
+    strict: str, modes: list, said: list, monkeypatch, recwarn
+) -> None:
+    """The forward pass ran on the kernels and the persistent backward launch fails: it
+    finishes on the barrier-free launches, or in strict mode raises."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    tried = []
+
+    def backward(cell, clip, dirs, douts, states, mode, cfg):  # the seam: no GPU here
+        tried.append(mode)
+        if mode == "persistent":
+            raise PersistentKernelError("persistent backward launch timed out at its grid barrier")
+        return ["the per-step result"]
+
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(function, "_warned", set())
+    monkeypatch.setenv(STRICT, strict)
+    spec = function._Spec("gru", float("inf"), "triton", KernelConfig(16, 8), (False,), True)
+    if strict == "1":
+        with pytest.raises(PersistentKernelError, match=r"barrier \(ECHOIC_PERSISTENT_STRICT=1"):
+            function._backward(spec, [], [], [])
+    else:
+        assert function._backward(spec, [], [], []) == ["the per-step result"]
+    assert tried == modes
+    assert [str(w.message) for w in recwarn] == said
+
+
+@pytest.mark.parametrize("value", [pytest.param("true", id="true"), pytest.param("2", id="2")])
+def test_strict_mode_is_0_or_1(value: str, monkeypatch) -> None:
+    """A misspelt setting must not leave a run silently lenient."""
+    monkeypatch.setenv(STRICT, value)
+    with pytest.raises(ValueError, match=f"ECHOIC_PERSISTENT_STRICT must be 0 or 1, not '{value}'"):
+        function.strict()
+
+
+@pytest.mark.parametrize(
+    ("strict", "outcome"),
+    [
+        pytest.param("0", {"fell_back": True}, id="lenient-passes"),
+        pytest.param("1", None, id="strict-fails-the-check"),
+    ],
+)
+def test_a_fallback_in_a_check_process(strict: str, outcome: dict | None) -> None:
+    """The checks run in their own processes, where pytest's filterwarnings=error does
+    not reach: a fallback there only warns, and its results are the modules' own. Under
+    `_run_check` (strict unless told otherwise) the same fallback fails the check."""
+    pytest.importorskip("triton")
+    if outcome is not None:
+        assert _run_check("model-fallback", {}, timeout=120, env={STRICT: strict}) == outcome
+    else:
+        with pytest.raises(AssertionError, match=r"stand-in: the launch failed \(ECHOIC_PERS"):
+            _run_check("model-fallback", {}, timeout=120)
 
 
 # ---- sm_90, compiled offline ---------------------------------------------------------
@@ -607,8 +762,15 @@ def test_gpu_refuses_what_cannot_run() -> None:
 
 @pytest.mark.gpu
 def test_gpu_training_step_matches_cudnn() -> None:
+    """A 3-layer BiGRU model's loss and gradients, rnn_impl persistent against cudnn;
+    every layer's forward and backward is one persistent launch (counted: a layer that
+    quietly ran cuDNN would match it exactly)."""
     _need_gpu()
     result = _run_check("gpu-train-step", {}, timeout=600)
+    assert result["launches"] == {
+        "cudnn": {"forward": 0, "backward": 0},
+        "persistent": {"forward": 3, "backward": 3},
+    }
     assert abs(result["persistent"] - result["cudnn"]) <= 1e-3 * abs(result["cudnn"])
     assert result["grad"] < 1e-2
 
@@ -617,7 +779,8 @@ def test_gpu_training_step_matches_cudnn() -> None:
 
 
 def _run_check(check: str, args: dict, timeout: int, env: dict | None = None) -> dict:
-    full_env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1", **(env or {}))
+    """Run a check in a fresh interpreter, strict (a fallback raises) unless `env` says."""
+    full_env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", STRICT: "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.test_persistent_rnn", check, json.dumps(args)],
         cwd=ROOT,
@@ -798,11 +961,34 @@ def _check_gpu_refusals(_: dict) -> dict:
     return result
 
 
+def _count_launches() -> dict:
+    """Persistent launches that returned, forward and backward, counted from now on."""
+    from echoic.model.nn.persistent import launch
+
+    counts = {"forward": 0, "backward": 0}
+
+    def counted(name: str):
+        run = getattr(launch, name)
+
+        def wrapper(*args):  # function._forward and _backward pass (..., mode, cfg)
+            out = run(*args)
+            counts[name] += args[-2] == "persistent"
+            return out
+
+        return wrapper
+
+    launch.forward, launch.backward = counted("forward"), counted("backward")
+    return counts
+
+
 def _check_gpu_train_step(_: dict) -> dict:
     _fp32_exact()
-    cfg = dataclasses.replace(TINY, rnn_hidden=512, rnn_layers=3, chunk_frames=16, context_frames=8)
-    losses, grads = {}, {}
+    # H = 256 (the default recipe's) fits every Hopper part, whatever its SM count.
+    cfg = dataclasses.replace(TINY, rnn_hidden=256, rnn_layers=3, chunk_frames=16, context_frames=8)
+    losses, grads, launches = {}, {}, {}
+    counts = _count_launches()
     for impl in ("cudnn", "persistent"):
+        before = dict(counts)
         torch.manual_seed(0)
         model = DeepSpeech2(cfg).cuda().train()
         model.set_rnn_impl(impl)
@@ -813,11 +999,32 @@ def _check_gpu_train_step(_: dict) -> dict:
         loss = (log_probs * torch.linspace(-1, 1, log_probs.shape[-1], device="cuda")).sum()
         grads[impl] = torch.autograd.grad(loss, list(model.parameters()))
         losses[impl] = loss.item()
+        launches[impl] = {k: counts[k] - before[k] for k in counts}
     grad = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
         for a, b in zip(grads["persistent"], grads["cudnn"], strict=True)
     )
-    return {**losses, "grad": grad}
+    return {**losses, "grad": grad, "launches": launches}
+
+
+def _check_model_fallback(_: dict) -> dict:
+    """The tiny model with rnn_impl=persistent on the CPU, its launches failing: a
+    stand-in `choose` picks the kernels, and launch.forward raises as a barrier timeout
+    does (where the mutation check breaks it too)."""
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    def fails(*args, **kwargs):
+        raise PersistentKernelError("stand-in: the launch failed")
+
+    launch.forward = fails
+    function.choose = lambda *args: ("triton", KernelConfig(16, 4))
+    function._key = lambda cell, hidden, x, directions: (cell, hidden)  # no CUDA device
+    torch.manual_seed(0)
+    model = DeepSpeech2(TINY).eval()
+    model.set_rnn_impl("persistent")
+    with torch.no_grad():
+        model(torch.randn(2, 30, 20), torch.tensor([30, 22]))
+    return {"fell_back": True}
 
 
 CHECKS = {
@@ -829,6 +1036,7 @@ CHECKS = {
     "gpu-tiles": _check_gpu_tiles,
     "gpu-refusals": _check_gpu_refusals,
     "gpu-train-step": _check_gpu_train_step,
+    "model-fallback": _check_model_fallback,
 }
 
 if __name__ == "__main__":
