@@ -635,7 +635,7 @@ def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property)
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
     for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
         usage = {}
-        for cfg in capacity.candidates(hidden, directions, 132):
+        for cfg in capacity.candidates(hidden, directions, capacity.SM90_SMS):
             try:
                 res = launch.compile_for_target(cell, TORCH_DTYPES[dtype], hidden, directions, cfg)
             except (OSError, subprocess.CalledProcessError) as e:
@@ -649,6 +649,26 @@ def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property)
         assert bool(clean) == fits, (hidden, usage)
         assert capacity.sm90_fits(cell, dtype, hidden, directions) == fits
         assert all(r.mma == 0 for res in usage.values() for r in res)  # CUDA cores only
+
+
+@pytest.mark.parametrize(
+    ("cell", "dtype", "hidden", "directions", "sms", "tiles", "says"),
+    [
+        pytest.param("gru", "fp32", 1024, 1, 132, False, True, id="h100-sxm-fits"),
+        pytest.param("gru", "fp32", 1024, 2, 132, False, False, id="h200-spills"),
+        pytest.param("gru", "fp32", 1024, 1, 114, False, None, id="h100-pcie-larger-slices"),
+        pytest.param("gru", "fp32", 1024, 2, 114, False, False, id="h100-pcie-spills-too"),
+        pytest.param("rnn", "fp32", 1536, 1, 114, False, True, id="h100-pcie-same-block_h"),
+        pytest.param("gru", "bf16", 512, 2, 114, True, True, id="h100-pcie-tiles-of-16"),
+        pytest.param("gru", "fp32", 1024, 2, 264, False, None, id="more-sms-smaller-slices"),
+    ],
+)
+def test_what_the_sm90_tables_say_for_a_chip(
+    cell: str, dtype: str, hidden: int, directions: int, sms: int, tiles: bool, says
+) -> None:
+    """The tables were compiled for 132 SMs (block_h for 132 programs); other SM counts
+    size the programs otherwise (H100 PCIe: 114 SMs)."""
+    assert capacity.sm90_expected(cell, dtype, hidden, directions, sms, tiles) is says
 
 
 TILE_EDGES = [
@@ -670,7 +690,7 @@ def test_sm90_tile_table(cell: str, directions: int, record_property) -> None:
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
     for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
         usage = {}
-        for cfg in capacity.candidates(hidden, directions, 132, tiles=True)[2:]:
+        for cfg in capacity.candidates(hidden, directions, capacity.SM90_SMS, tiles=True)[2:]:
             try:
                 res = launch.compile_for_target(cell, torch.bfloat16, hidden, directions, cfg)
             except (OSError, subprocess.CalledProcessError) as e:
@@ -699,11 +719,94 @@ GPU_SHAPES = [
     for dirs in (1, 2)
 ]
 
+# What plan's reasons say when a configuration is too large for a chip (launch's checks,
+# Triton's shared-memory check); anything else is a compile or launch error.
+RESOURCE_LIMITS = ("register spills", "can be resident at once", "out of resource")
+
 
 def _need_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     pytest.importorskip("triton")
+
+
+def _check_plan(
+    result: dict, cell: str, dtype: str, hidden: int, directions: int, tables=(False,)
+) -> bool:
+    """Whether a GPU check's `result` ran the kernels (True) or this GPU rightly refused
+    them (False).
+
+    The sm_90 tables (`tables`: False the rows table, True the tiles table), read for
+    this GPU's SM count (capacity.sm90_expected), must agree where they say anything;
+    a refusal must be for resources, not a compile or launch error. Where a shape does
+    not fit this GPU and the tables do not say whether it should, skips, saying so.
+    """
+    expected = None
+    if result["capability"] == [9, 0]:
+        says = [
+            capacity.sm90_expected(cell, dtype, hidden, directions, result["sms"], tiles)
+            for tiles in tables
+        ]
+        expected = True if True in says else False if all(x is False for x in says) else None
+    shape = f"{cell} H={hidden} {dtype} x{directions} on {result['device']} ({result['sms']} SMs)"
+    refused = result.get("unsupported")
+    if refused is None:
+        assert expected is not False, f"{shape} ran ({result['config']}): the tables say it spills"
+        return True
+    assert expected is not True, f"{shape} was refused, but the sm_90 tables say it fits: {refused}"
+    for reason in refused.split("; "):
+        assert any(limit in reason for limit in RESOURCE_LIMITS), f"{shape}: {refused}"
+    if expected is None:
+        pytest.skip(
+            f"{shape} does not fit, and the sm_90 tables ({capacity.SM90_SMS} SMs) do not say"
+            f" whether it should on {result['sms']}: {refused}"
+        )
+    return False
+
+
+def _gpu_result(sms: int, unsupported: str | None = None) -> dict:
+    """What a GPU check returns about the device and the configuration plan chose."""
+    result = {"device": "NVIDIA H100", "sms": sms, "capability": [9, 0]}
+    if unsupported is None:
+        return {**result, "config": {"block_h": 8, "num_warps": 8}}
+    return {**result, "unsupported": unsupported}
+
+
+SPILLS = (
+    "8 warps: PersistentKernelError: 96 register spills (255 registers): the weight slice does"
+    " not fit in registers; 16 warps: PersistentKernelError: 8 register spills (128 registers):"
+    " the weight slice does not fit in registers"
+)
+
+
+COMPILE_ERROR = "8 warps: CompilationError: at 12:4: invalid operand"
+
+
+@pytest.mark.parametrize(
+    ("directions", "result", "outcome"),
+    [
+        pytest.param(1, _gpu_result(132), True, id="h100-sxm-runs-a-fit"),
+        pytest.param(2, _gpu_result(132, SPILLS), False, id="h200-refuses-a-spill"),
+        pytest.param(1, _gpu_result(132, SPILLS), AssertionError, id="h100-sxm-refuses-a-fit"),
+        pytest.param(2, _gpu_result(132), AssertionError, id="h200-runs-a-spill"),
+        pytest.param(1, _gpu_result(114), True, id="h100-pcie-runs"),
+        pytest.param(1, _gpu_result(114, SPILLS), pytest.skip.Exception, id="h100-pcie-unknown"),
+        pytest.param(2, _gpu_result(114, SPILLS), False, id="h100-pcie-refuses-a-spill"),
+        pytest.param(2, _gpu_result(114, COMPILE_ERROR), AssertionError, id="compile-error"),
+    ],
+)
+def test_gpu_checks_judge_a_refusal_by_the_gpus_sm_count(
+    directions: int, result: dict, outcome
+) -> None:
+    """`_check_plan`, with which the GPU tests judge plan's choice, on stand-in results
+    for a GRU with H = 1024 in fp32: with 132 SMs it fits one direction, not two; with
+    114 each program holds twice the weights (block_h 16 and 32 instead of 8 and 16),
+    so the table says only that two directions do not fit."""
+    if isinstance(outcome, bool):
+        assert _check_plan(result, "gru", "fp32", 1024, directions) is outcome
+    else:
+        with pytest.raises(outcome):
+            _check_plan(result, "gru", "fp32", 1024, directions)
 
 
 @pytest.mark.gpu
@@ -714,23 +817,28 @@ def test_gpu_kernels_equal_cudnn_fp32(cell: str, hidden: int, directions: int) -
     _need_gpu()
     args = dict(cell=cell, hidden=hidden, directions=directions)
     result = _run_check("gpu", args, timeout=600)
-    if "unsupported" in result:
-        assert not capacity.sm90_fits(cell, "fp32", hidden, directions) or result["sms"] != 132
-        pytest.skip(f"does not fit this GPU: {result['unsupported']}")
+    if not _check_plan(result, cell, "fp32", hidden, directions):
+        return
     for case, (out_err, grad_err) in result["errors"].items():
         assert out_err < 1e-4, case
         assert grad_err < 1e-3, case
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_autocast_as_close_to_fp32_as_cudnn() -> None:
+@pytest.mark.parametrize("hidden", [pytest.param(512, id="H512"), pytest.param(1024, id="H1024")])
+def test_gpu_bf16_autocast_as_close_to_fp32_as_cudnn(hidden: int) -> None:
+    """A BiGRU under bf16 autocast, with the configuration plan picks (rows or tiles);
+    H = 512 fits every Hopper part, H = 1024 the 132-SM ones."""
     _need_gpu()
-    result = _run_check("gpu-bf16", {}, timeout=600)
+    result = _run_check("gpu-bf16", {"hidden": hidden}, timeout=600)
+    if not _check_plan(result, "gru", "bf16", hidden, 2, tables=(False, True)):
+        return
     for kernels, cudnn in zip(result["persistent"], result["cudnn"], strict=True):
         assert kernels <= 2 * cudnn + 1e-3, result
 
 
 TILE_SHAPES = [
+    pytest.param("gru", 512, 2, id="gru-H512-x2"),  # fits with 114 SMs too
     pytest.param("gru", 1024, 2, id="gru-H1024-x2"),
     pytest.param("rnn", 1024, 2, id="rnn-H1024-x2"),
     pytest.param("rnn", 2048, 1, id="rnn-H2048-x1"),
@@ -746,6 +854,8 @@ def test_gpu_tiles_as_close_to_fp32_as_cudnn(cell: str, hidden: int, directions:
     _need_gpu()
     args = dict(cell=cell, hidden=hidden, directions=directions)
     result = _run_check("gpu-tiles", args, timeout=600)
+    if not _check_plan(result, cell, "bf16", hidden, directions, tables=(True,)):
+        return
     for case, errors in result["errors"].items():
         for kernels, cudnn in zip(errors["persistent"], errors["cudnn"], strict=True):
             assert kernels <= 2 * cudnn + 1e-3, (case, errors)
@@ -871,13 +981,19 @@ def _fp32_exact() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def _device() -> dict:
+    """The GPU, as `_check_plan` reads it."""
+    props = torch.cuda.get_device_properties(0)
+    sms, capability = props.multi_processor_count, [props.major, props.minor]
+    return {"device": props.name, "sms": sms, "capability": capability}
+
+
 def _check_gpu(args: dict) -> dict:
     _fp32_exact()
     cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
-    props = torch.cuda.get_device_properties(0)
     found = function.plan(cell, hidden, torch.float32, directions, 0)
     if isinstance(found, str):
-        return {"unsupported": found, "sms": props.multi_processor_count}
+        return {**_device(), "unsupported": found}
     kind = "gru" if cell == "gru" else "relu"
     errors = {}
     for steps in (1, 7, 700):
@@ -885,7 +1001,7 @@ def _check_gpu(args: dict) -> dict:
             problems, leaves = _gpu_problems(kind, 64, hidden, batch, steps, directions)
             outs = recurrences(cell, problems, backend="triton", config=found)
             errors[f"T{steps}-B{batch}"] = _max_errors(outs, _modules_path(problems), leaves)
-    return {"config": dataclasses.asdict(found), "device": props.name, "errors": errors}
+    return {**_device(), "config": dataclasses.asdict(found), "errors": errors}
 
 
 def _gpu_problems(kind: str, d: int, h: int, batch: int, steps: int, directions: int):
@@ -905,13 +1021,16 @@ def _gpu_problems(kind: str, d: int, h: int, batch: int, steps: int, directions:
     return problems, leaves
 
 
-def _check_gpu_bf16(_: dict) -> dict:
+def _check_gpu_bf16(args: dict) -> dict:
     """Errors against float32 cuDNN of the kernels and of cuDNN, both under bf16 autocast."""
     _fp32_exact()
-    problems, leaves = _two_problems("gru", 64, 1024, torch.float32, "cuda", batch=4, steps=51)
+    hidden = args["hidden"]
+    cfg = function.plan("gru", hidden, torch.bfloat16, 2, 0)
+    if isinstance(cfg, str):
+        return {**_device(), "unsupported": cfg}
+    problems, leaves = _two_problems("gru", 64, hidden, torch.float32, "cuda", batch=4, steps=51)
     expected = _modules_path(problems)
-    cfg = function.plan("gru", 1024, torch.bfloat16, 2, 0)
-    result = {}
+    result = {**_device(), "config": dataclasses.asdict(cfg)}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         kernels = recurrences("gru", problems, backend="triton", config=cfg)
         cudnn = _modules_path(problems)
@@ -923,7 +1042,11 @@ def _check_gpu_bf16(_: dict) -> dict:
 def _check_gpu_tiles(args: dict) -> dict:
     _fp32_exact()
     cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
-    cfg = capacity.candidates(hidden, directions, _sms(), tiles=True)[2]  # tiles, 8 warps
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = capacity.candidates(hidden, directions, sms, tiles=True)[2:]  # 8, 16 warps
+    cfg = function.first_fit(cell, hidden, torch.bfloat16, directions, 0, tiles)
+    if isinstance(cfg, str):
+        return {**_device(), "unsupported": cfg}
     kind = "gru" if cell == "gru" else "relu"
     errors = {}
     for steps in (1, 7, 700):
@@ -937,11 +1060,7 @@ def _check_gpu_tiles(args: dict) -> dict:
                 name: _max_errors([o.float() for o in outs], expected, leaves)
                 for name, outs in (("persistent", kernels), ("cudnn", cudnn))
             }
-    return {"config": dataclasses.asdict(cfg), "errors": errors}
-
-
-def _sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
+    return {**_device(), "config": dataclasses.asdict(cfg), "errors": errors}
 
 
 def _check_gpu_refusals(_: dict) -> dict:

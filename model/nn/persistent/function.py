@@ -288,10 +288,20 @@ def plan(
         from echoic.model.nn.persistent import launch
     except ImportError:
         return "triton is not installed (pip install triton)"
-    props = torch.cuda.get_device_properties(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype))
+    return first_fit(cell, hidden, dtype, directions, device, configs)
+
+
+def first_fit(
+    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: int,
+    configs: Sequence[KernelConfig],
+) -> KernelConfig | str:  # fmt: skip
+    """The first of `configs` whose kernels compile and fit this GPU, or why none does."""
+    from echoic.model.nn.persistent import launch
+
     reasons = []
-    tiles = launch.tile_dtype(dtype)
-    for cfg in capacity.candidates(hidden, directions, props.multi_processor_count, tiles):
+    for cfg in configs:
         try:
             launch.check(cell, dtype, hidden, directions, cfg, torch.device("cuda", device))
             return cfg
