@@ -624,22 +624,64 @@ EDGES = [
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _sm90_resources(cell: str, dtype: torch.dtype, hidden: int, directions: int, cfg) -> list:
+    """`launch.compile_for_target` for sm_90. Skips only where there is no ptxas binary;
+    ptxas rejecting the PTX (ours, so our bug) fails."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from echoic.model.nn.persistent import launch
+
+    try:
+        get_ptxas(90)
+    except RuntimeError as e:  # Triton's "Cannot find ptxas-blackwell": none that runs
+        pytest.skip(f"no ptxas binary for sm_90: {e}")
+    try:
+        return launch.compile_for_target(cell, dtype, hidden, directions, cfg)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"ptxas rejected the PTX of {cell} H={hidden} x{directions} {cfg}: {e.stderr}")
+
+
+@pytest.mark.parametrize(
+    ("absent", "outcome", "message"),
+    [
+        pytest.param(True, pytest.skip.Exception, "no ptxas binary for sm_90", id="no-ptxas-skips"),
+        pytest.param(False, pytest.fail.Exception, "ptxas rejected the PTX", id="rejection-fails"),
+    ],
+)
+def test_only_a_missing_ptxas_skips_the_sm90_compiles(
+    absent: bool, outcome, message: str, monkeypatch
+) -> None:
+    pytest.importorskip("triton")
+    from triton.backends.nvidia import compiler
+
+    from echoic.model.nn.persistent import launch
+
+    def get_ptxas(arch: int):  # stand-ins: the seam is the binary, not the compile
+        if absent:
+            raise RuntimeError("Cannot find ptxas-blackwell")
+        return SimpleNamespace(path="/opt/ptxas", version="12.8")
+
+    def rejected(*args):
+        raise subprocess.CalledProcessError(255, ["ptxas"], stderr="ptxas fatal : bad PTX")
+
+    monkeypatch.setattr(compiler, "get_ptxas", get_ptxas)
+    monkeypatch.setattr(launch, "compile_for_target", rejected)
+    with pytest.raises(outcome, match=message):
+        _sm90_resources("gru", torch.float32, 512, 2, KernelConfig(8, 8))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("cell", "dtype", "directions"), EDGES)
 def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property) -> None:
     """The largest H in capacity's table compiles without spills; the next one spills."""
     pytest.importorskip("triton")
-    from echoic.model.nn.persistent import launch
 
     limit = capacity.SM90_MAX_HIDDEN[(cell, dtype)][directions - 1]
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
     for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
         usage = {}
         for cfg in capacity.candidates(hidden, directions, capacity.SM90_SMS):
-            try:
-                res = launch.compile_for_target(cell, TORCH_DTYPES[dtype], hidden, directions, cfg)
-            except (OSError, subprocess.CalledProcessError) as e:
-                pytest.skip(f"no usable ptxas for sm_90: {e}")
+            res = _sm90_resources(cell, TORCH_DTYPES[dtype], hidden, directions, cfg)
             usage[cfg.num_warps] = res
             record_property(
                 f"H{hidden}-warps{cfg.num_warps}",
@@ -684,17 +726,13 @@ def test_sm90_tile_table(cell: str, directions: int, record_property) -> None:
     """Tensor-core tiles: the largest H in the tiles table compiles without spills,
     within an SM's shared memory and with tensor-core instructions; the next does not fit."""
     pytest.importorskip("triton")
-    from echoic.model.nn.persistent import launch
 
     limit = capacity.SM90_MAX_HIDDEN_TILES[(cell, "bf16")][directions - 1]
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
     for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
         usage = {}
         for cfg in capacity.candidates(hidden, directions, capacity.SM90_SMS, tiles=True)[2:]:
-            try:
-                res = launch.compile_for_target(cell, torch.bfloat16, hidden, directions, cfg)
-            except (OSError, subprocess.CalledProcessError) as e:
-                pytest.skip(f"no usable ptxas for sm_90: {e}")
+            res = _sm90_resources(cell, torch.bfloat16, hidden, directions, cfg)
             usage[cfg.num_warps] = res
             record_property(
                 f"H{hidden}-warps{cfg.num_warps}",
