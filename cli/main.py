@@ -47,6 +47,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.model.nn.checkpoint", "CheckpointError"),
         ("echoic.model.runtime.card", "ModelError"),
         ("echoic.model.nn.export", "ExportError"),
+        ("echoic.model.nn.persistent.capacity", "PersistentKernelError"),
     ):
         if mod in sys.modules:
             known.append(getattr(sys.modules[mod], name))

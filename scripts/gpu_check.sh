@@ -19,6 +19,10 @@
 #                                           each part under its own time limit
 #
 # Each part writes its log (and the tests a JUnit XML) to $OUT when set, else .gpu-out/.
+# The tests and train parts run with ECHOIC_PERSISTENT_STRICT=1: where the persistent
+# kernels would fall back to cuDNN (and so match it exactly) they raise, and the test
+# fails. The tests set it for their own subprocesses too; bench does not (it reports
+# the shapes that do not fit).
 # echoic is imported from .gpu-path/, where echoic.<part> links to this checkout's
 # folders (what pyproject's package-dir does for an install), so nothing is installed
 # but the fetched wheels, and only when an import fails. Compiled kernels are cached in
@@ -116,6 +120,7 @@ EOF
 tests)
     import_root
     mkdir -p "$OUT"
+    export ECHOIC_PERSISTENT_STRICT=1
     select="gpu or sm90"
     [[ $# -gt 0 ]] && select="($select) and ($*)"
     # Each check is a subprocess that mostly compiles kernels on the CPU: with
@@ -128,6 +133,7 @@ tests)
 train)
     import_root
     mkdir -p "$OUT"
+    export ECHOIC_PERSISTENT_STRICT=1
     if [[ -f .gpu-data/corpus/manifest.jsonl ]]; then
         export ECHOIC_TEST_CORPUS="$ROOT/.gpu-data/corpus/manifest.jsonl"
     fi

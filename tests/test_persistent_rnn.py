@@ -4,7 +4,9 @@ the kernels against cuDNN.
 
 Checks that need a fresh interpreter (TRITON_INTERPRET=1, a GPU with a timeout,
 no triton at all) run this file as a script: `python -m tests.test_persistent_rnn
-CHECK JSON` prints one JSON line.
+CHECK JSON` prints one JSON line. They run with ECHOIC_PERSISTENT_STRICT=1: a
+fallback to cuDNN there (whose results would pass any comparison with cuDNN) is an
+error, and so a failed check, not a warning that nobody sees.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from echoic.model.nn.persistent import KernelConfig, Problem, capacity, function
 from tests.tiny import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
+STRICT = function.STRICT_ENV
+
+
+@pytest.fixture(autouse=True)
+def lenient_unless_a_test_says(monkeypatch) -> None:
+    """The tests in this process set strict mode themselves, whatever the environment
+    says; the check processes run strict (`_run_check`)."""
+    monkeypatch.delenv(STRICT, raising=False)
 
 
 def _module(kind: str, d: int, h: int, dtype=torch.float64, device="cpu") -> nn.Module:
@@ -425,9 +435,11 @@ def test_choose_runs_the_modules_on_the_cpu_and_after_a_failure(monkeypatch) -> 
     assert function.choose("persistent", "gru", 1024, _on_gpu(torch.float32), 2, 2) is not None
 
 
-def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None:
-    """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
-    the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
+@pytest.fixture
+def failing_launch(monkeypatch):
+    """The tiny model with rnn_impl=persistent, whose every launch fails as a barrier
+    timeout does (the seam: `recurrences`; `choose` stands in a GPU that picks the
+    kernels). Returns the model, its input, what the modules compute, and the launches."""
     from echoic.model.nn.persistent import PersistentKernelError
 
     torch.manual_seed(0)
@@ -447,8 +459,15 @@ def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None
     monkeypatch.setattr(function, "_broken", set())
     monkeypatch.setattr(function, "_warned", set())
     model.set_rnn_impl("persistent")
+    return model, (feats, lengths), expected, launches
+
+
+def test_a_failed_launch_falls_back_to_the_modules(failing_launch, recwarn) -> None:
+    """A launch that fails (a barrier timeout, say) costs no result: the layer runs on
+    the modules (cuDNN on a GPU), says so once, and its shape is not tried again."""
+    model, inputs, expected, launches = failing_launch
     with torch.no_grad():
-        got = [model(feats, lengths)[0] for _ in range(2)]
+        got = [model(*inputs)[0] for _ in range(2)]
     assert all(torch.equal(g, expected) for g in got)
     assert len(launches) == 2 * TINY.rnn_layers  # choose is replaced: every layer tries
     assert function._broken == {("gru", TINY.rnn_hidden)}
@@ -456,6 +475,142 @@ def test_a_failed_launch_falls_back_to_the_modules(monkeypatch, recwarn) -> None
         "persistent forward launch timed out at its grid barrier;"
         " this layer shape uses cuDNN from now on"
     ]
+
+
+def test_strict_mode_raises_where_a_failed_launch_would_fall_back(
+    failing_launch, monkeypatch, recwarn
+) -> None:
+    from echoic.model.nn.persistent import PersistentKernelError
+
+    model, inputs, _, launches = failing_launch
+    monkeypatch.setenv(STRICT, "1")
+    with torch.no_grad(), pytest.raises(PersistentKernelError) as raised:
+        model(*inputs)
+    assert str(raised.value) == (
+        "persistent forward launch timed out at its grid barrier"
+        " (ECHOIC_PERSISTENT_STRICT=1: no fallback)"
+    )
+    assert len(launches) == 1  # the first layer's, and no other
+    assert function._broken == set()  # nothing to remember: every failure raises
+    assert len(recwarn) == 0
+
+
+@pytest.mark.parametrize(
+    ("impl", "on_gpu", "fits", "raises"),
+    [
+        pytest.param("persistent", True, True, None, id="persistent-fits"),
+        pytest.param(
+            "persistent",
+            True,
+            False,
+            "persistent kernels do not fit gru H=1024 torch.bfloat16"
+            " x2: 8 warps: PersistentKernelError: 64 register spills;",
+            id="persistent-does-not-fit",
+        ),
+        pytest.param(
+            "persistent",
+            False,
+            True,
+            "the persistent kernels run on a CUDA GPU, not on cpu",
+            id="persistent-on-the-cpu",
+        ),
+        pytest.param("auto", True, False, None, id="auto-does-not-fit-is-no-fallback"),
+        pytest.param("cudnn", True, True, None, id="cudnn"),
+    ],
+)
+def test_strict_mode_raises_where_choose_would_fall_back(
+    impl, on_gpu: bool, fits: bool, raises: str | None, stand_in_gpu, monkeypatch, recwarn
+) -> None:
+    """Where `persistent` would run the modules (kernels that do not fit, a tensor off
+    the GPU), strict mode raises; `auto` choosing cuDNN by its policy is no fallback."""
+    from echoic.model.nn.persistent import PersistentKernelError
+
+    failing, _ = stand_in_gpu
+    if not fits:
+        failing.update(capacity.candidates(1024, 2, 132, tiles=True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv(STRICT, "1")
+    x = _on_gpu() if on_gpu else torch.zeros(2, 3, 4)
+    if raises is None:
+        got = function.choose(impl, "gru", 1024, x, 2, 4)
+        assert (got is not None) == (fits and impl != "cudnn")
+    else:
+        with pytest.raises(PersistentKernelError) as raised:
+            function.choose(impl, "gru", 1024, x, 2, 4)
+        assert str(raised.value).startswith(raises)
+        assert str(raised.value).endswith(" (ECHOIC_PERSISTENT_STRICT=1: no fallback)")
+    assert len(recwarn) == 0
+
+
+@pytest.mark.parametrize(
+    ("strict", "modes", "said"),
+    [
+        pytest.param(
+            "0",
+            ["persistent", "steps"],
+            [
+                "persistent backward launch timed out at its grid barrier;"
+                " backward runs one launch per step"
+            ],
+            id="lenient-finishes-one-launch-per-step",
+        ),
+        pytest.param("1", ["persistent"], [], id="strict-raises"),
+    ],
+)
+def test_a_failed_persistent_backward(
+    strict: str, modes: list, said: list, monkeypatch, recwarn
+) -> None:
+    """The forward pass ran on the kernels and the persistent backward launch fails: it
+    finishes on the barrier-free launches, or in strict mode raises."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    tried = []
+
+    def backward(cell, clip, dirs, douts, states, mode, cfg):  # the seam: no GPU here
+        tried.append(mode)
+        if mode == "persistent":
+            raise PersistentKernelError("persistent backward launch timed out at its grid barrier")
+        return ["the per-step result"]
+
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(function, "_warned", set())
+    monkeypatch.setenv(STRICT, strict)
+    spec = function._Spec("gru", float("inf"), "triton", KernelConfig(16, 8), (False,), True)
+    if strict == "1":
+        with pytest.raises(PersistentKernelError, match=r"barrier \(ECHOIC_PERSISTENT_STRICT=1"):
+            function._backward(spec, [], [], [])
+    else:
+        assert function._backward(spec, [], [], []) == ["the per-step result"]
+    assert tried == modes
+    assert [str(w.message) for w in recwarn] == said
+
+
+@pytest.mark.parametrize("value", [pytest.param("true", id="true"), pytest.param("2", id="2")])
+def test_strict_mode_is_0_or_1(value: str, monkeypatch) -> None:
+    """A misspelt setting must not leave a run silently lenient."""
+    monkeypatch.setenv(STRICT, value)
+    with pytest.raises(ValueError, match=f"ECHOIC_PERSISTENT_STRICT must be 0 or 1, not '{value}'"):
+        function.strict()
+
+
+@pytest.mark.parametrize(
+    ("strict", "outcome"),
+    [
+        pytest.param("0", {"fell_back": True}, id="lenient-passes"),
+        pytest.param("1", None, id="strict-fails-the-check"),
+    ],
+)
+def test_a_fallback_in_a_check_process(strict: str, outcome: dict | None) -> None:
+    """The checks run in their own processes, where pytest's filterwarnings=error does
+    not reach: a fallback there only warns, and its results are the modules' own. Under
+    `_run_check` (strict unless told otherwise) the same fallback fails the check."""
+    pytest.importorskip("triton")
+    if outcome is not None:
+        assert _run_check("model-fallback", {}, timeout=120, env={STRICT: strict}) == outcome
+    else:
+        with pytest.raises(AssertionError, match=r"stand-in: the launch failed \(ECHOIC_PERS"):
+            _run_check("model-fallback", {}, timeout=120)
 
 
 # ---- sm_90, compiled offline ---------------------------------------------------------
@@ -469,22 +624,64 @@ EDGES = [
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _sm90_resources(cell: str, dtype: torch.dtype, hidden: int, directions: int, cfg) -> list:
+    """`launch.compile_for_target` for sm_90. Skips only where there is no ptxas binary;
+    ptxas rejecting the PTX (ours, so our bug) fails."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    from echoic.model.nn.persistent import launch
+
+    try:
+        get_ptxas(90)
+    except RuntimeError as e:  # Triton's "Cannot find ptxas-blackwell": none that runs
+        pytest.skip(f"no ptxas binary for sm_90: {e}")
+    try:
+        return launch.compile_for_target(cell, dtype, hidden, directions, cfg)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"ptxas rejected the PTX of {cell} H={hidden} x{directions} {cfg}: {e.stderr}")
+
+
+@pytest.mark.parametrize(
+    ("absent", "outcome", "message"),
+    [
+        pytest.param(True, pytest.skip.Exception, "no ptxas binary for sm_90", id="no-ptxas-skips"),
+        pytest.param(False, pytest.fail.Exception, "ptxas rejected the PTX", id="rejection-fails"),
+    ],
+)
+def test_only_a_missing_ptxas_skips_the_sm90_compiles(
+    absent: bool, outcome, message: str, monkeypatch
+) -> None:
+    pytest.importorskip("triton")
+    from triton.backends.nvidia import compiler
+
+    from echoic.model.nn.persistent import launch
+
+    def get_ptxas(arch: int):  # stand-ins: the seam is the binary, not the compile
+        if absent:
+            raise RuntimeError("Cannot find ptxas-blackwell")
+        return SimpleNamespace(path="/opt/ptxas", version="12.8")
+
+    def rejected(*args):
+        raise subprocess.CalledProcessError(255, ["ptxas"], stderr="ptxas fatal : bad PTX")
+
+    monkeypatch.setattr(compiler, "get_ptxas", get_ptxas)
+    monkeypatch.setattr(launch, "compile_for_target", rejected)
+    with pytest.raises(outcome, match=message):
+        _sm90_resources("gru", torch.float32, 512, 2, KernelConfig(8, 8))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("cell", "dtype", "directions"), EDGES)
 def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property) -> None:
     """The largest H in capacity's table compiles without spills; the next one spills."""
     pytest.importorskip("triton")
-    from echoic.model.nn.persistent import launch
 
     limit = capacity.SM90_MAX_HIDDEN[(cell, dtype)][directions - 1]
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
     for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
         usage = {}
-        for cfg in capacity.candidates(hidden, directions, 132):
-            try:
-                res = launch.compile_for_target(cell, TORCH_DTYPES[dtype], hidden, directions, cfg)
-            except (OSError, subprocess.CalledProcessError) as e:
-                pytest.skip(f"no usable ptxas for sm_90: {e}")
+        for cfg in capacity.candidates(hidden, directions, capacity.SM90_SMS):
+            res = _sm90_resources(cell, TORCH_DTYPES[dtype], hidden, directions, cfg)
             usage[cfg.num_warps] = res
             record_property(
                 f"H{hidden}-warps{cfg.num_warps}",
@@ -494,6 +691,26 @@ def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property)
         assert bool(clean) == fits, (hidden, usage)
         assert capacity.sm90_fits(cell, dtype, hidden, directions) == fits
         assert all(r.mma == 0 for res in usage.values() for r in res)  # CUDA cores only
+
+
+@pytest.mark.parametrize(
+    ("cell", "dtype", "hidden", "directions", "sms", "tiles", "says"),
+    [
+        pytest.param("gru", "fp32", 1024, 1, 132, False, True, id="h100-sxm-fits"),
+        pytest.param("gru", "fp32", 1024, 2, 132, False, False, id="h200-spills"),
+        pytest.param("gru", "fp32", 1024, 1, 114, False, None, id="h100-pcie-larger-slices"),
+        pytest.param("gru", "fp32", 1024, 2, 114, False, False, id="h100-pcie-spills-too"),
+        pytest.param("rnn", "fp32", 1536, 1, 114, False, True, id="h100-pcie-same-block_h"),
+        pytest.param("gru", "bf16", 512, 2, 114, True, True, id="h100-pcie-tiles-of-16"),
+        pytest.param("gru", "fp32", 1024, 2, 264, False, None, id="more-sms-smaller-slices"),
+    ],
+)
+def test_what_the_sm90_tables_say_for_a_chip(
+    cell: str, dtype: str, hidden: int, directions: int, sms: int, tiles: bool, says
+) -> None:
+    """The tables were compiled for 132 SMs (block_h for 132 programs); other SM counts
+    size the programs otherwise (H100 PCIe: 114 SMs)."""
+    assert capacity.sm90_expected(cell, dtype, hidden, directions, sms, tiles) is says
 
 
 TILE_EDGES = [
@@ -509,17 +726,13 @@ def test_sm90_tile_table(cell: str, directions: int, record_property) -> None:
     """Tensor-core tiles: the largest H in the tiles table compiles without spills,
     within an SM's shared memory and with tensor-core instructions; the next does not fit."""
     pytest.importorskip("triton")
-    from echoic.model.nn.persistent import launch
 
     limit = capacity.SM90_MAX_HIDDEN_TILES[(cell, "bf16")][directions - 1]
     larger = [h for h in capacity.SM90_SWEPT_HIDDEN if h > limit]
     for hidden, fits in [(limit, True)] + [(h, False) for h in larger[:1]]:
         usage = {}
-        for cfg in capacity.candidates(hidden, directions, 132, tiles=True)[2:]:
-            try:
-                res = launch.compile_for_target(cell, torch.bfloat16, hidden, directions, cfg)
-            except (OSError, subprocess.CalledProcessError) as e:
-                pytest.skip(f"no usable ptxas for sm_90: {e}")
+        for cfg in capacity.candidates(hidden, directions, capacity.SM90_SMS, tiles=True)[2:]:
+            res = _sm90_resources(cell, torch.bfloat16, hidden, directions, cfg)
             usage[cfg.num_warps] = res
             record_property(
                 f"H{hidden}-warps{cfg.num_warps}",
@@ -544,11 +757,94 @@ GPU_SHAPES = [
     for dirs in (1, 2)
 ]
 
+# What plan's reasons say when a configuration is too large for a chip (launch's checks,
+# Triton's shared-memory check); anything else is a compile or launch error.
+RESOURCE_LIMITS = ("register spills", "can be resident at once", "out of resource")
+
 
 def _need_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     pytest.importorskip("triton")
+
+
+def _check_plan(
+    result: dict, cell: str, dtype: str, hidden: int, directions: int, tables=(False,)
+) -> bool:
+    """Whether a GPU check's `result` ran the kernels (True) or this GPU rightly refused
+    them (False).
+
+    The sm_90 tables (`tables`: False the rows table, True the tiles table), read for
+    this GPU's SM count (capacity.sm90_expected), must agree where they say anything;
+    a refusal must be for resources, not a compile or launch error. Where a shape does
+    not fit this GPU and the tables do not say whether it should, skips, saying so.
+    """
+    expected = None
+    if result["capability"] == [9, 0]:
+        says = [
+            capacity.sm90_expected(cell, dtype, hidden, directions, result["sms"], tiles)
+            for tiles in tables
+        ]
+        expected = True if True in says else False if all(x is False for x in says) else None
+    shape = f"{cell} H={hidden} {dtype} x{directions} on {result['device']} ({result['sms']} SMs)"
+    refused = result.get("unsupported")
+    if refused is None:
+        assert expected is not False, f"{shape} ran ({result['config']}): the tables say it spills"
+        return True
+    assert expected is not True, f"{shape} was refused, but the sm_90 tables say it fits: {refused}"
+    for reason in refused.split("; "):
+        assert any(limit in reason for limit in RESOURCE_LIMITS), f"{shape}: {refused}"
+    if expected is None:
+        pytest.skip(
+            f"{shape} does not fit, and the sm_90 tables ({capacity.SM90_SMS} SMs) do not say"
+            f" whether it should on {result['sms']}: {refused}"
+        )
+    return False
+
+
+def _gpu_result(sms: int, unsupported: str | None = None) -> dict:
+    """What a GPU check returns about the device and the configuration plan chose."""
+    result = {"device": "NVIDIA H100", "sms": sms, "capability": [9, 0]}
+    if unsupported is None:
+        return {**result, "config": {"block_h": 8, "num_warps": 8}}
+    return {**result, "unsupported": unsupported}
+
+
+SPILLS = (
+    "8 warps: PersistentKernelError: 96 register spills (255 registers): the weight slice does"
+    " not fit in registers; 16 warps: PersistentKernelError: 8 register spills (128 registers):"
+    " the weight slice does not fit in registers"
+)
+
+
+COMPILE_ERROR = "8 warps: CompilationError: at 12:4: invalid operand"
+
+
+@pytest.mark.parametrize(
+    ("directions", "result", "outcome"),
+    [
+        pytest.param(1, _gpu_result(132), True, id="h100-sxm-runs-a-fit"),
+        pytest.param(2, _gpu_result(132, SPILLS), False, id="h200-refuses-a-spill"),
+        pytest.param(1, _gpu_result(132, SPILLS), AssertionError, id="h100-sxm-refuses-a-fit"),
+        pytest.param(2, _gpu_result(132), AssertionError, id="h200-runs-a-spill"),
+        pytest.param(1, _gpu_result(114), True, id="h100-pcie-runs"),
+        pytest.param(1, _gpu_result(114, SPILLS), pytest.skip.Exception, id="h100-pcie-unknown"),
+        pytest.param(2, _gpu_result(114, SPILLS), False, id="h100-pcie-refuses-a-spill"),
+        pytest.param(2, _gpu_result(114, COMPILE_ERROR), AssertionError, id="compile-error"),
+    ],
+)
+def test_gpu_checks_judge_a_refusal_by_the_gpus_sm_count(
+    directions: int, result: dict, outcome
+) -> None:
+    """`_check_plan`, with which the GPU tests judge plan's choice, on stand-in results
+    for a GRU with H = 1024 in fp32: with 132 SMs it fits one direction, not two; with
+    114 each program holds twice the weights (block_h 16 and 32 instead of 8 and 16),
+    so the table says only that two directions do not fit."""
+    if isinstance(outcome, bool):
+        assert _check_plan(result, "gru", "fp32", 1024, directions) is outcome
+    else:
+        with pytest.raises(outcome):
+            _check_plan(result, "gru", "fp32", 1024, directions)
 
 
 @pytest.mark.gpu
@@ -559,23 +855,28 @@ def test_gpu_kernels_equal_cudnn_fp32(cell: str, hidden: int, directions: int) -
     _need_gpu()
     args = dict(cell=cell, hidden=hidden, directions=directions)
     result = _run_check("gpu", args, timeout=600)
-    if "unsupported" in result:
-        assert not capacity.sm90_fits(cell, "fp32", hidden, directions) or result["sms"] != 132
-        pytest.skip(f"does not fit this GPU: {result['unsupported']}")
+    if not _check_plan(result, cell, "fp32", hidden, directions):
+        return
     for case, (out_err, grad_err) in result["errors"].items():
         assert out_err < 1e-4, case
         assert grad_err < 1e-3, case
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_autocast_as_close_to_fp32_as_cudnn() -> None:
+@pytest.mark.parametrize("hidden", [pytest.param(512, id="H512"), pytest.param(1024, id="H1024")])
+def test_gpu_bf16_autocast_as_close_to_fp32_as_cudnn(hidden: int) -> None:
+    """A BiGRU under bf16 autocast, with the configuration plan picks (rows or tiles);
+    H = 512 fits every Hopper part, H = 1024 the 132-SM ones."""
     _need_gpu()
-    result = _run_check("gpu-bf16", {}, timeout=600)
+    result = _run_check("gpu-bf16", {"hidden": hidden}, timeout=600)
+    if not _check_plan(result, "gru", "bf16", hidden, 2, tables=(False, True)):
+        return
     for kernels, cudnn in zip(result["persistent"], result["cudnn"], strict=True):
         assert kernels <= 2 * cudnn + 1e-3, result
 
 
 TILE_SHAPES = [
+    pytest.param("gru", 512, 2, id="gru-H512-x2"),  # fits with 114 SMs too
     pytest.param("gru", 1024, 2, id="gru-H1024-x2"),
     pytest.param("rnn", 1024, 2, id="rnn-H1024-x2"),
     pytest.param("rnn", 2048, 1, id="rnn-H2048-x1"),
@@ -591,6 +892,8 @@ def test_gpu_tiles_as_close_to_fp32_as_cudnn(cell: str, hidden: int, directions:
     _need_gpu()
     args = dict(cell=cell, hidden=hidden, directions=directions)
     result = _run_check("gpu-tiles", args, timeout=600)
+    if not _check_plan(result, cell, "bf16", hidden, directions, tables=(True,)):
+        return
     for case, errors in result["errors"].items():
         for kernels, cudnn in zip(errors["persistent"], errors["cudnn"], strict=True):
             assert kernels <= 2 * cudnn + 1e-3, (case, errors)
@@ -602,13 +905,25 @@ def test_gpu_refuses_what_cannot_run() -> None:
     cannot complete (spin_limit 0) times out, flags it and raises."""
     _need_gpu()
     result = _run_check("gpu-refusals", {}, timeout=600)
-    assert result == {"too_large": "PersistentKernelError", "timeout": "PersistentKernelError"}
+    assert result["too_large"].startswith("PersistentKernelError: 8192 programs but only"), result
+    assert result["too_large"].endswith("can be resident at once"), result
+    assert result["timeout"] == (
+        "PersistentKernelError: persistent forward launch timed out at its grid barrier"
+        " (programs not co-resident?)"
+    )
 
 
 @pytest.mark.gpu
 def test_gpu_training_step_matches_cudnn() -> None:
+    """A 3-layer BiGRU model's loss and gradients, rnn_impl persistent against cudnn;
+    every layer's forward and backward is one persistent launch (counted: a layer that
+    quietly ran cuDNN would match it exactly)."""
     _need_gpu()
     result = _run_check("gpu-train-step", {}, timeout=600)
+    assert result["launches"] == {
+        "cudnn": {"forward": 0, "backward": 0},
+        "persistent": {"forward": 3, "backward": 3},
+    }
     assert abs(result["persistent"] - result["cudnn"]) <= 1e-3 * abs(result["cudnn"])
     assert result["grad"] < 1e-2
 
@@ -617,7 +932,8 @@ def test_gpu_training_step_matches_cudnn() -> None:
 
 
 def _run_check(check: str, args: dict, timeout: int, env: dict | None = None) -> dict:
-    full_env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1", **(env or {}))
+    """Run a check in a fresh interpreter, strict (a fallback raises) unless `env` says."""
+    full_env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", STRICT: "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.test_persistent_rnn", check, json.dumps(args)],
         cwd=ROOT,
@@ -708,13 +1024,19 @@ def _fp32_exact() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+def _device() -> dict:
+    """The GPU, as `_check_plan` reads it."""
+    props = torch.cuda.get_device_properties(0)
+    sms, capability = props.multi_processor_count, [props.major, props.minor]
+    return {"device": props.name, "sms": sms, "capability": capability}
+
+
 def _check_gpu(args: dict) -> dict:
     _fp32_exact()
     cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
-    props = torch.cuda.get_device_properties(0)
     found = function.plan(cell, hidden, torch.float32, directions, 0)
     if isinstance(found, str):
-        return {"unsupported": found, "sms": props.multi_processor_count}
+        return {**_device(), "unsupported": found}
     kind = "gru" if cell == "gru" else "relu"
     errors = {}
     for steps in (1, 7, 700):
@@ -722,7 +1044,7 @@ def _check_gpu(args: dict) -> dict:
             problems, leaves = _gpu_problems(kind, 64, hidden, batch, steps, directions)
             outs = recurrences(cell, problems, backend="triton", config=found)
             errors[f"T{steps}-B{batch}"] = _max_errors(outs, _modules_path(problems), leaves)
-    return {"config": dataclasses.asdict(found), "device": props.name, "errors": errors}
+    return {**_device(), "config": dataclasses.asdict(found), "errors": errors}
 
 
 def _gpu_problems(kind: str, d: int, h: int, batch: int, steps: int, directions: int):
@@ -742,13 +1064,16 @@ def _gpu_problems(kind: str, d: int, h: int, batch: int, steps: int, directions:
     return problems, leaves
 
 
-def _check_gpu_bf16(_: dict) -> dict:
+def _check_gpu_bf16(args: dict) -> dict:
     """Errors against float32 cuDNN of the kernels and of cuDNN, both under bf16 autocast."""
     _fp32_exact()
-    problems, leaves = _two_problems("gru", 64, 1024, torch.float32, "cuda", batch=4, steps=51)
+    hidden = args["hidden"]
+    cfg = function.plan("gru", hidden, torch.bfloat16, 2, 0)
+    if isinstance(cfg, str):
+        return {**_device(), "unsupported": cfg}
+    problems, leaves = _two_problems("gru", 64, hidden, torch.float32, "cuda", batch=4, steps=51)
     expected = _modules_path(problems)
-    cfg = function.plan("gru", 1024, torch.bfloat16, 2, 0)
-    result = {}
+    result = {**_device(), "config": dataclasses.asdict(cfg)}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         kernels = recurrences("gru", problems, backend="triton", config=cfg)
         cudnn = _modules_path(problems)
@@ -760,7 +1085,11 @@ def _check_gpu_bf16(_: dict) -> dict:
 def _check_gpu_tiles(args: dict) -> dict:
     _fp32_exact()
     cell, hidden, directions = args["cell"], args["hidden"], args["directions"]
-    cfg = capacity.candidates(hidden, directions, _sms(), tiles=True)[2]  # tiles, 8 warps
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = capacity.candidates(hidden, directions, sms, tiles=True)[2:]  # 8, 16 warps
+    cfg = function.first_fit(cell, hidden, torch.bfloat16, directions, 0, tiles)
+    if isinstance(cfg, str):
+        return {**_device(), "unsupported": cfg}
     kind = "gru" if cell == "gru" else "relu"
     errors = {}
     for steps in (1, 7, 700):
@@ -774,11 +1103,7 @@ def _check_gpu_tiles(args: dict) -> dict:
                 name: _max_errors([o.float() for o in outs], expected, leaves)
                 for name, outs in (("persistent", kernels), ("cudnn", cudnn))
             }
-    return {"config": dataclasses.asdict(cfg), "errors": errors}
-
-
-def _sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
+    return {**_device(), "config": dataclasses.asdict(cfg), "errors": errors}
 
 
 def _check_gpu_refusals(_: dict) -> dict:
@@ -786,23 +1111,49 @@ def _check_gpu_refusals(_: dict) -> dict:
 
     result = {}
     for name, hidden, cfg in [
+        # 8192 programs, without spills (30 registers): an SM holds 4 (2048 threads)
         ("too_large", 4096, KernelConfig(block_h=1, num_warps=16)),
-        ("timeout", 1024, KernelConfig(block_h=64, num_warps=4, spin_limit=0)),
+        # 32 programs that fit any chip (72 and 96 registers, no spills), which give up
+        # at the first barrier that is not yet complete
+        ("timeout", 256, KernelConfig(block_h=16, num_warps=4, spin_limit=0)),
     ]:
         problems, _ = _gpu_problems("relu", 16, hidden, batch=2, steps=9, directions=2)
         try:
             recurrences("rnn", problems, backend="triton", config=cfg)
             result[name] = None
-        except PersistentKernelError:
-            result[name] = "PersistentKernelError"
+        except PersistentKernelError as e:
+            result[name] = f"{type(e).__name__}: {e}"
     return result
+
+
+def _count_launches() -> dict:
+    """Persistent launches that returned, forward and backward, counted from now on."""
+    from echoic.model.nn.persistent import launch
+
+    counts = {"forward": 0, "backward": 0}
+
+    def counted(name: str):
+        run = getattr(launch, name)
+
+        def wrapper(*args):  # function._forward and _backward pass (..., mode, cfg)
+            out = run(*args)
+            counts[name] += args[-2] == "persistent"
+            return out
+
+        return wrapper
+
+    launch.forward, launch.backward = counted("forward"), counted("backward")
+    return counts
 
 
 def _check_gpu_train_step(_: dict) -> dict:
     _fp32_exact()
-    cfg = dataclasses.replace(TINY, rnn_hidden=512, rnn_layers=3, chunk_frames=16, context_frames=8)
-    losses, grads = {}, {}
+    # H = 256 (the default recipe's) fits every Hopper part, whatever its SM count.
+    cfg = dataclasses.replace(TINY, rnn_hidden=256, rnn_layers=3, chunk_frames=16, context_frames=8)
+    losses, grads, launches = {}, {}, {}
+    counts = _count_launches()
     for impl in ("cudnn", "persistent"):
+        before = dict(counts)
         torch.manual_seed(0)
         model = DeepSpeech2(cfg).cuda().train()
         model.set_rnn_impl(impl)
@@ -813,11 +1164,32 @@ def _check_gpu_train_step(_: dict) -> dict:
         loss = (log_probs * torch.linspace(-1, 1, log_probs.shape[-1], device="cuda")).sum()
         grads[impl] = torch.autograd.grad(loss, list(model.parameters()))
         losses[impl] = loss.item()
+        launches[impl] = {k: counts[k] - before[k] for k in counts}
     grad = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
         for a, b in zip(grads["persistent"], grads["cudnn"], strict=True)
     )
-    return {**losses, "grad": grad}
+    return {**losses, "grad": grad, "launches": launches}
+
+
+def _check_model_fallback(_: dict) -> dict:
+    """The tiny model with rnn_impl=persistent on the CPU, its launches failing: a
+    stand-in `choose` picks the kernels, and launch.forward raises as a barrier timeout
+    does (where the mutation check breaks it too)."""
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    def fails(*args, **kwargs):
+        raise PersistentKernelError("stand-in: the launch failed")
+
+    launch.forward = fails
+    function.choose = lambda *args: ("triton", KernelConfig(16, 4))
+    function._key = lambda cell, hidden, x, directions: (cell, hidden)  # no CUDA device
+    torch.manual_seed(0)
+    model = DeepSpeech2(TINY).eval()
+    model.set_rnn_impl("persistent")
+    with torch.no_grad():
+        model(torch.randn(2, 30, 20), torch.tensor([30, 22]))
+    return {"fell_back": True}
 
 
 CHECKS = {
@@ -829,6 +1201,7 @@ CHECKS = {
     "gpu-tiles": _check_gpu_tiles,
     "gpu-refusals": _check_gpu_refusals,
     "gpu-train-step": _check_gpu_train_step,
+    "model-fallback": _check_model_fallback,
 }
 
 if __name__ == "__main__":

@@ -34,11 +34,15 @@ def _train_cmd(manifest: Path, out: Path, *overrides: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _train(manifest: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def _train(
+    manifest: Path, out: Path, *overrides: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    run = subprocess.run(
         _train_cmd(manifest, out, *overrides), capture_output=True, text=True, timeout=600,
-        check=True,
+        env={**os.environ, **env} if env else None,
     )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
 
 
 def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -247,6 +251,27 @@ def test_mpirun_two_ranks_trains_and_reproduces_itself(speech_corpus: Path, tmp_
 
 # ---- on a CUDA GPU (skipped elsewhere; scripts/gpu_check.sh train runs these) -----------
 
+# A run that asked for the persistent kernels and fell back to cuDNN would train exactly
+# as cuDNN does and pass: the GPU runs are strict, so that a fallback fails them.
+STRICT = {"ECHOIC_PERSISTENT_STRICT": "1"}
+
+
+def test_strict_persistent_kernels_without_a_gpu_are_a_one_line_error(
+    speech_corpus: Path, tmp_path: Path
+) -> None:
+    """What a strict run does where the kernels cannot run, shown on the CPU: it stops
+    with the reason, instead of training on the modules."""
+    run = subprocess.run(
+        _train_cmd(speech_corpus, tmp_path, "device=cpu", "rnn_impl=persistent", "max_steps=1"),
+        capture_output=True, text=True, timeout=600, env={**os.environ, **STRICT},
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "echoic train: error: the persistent kernels run on a CUDA GPU, not on cpu"
+        " (ECHOIC_PERSISTENT_STRICT=1: no fallback)"
+    )
+    assert "Traceback" not in run.stderr
+
 
 def _need_gpu() -> None:
     if not torch.cuda.is_available():
@@ -264,22 +289,26 @@ def test_gpu_same_seed_gives_identical_checkpoints(
     impl: str, speech_corpus: Path, tmp_path: Path
 ) -> None:
     """On the GPU too (bf16 autocast, deterministic algorithms): the same recipe and
-    seed give the same bits, with cuDNN and with the persistent kernels."""
+    seed give the same bits, with cuDNN and with the persistent kernels (strict: never
+    cuDNN's bits under the persistent name)."""
     _need_gpu()
     for name in ("a", "b"):
-        _train(speech_corpus, tmp_path / name, "device=cuda", f"rnn_impl={impl}")
+        _train(speech_corpus, tmp_path / name, "device=cuda", f"rnn_impl={impl}", env=STRICT)
     _assert_same(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")
 
 
 @pytest.mark.gpu
 def test_gpu_persistent_kernels_train_like_cudnn(speech_corpus: Path, tmp_path: Path) -> None:
     """The same 30 steps through the persistent kernels and through cuDNN: the loss
-    curves agree to bf16 tolerance, and both learn."""
+    curves agree to bf16 tolerance, and both learn; the checkpoints differ, as two
+    implementations' rounding does (equal bits would mean that cuDNN ran both)."""
     _need_gpu()
     curves = {}
     for impl in ("cudnn", "persistent"):
-        _train(speech_corpus, tmp_path / impl, "device=cuda", f"rnn_impl={impl}")
+        _train(speech_corpus, tmp_path / impl, "device=cuda", f"rnn_impl={impl}", env=STRICT)
         curves[impl] = _losses(tmp_path / impl)
+    with pytest.raises(AssertionError, match="tensors differ"):
+        _assert_same(tmp_path / "cudnn" / "last.pt", tmp_path / "persistent" / "last.pt")
     assert len(curves["cudnn"]) == len(curves["persistent"]) >= 2
     for ours, theirs in zip(curves["persistent"], curves["cudnn"], strict=True):
         assert abs(ours - theirs) <= 0.05 * abs(theirs), curves

@@ -10,10 +10,12 @@ Modules, one concept each:
   compilation for sm_90 (resources from ptxas).
 - `capacity`: which (cell, H, dtype, directions) fit on the chip.
 - `function`: the autograd function (nn.RNN / nn.GRU parameter names, so
-  checkpoints are the same with either implementation) and `--rnn-impl`'s choice.
+  checkpoints are the same with either implementation), `--rnn-impl`'s choice,
+  and its fallbacks to cuDNN (errors with ECHOIC_PERSISTENT_STRICT=1).
 
 Triton is optional: everything here imports without it, and without it (or
-without a GPU) `auto` and `persistent` run the cuDNN modules.
+without a GPU) `auto` and `persistent` run the cuDNN modules (in strict mode,
+`persistent` raises PersistentKernelError instead).
 """
 
 from echoic.model.nn.persistent.capacity import KernelConfig, PersistentKernelError

@@ -127,8 +127,9 @@ def resident_blocks(n_regs: int, num_warps: int, shared: int, props) -> int:
 
 
 # The table above: (cell, dtype) -> the largest H that fits (one direction, two),
-# from compiling both kernels with `candidates(H, directions, 132)` for sm_90.
+# from compiling both kernels with `candidates(H, directions, SM90_SMS)` for sm_90.
 # tests/test_persistent_rnn.py recompiles the edges of this table and checks them.
+SM90_SMS = 132  # the SM count the tables were compiled for (H100 SXM, H200)
 SM90_SWEPT_HIDDEN = (512, 1024, 1536, 2048)
 SM90_MAX_HIDDEN: dict[tuple[str, str], tuple[int, int]] = {
     ("rnn", "bf16"): (2048, 2048),
@@ -150,3 +151,25 @@ def sm90_fits(cell: str, dtype: str, hidden: int, directions: int, tiles: bool =
     """Whether the sm_90 tables say these kernels keep their weights on chip."""
     table = SM90_MAX_HIDDEN_TILES if tiles else SM90_MAX_HIDDEN
     return (cell, dtype) in table and hidden <= table[(cell, dtype)][directions - 1]
+
+
+def sm90_expected(
+    cell: str, dtype: str, hidden: int, directions: int, sms: int, tiles: bool = False
+) -> bool | None:
+    """What the sm_90 tables say of these kernels on an sm_90 chip with `sms` SMs:
+    that they fit (True), that they do not (False), or nothing (None).
+
+    The tables hold for SM90_SMS SMs, because the SM count sets the kernels: `plan`
+    sizes the grid to one program per SM, so each program holds block_h_for(H,
+    directions, sms) hidden units' weights. With the same block_h (H100 SXM and H200,
+    and some shapes elsewhere) they are the same kernels. With a larger one (fewer SMs:
+    the H100 PCIe has 114) each program holds more weights, so what does not fit with
+    SM90_SMS SMs does not fit either, but what fits there may spill here; with a
+    smaller one (more SMs) the converse.
+    """
+    fits = sm90_fits(cell, dtype, hidden, directions, tiles)
+    least = MMA_MIN if tiles else 1  # a tile needs 16 units a program
+    here, table = (max(block_h_for(hidden, directions, n), least) for n in (sms, SM90_SMS))
+    if here == table or (here > table and not fits) or (here < table and fits):
+        return fits
+    return None

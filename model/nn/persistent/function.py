@@ -14,11 +14,23 @@ The recurrence runs on a backend: "triton" (persistent kernels), "triton-steps"
 (the same kernels launched once per step: no grid barrier) or "reference" (torch
 step loops, any device; the CPU path and the specification the kernels are
 tested against).
+
+Fallbacks: a layer that the kernels cannot run goes to the modules (cuDNN). With
+`persistent`: an input that is not on a CUDA GPU (silently: the CPU path), or kernels
+that do not fit this GPU (a RuntimeWarning, once); with `persistent` or `auto`: a
+launch that fails (a RuntimeWarning; the shape stays on cuDNN). A persistent backward
+launch that fails finishes one launch per step (a RuntimeWarning). With
+ECHOIC_PERSISTENT_STRICT=1 each of these raises PersistentKernelError instead, so that
+`persistent` means the kernels or an error; the GPU tests run so, since a fallback's
+result is cuDNN's own and would pass them. What `auto` leaves to cuDNN by its policy
+(not sm_90, too many rows, does not fit) is no fallback; neither are LSTM layers and
+TorchScript, which always run the modules.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -200,7 +212,7 @@ def _backward(spec: _Spec, dirs: list[Direction], douts: list[Tensor], states: l
             return launch.backward(spec.cell, spec.clip, dirs, douts, states, "persistent", cfg)
         except PersistentKernelError as e:
             # The forward pass already ran on these kernels; finish on the barrier-free path.
-            _warn_once(("backward", spec.cell, cfg), f"{e}; backward runs one launch per step")
+            _fall_back(("backward", spec.cell, cfg), str(e), "backward runs one launch per step")
     return launch.backward(spec.cell, spec.clip, dirs, douts, states, "steps", cfg)
 
 
@@ -239,14 +251,28 @@ def recurrences(
 
 # ---- choosing the implementation for a layer --------------------------------------
 
+STRICT_ENV = "ECHOIC_PERSISTENT_STRICT"  # "1": a fallback raises instead
+
 _warned: set = set()
 _broken: set = set()  # configurations whose persistent launch failed: cuDNN from then on
 
 
-def _warn_once(key, message: str) -> None:
+def strict() -> bool:
+    """Whether ECHOIC_PERSISTENT_STRICT=1: fallbacks from the kernels raise."""
+    value = os.environ.get(STRICT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{STRICT_ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
+def _fall_back(key, problem: str, fallback: str) -> None:
+    """Say once that `problem` makes a layer run without the kernels (`fallback`); in
+    strict mode, raise PersistentKernelError instead (nothing is marked broken)."""
+    if strict():
+        raise PersistentKernelError(f"{problem} ({STRICT_ENV}=1: no fallback)")
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{problem}; {fallback}", RuntimeWarning, stacklevel=3)
 
 
 @functools.cache
@@ -262,10 +288,20 @@ def plan(
         from echoic.model.nn.persistent import launch
     except ImportError:
         return "triton is not installed (pip install triton)"
-    props = torch.cuda.get_device_properties(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype))
+    return first_fit(cell, hidden, dtype, directions, device, configs)
+
+
+def first_fit(
+    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: int,
+    configs: Sequence[KernelConfig],
+) -> KernelConfig | str:  # fmt: skip
+    """The first of `configs` whose kernels compile and fit this GPU, or why none does."""
+    from echoic.model.nn.persistent import launch
+
     reasons = []
-    tiles = launch.tile_dtype(dtype)
-    for cfg in capacity.candidates(hidden, directions, props.multi_processor_count, tiles):
+    for cfg in configs:
         try:
             launch.check(cell, dtype, hidden, directions, cfg, torch.device("cuda", device))
             return cfg
@@ -283,8 +319,16 @@ def _key(cell: Cell, hidden: int, x: Tensor, directions: int) -> tuple:
 def choose(
     impl: Impl, cell: Cell, hidden: int, x: Tensor, directions: int, rows: int
 ) -> tuple[Backend, KernelConfig | None] | None:
-    """The backend and configuration to run a layer with, or None for the cuDNN modules."""
-    if impl == "cudnn" or not x.is_cuda or torch.jit.is_tracing() or torch.jit.is_scripting():
+    """The backend and configuration to run a layer with, or None for the cuDNN modules
+    (in strict mode, PersistentKernelError where `persistent` would fall back)."""
+    if impl == "cudnn" or torch.jit.is_tracing() or torch.jit.is_scripting():
+        return None
+    if not x.is_cuda:
+        if impl == "persistent" and strict():
+            raise PersistentKernelError(
+                f"the persistent kernels run on a CUDA GPU, not on {x.device.type}"
+                f" ({STRICT_ENV}=1: no fallback)"
+            )
         return None
     key = _key(cell, hidden, x, directions)
     if key in _broken:
@@ -296,7 +340,7 @@ def choose(
     if isinstance(found, str):
         if impl == "persistent":
             shape = f"{cell} H={hidden} {key[2]} x{directions}"
-            _warn_once(key, f"persistent kernels do not fit {shape}: {found}; using cuDNN")
+            _fall_back(key, f"persistent kernels do not fit {shape}: {found}", "using cuDNN")
         return None
     return "triton", found
 
@@ -333,7 +377,7 @@ def run_layer(
         outs = recurrences(cell, problems, clip, *choice)
     except PersistentKernelError as e:
         key = _key(cell, cfg.rnn_hidden, x, directions)
+        _fall_back(("failed",) + key, str(e), "this layer shape uses cuDNN from now on")
         _broken.add(key)
-        _warn_once(("failed",) + key, f"{e}; this layer shape uses cuDNN from now on")
         return None
     return outs[0], (outs[1] if win is not None else None)
