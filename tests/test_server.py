@@ -247,26 +247,139 @@ def test_interim_results_then_one_final(stub, clips, expected) -> None:
     assert len(sparse) - 1 <= len(samples) / 16000 + 1 and len(sparse) < len(responses)
 
 
-def test_endpointing_splits_utterances_alike_in_stream_and_recognize(stub, clips) -> None:
+# Endpointing is checked on the bundled model, whose transcripts are real words: two
+# corpus utterances with a known pause between them, so where each utterance ends is
+# known from the audio itself.
+PAUSE = 1.5  # s of digital silence put between the two utterances
+
+
+@pytest.fixture(scope="module")
+def bundled_stub() -> Iterator[pb_grpc.TranscriberStub]:
+    with running() as server, channel_to(server) as channel:  # no model named: the bundled one
+        yield pb_grpc.TranscriberStub(channel)
+
+
+@pytest.fixture(scope="module")
+def two_utterances(clips) -> tuple[np.ndarray, list[np.ndarray], tuple[float, float]]:
+    """(audio, [the two parts], (quiet_from, quiet_to)): clips 0 and 1 joined by PAUSE s of
+    silence, and where the signal is quiet between them (s): from the last instant of the
+    first clip's speech to the first instant of the second's."""
+
+    def speech(x: np.ndarray) -> tuple[float, float]:  # above 2% of the peak
+        loud = np.flatnonzero(np.abs(x) > 0.02 * np.abs(x).max())
+        return loud[0] / 16000, (loud[-1] + 1) / 16000
+
     (_, a), (_, b) = clips[0], clips[1]
-    audio = pcm16(np.concatenate([a, np.zeros(24000, np.float32), b]))  # 1.5 s pause between
-    for endpointing, least in (
-        (pb.EndpointingConfig(trailing_silence_ms=800), 2),
-        (pb.EndpointingConfig(max_utterance_ms=1000), 3),
-    ):
-        config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
-        response = recognize(stub, audio, config)
-        results = list(response.results)
-        assert len(results) >= least
-        assert [r.utterance_index for r in results] == list(range(len(results)))
-        assert all(r.is_final and r.alternatives[0].transcript for r in results)
-        for earlier, later in zip(results, results[1:], strict=False):
-            assert earlier.utterance_end_time <= later.utterance_start_time
-            assert (
-                earlier.alternatives[0].words[-1].end_time
-                <= later.alternatives[0].words[0].start_time
-            )
-        assert finals(stream(stub, audio, config)) == texts(response)
+    audio = np.concatenate([a, np.zeros(round(PAUSE * 16000), np.float32), b])
+    quiet = (speech(a)[1], len(a) / 16000 + PAUSE + speech(b)[0])
+    return audio, [a, b], quiet
+
+
+def _utterances(response) -> list[tuple[int, float, float, str]]:
+    return [
+        (r.utterance_index, r.utterance_start_time, r.utterance_end_time,
+         r.alternatives[0].transcript)
+        for r in response.results
+    ]  # fmt: skip
+
+
+def _final_utterances(responses) -> list[tuple[int, float, float, str]]:
+    return [u for r in responses if r.results and r.results[0].is_final for u in _utterances(r)]
+
+
+def _chunking(stub) -> tuple[float, float]:
+    """(chunk, frame) of the served model, s: an endpoint can only fall at a step's end."""
+    (info,) = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+    return info.chunk_seconds, info.frame_seconds
+
+
+@pytest.mark.parametrize(
+    "silence_ms", [pytest.param(500, id="500ms"), pytest.param(1200, id="1200ms")]
+)
+def test_trailing_silence_ends_the_utterance_inside_the_pause(
+    bundled_stub, two_utterances, silence_ms: int
+) -> None:
+    """Measured: the first clip's last word ends at 3.15 s, its speech at 3.16 s, the
+    second's speech starts at 5.09 s; 500 ms ends the utterance at 4.2 s, 1200 ms at 4.8 s
+    (chunks of 0.6 s); the second part reads 'she sells se chells by the se suore' against
+    'she sells sechells by the cesure' alone (CER 0.125: the acoustic model's state carries
+    over the endpoint)."""
+    import jiwer
+
+    audio, parts, (quiet_from, quiet_to) = two_utterances
+    chunk, frame = _chunking(bundled_stub)
+    alone = [t.text for t in Recognizer(intra_op_threads=1).transcribe(parts)]
+    endpointing = pb.EndpointingConfig(trailing_silence_ms=silence_ms)
+    config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
+    response = recognize(bundled_stub, pcm16(audio), config)
+    # One utterance a clip: no cut at a pause between words, none missed in the pause.
+    assert len(response.results) == 2, _utterances(response)
+    first, second = response.results
+    assert first.utterance_index == 0 and second.utterance_index == 1
+    assert first.is_final and second.is_final
+    last_word = first.alternatives[0].words[-1].end_time
+    assert quiet_from - 2 * frame <= last_word <= quiet_from + frame
+    # Rule 1 fires at the end of the first step that leaves `silence_ms` after the last word.
+    silence = silence_ms / 1000
+    steps = np.ceil((last_word + silence) / chunk - 1e-6)
+    assert first.utterance_end_time == pytest.approx(steps * chunk)
+    assert quiet_from + silence - 2 * frame <= first.utterance_end_time < quiet_to
+    assert second.utterance_start_time == first.utterance_end_time
+    assert second.utterance_end_time == pytest.approx(len(audio) / 16000)
+    assert second.alternatives[0].words[0].start_time >= quiet_to - frame
+    for result in (first, second):
+        words = result.alternatives[0].words
+        assert [w.word for w in words] == result.alternatives[0].transcript.split()
+        assert result.utterance_start_time <= words[0].start_time
+        assert words[-1].end_time <= result.utterance_end_time
+    assert first.alternatives[0].transcript == alone[0]
+    assert jiwer.cer(alone[1], second.alternatives[0].transcript) <= 0.2
+    assert _final_utterances(stream(bundled_stub, pcm16(audio), config)) == _utterances(response)
+
+
+@pytest.mark.parametrize(
+    "longest_ms", [pytest.param(1000, id="1000ms"), pytest.param(2500, id="2500ms")]
+)
+def test_max_utterance_cuts_pieces_no_longer_than_asked(
+    bundled_stub, two_utterances, longest_ms: int
+) -> None:
+    """Measured at 1000 ms: 0-1.2, 1.2-2.4, 2.4-3.6, 4.8-6.0, 6.0-6.91 s (3.6-4.8 s is
+    silence alone, which gives no result)."""
+    audio, _, (quiet_from, quiet_to) = two_utterances
+    chunk, frame = _chunking(bundled_stub)
+    longest = longest_ms / 1000
+    config = linear16(
+        endpointing=pb.EndpointingConfig(max_utterance_ms=longest_ms),
+        enable_word_time_offsets=True,
+    )
+    response = recognize(bundled_stub, pcm16(audio), config)
+    pieces = _utterances(response)
+    assert [i for i, *_ in pieces] == list(range(len(pieces)))
+    # Cut at the end of the first step that reaches `longest`, so every piece but the
+    # last (which ends with the audio) is that long; together they cover the audio.
+    cut = np.ceil(longest / chunk - 1e-6) * chunk
+    assert pieces[0][1] == 0.0 and pieces[-1][2] == pytest.approx(len(audio) / 16000)
+    for _, start, end, _ in pieces[:-1]:
+        assert end - start == pytest.approx(cut) and cut < longest + chunk
+    assert pieces[-1][2] - pieces[-1][1] <= cut + 1e-6
+    for (_, _, end, _), (_, start, _, _) in zip(pieces, pieces[1:], strict=False):
+        # Contiguous, but for stretches of silence alone, which give no result.
+        assert start == pytest.approx(end) or quiet_from <= end < start <= quiet_to + frame
+    for r in response.results:
+        words = r.alternatives[0].words
+        assert words and [w.word for w in words] == r.alternatives[0].transcript.split()
+        assert r.utterance_start_time <= words[0].start_time
+        assert words[-1].end_time <= r.utterance_end_time
+    # Nothing lost or repeated at the cuts: the same letters as two utterances cut in the
+    # pause (the cuts restart the decoder, so a cut inside a word splits it in two).
+    whole = recognize(
+        bundled_stub,
+        pcm16(audio),
+        linear16(endpointing=pb.EndpointingConfig(trailing_silence_ms=800)),
+    )  # fmt: skip
+    letters = lambda texts: "".join(texts).replace(" ", "")  # noqa: E731
+    assert letters(t for *_, t in pieces) == letters(texts(whole))
+    assert _final_utterances(stream(bundled_stub, pcm16(audio), config)) == pieces
 
 
 # ---------------------------------------------------------------- audio formats
