@@ -232,6 +232,32 @@ def test_beam_final_results_carry_max_alternatives(stub, tiny_model_dir, clips) 
     assert len(greedy.alternatives) == 1
 
 
+def test_beam_search_uses_the_model_directorys_lm(tiny_lm_model_dir, clips) -> None:
+    """A model directory with lm.arpa: BEAM requests decode with it, disable_lm without."""
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    from echoic.model.core.decoding import DecoderConfig
+
+    with_lm = Recognizer(
+        tiny_lm_model_dir, DecoderConfig(kind="beam", beam_size=8), intra_op_threads=1
+    )
+    assert with_lm.lm_path == str(tiny_lm_model_dir / "lm.arpa")
+    without = Recognizer(with_lm.engine, DecoderConfig(kind="beam", beam_size=8, use_lm=False))
+    audio = [samples for _, samples in clips]
+    want = [t.text for t in with_lm.transcribe(audio)]
+    plain = [t.text for t in without.transcribe(audio)]
+    assert want != plain, "the LM should change what the tiny model's beam search reads"
+    beam = pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8)
+    no_lm = pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8, disable_lm=True)
+    with running(tiny_lm_model_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        (info,) = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+        assert info.has_language_model
+        for (wav, _), lm_text, plain_text in zip(clips, want, plain, strict=True):
+            assert texts(recognize(stub, wav, Config(decoder=beam))) == [lm_text]
+            assert finals(stream(stub, wav, Config(decoder=beam))) == [lm_text]
+            assert texts(recognize(stub, wav, Config(decoder=no_lm))) == [plain_text]
+
+
 def test_interim_results_then_one_final(stub, clips, expected) -> None:
     wav, samples = clips[0]
     responses = stream(stub, wav, Config(), interim=True)
@@ -537,6 +563,7 @@ def test_list_models(stub, tiny_model_dir) -> None:
     assert (info.name, info.version, info.state) == ("echoic-tiny", "1", pb.ModelInfo.LOADED)
     assert info.sample_rate_hertz == 16000 and info.streamable and info.vocabulary_size == 29
     assert info.chunk_seconds > 0 and info.frame_seconds > 0
+    assert not info.has_language_model  # no lm.arpa in the directory
     assert Path(info.path) == tiny_model_dir.resolve()
 
 
