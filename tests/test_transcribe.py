@@ -66,17 +66,54 @@ def test_stereo_44k_equals_the_16k_original(mixed_folder: Path, corpus_audio) ->
     assert np.abs(converted - mono).max() < 0.01
 
 
-@pytest.mark.parametrize("fmt", ["text", "srt"])
-def test_text_and_srt_outputs(tiny_model_dir: Path, mixed_folder: Path, tmp_path: Path, fmt):
+def _in_process(model_dir: Path, path: Path):
+    from echoic.model.core.audio import load_audio
+    from echoic.model.runtime.recognizer import Recognizer
+
+    return Recognizer(model_dir, intra_op_threads=1).transcribe([load_audio(path, 16000)])[0]
+
+
+def test_text_output(tiny_model_dir: Path, mixed_folder: Path) -> None:
     good = mixed_folder / "good0.wav"
-    args = ["transcribe", str(good), "--model", str(tiny_model_dir), "--format", fmt]
-    run = _run(*args, "--output-dir", str(tmp_path), "--no-progress")
+    run = _run("transcribe", str(good), "--model", str(tiny_model_dir), "--no-progress")
     assert run.returncode == 0, run.stderr
-    if fmt == "text":
-        assert run.stdout.startswith(f"{good}\t")
-    else:
-        cue = (tmp_path / "good0.srt").read_text()
-        assert cue == "" or " --> " in cue.splitlines()[1]
+    assert run.stdout == f"{good}\t{_in_process(tiny_model_dir, good).text}\n"
+
+
+def _srt_seconds(stamp: str) -> float:
+    hours, minutes, rest = stamp.split(":")
+    seconds, ms = rest.split(",")
+    return int(hours) * 3600 + int(minutes) * 60 + int(seconds) + int(ms) / 1000
+
+
+def test_srt_cues_carry_the_words_and_their_times(
+    tiny_model_dir: Path, corpus_audio, tmp_path: Path
+) -> None:
+    talk = tmp_path / "talk.wav"  # two utterances: more words than one cue holds
+    sf.write(talk, np.concatenate([corpus_audio[0][1], corpus_audio[2][1]]), 16000)
+    words = _in_process(tiny_model_dir, talk).words
+    assert len(words) > 7, "too few words for several cues"
+    args = ["transcribe", str(talk), "--model", str(tiny_model_dir), "--format", "srt"]
+    run = _run(*args, "--output-dir", str(tmp_path / "subs"), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    subtitles = (tmp_path / "subs" / "talk.srt").read_text()
+    assert subtitles.strip(), "an empty SRT file"
+    cues = []
+    for n, block in enumerate(subtitles.split("\n\n"), 1):
+        number, times, text = block.rstrip("\n").split("\n")
+        assert number == str(n)
+        start, end = map(_srt_seconds, times.split(" --> "))
+        cues.append((start, end, text.split()))
+    assert len(cues) >= 2
+    assert [w for *_, cue_words in cues for w in cue_words] == [w.text for w in words]
+    first = 0  # each cue runs from its first word's start to its last word's end
+    for start, end, cue_words in cues:
+        last = first + len(cue_words) - 1
+        assert start == pytest.approx(words[first].start, abs=0.0015)
+        assert end == pytest.approx(words[last].end, abs=0.0015)
+        assert start < end and len(cue_words) <= 7 and end - start <= 3.5 + 0.001
+        first = last + 1
+    assert all(a[1] <= b[0] for a, b in zip(cues, cues[1:], strict=False))
 
 
 def test_srt_needs_an_output_dir(tiny_model_dir: Path, mixed_folder: Path) -> None:
