@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -568,6 +569,17 @@ def test_list_models(stub, tiny_model_dir) -> None:
     assert Path(info.path) == tiny_model_dir.resolve()
 
 
+def test_a_request_can_pin_the_serving_version(stub, clips, expected) -> None:
+    """`model` / `model_version` naming what is served; test_hot_reload_under_load pins a
+    version beside a draining one."""
+    config = Config(encoding=Config.WAV, model="echoic-tiny", model_version="1")
+    response = recognize(stub, clips[0][0], config)
+    assert (response.model.name, response.model.version) == ("echoic-tiny", "1")
+    assert texts(response) == [expected[0]]
+    responses = stream(stub, clips[0][0], config)
+    assert {r.model.version for r in responses} == {"1"} and finals(responses) == [expected[0]]
+
+
 def test_metrics_endpoint_serves_every_metric(server, stub) -> None:
     recognize(stub, TONE, linear16())
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
@@ -699,7 +711,8 @@ def _versions(stub) -> list[tuple[str, int]]:
     return [(m.version, m.state) for m in models]
 
 
-def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected) -> None:
+def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="echoic.server")
     repo = tmp_path / "repo"
     shutil.copytree(tiny_model_dir, repo / "tiny" / "1")
     (repo / "tiny" / ".9.partial").mkdir()  # an export in progress: ignored
@@ -733,37 +746,54 @@ def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected) -> Non
         threads += [threading.Thread(target=old_stream, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
-        for event in started:
-            assert event.wait(RPC_TIMEOUT), "a stream on version 1 never started"
+        try:
+            for event in started:
+                assert event.wait(RPC_TIMEOUT), "a stream on version 1 never started"
+            wait_until(lambda: any(v == "1" for v, _ in seen), what="a request served by version 1")
 
-        # Version 2 appears atomically (as `echoic export` writes it) while they are open.
-        shutil.copytree(tiny_model_dir, repo / "tiny" / ".2.tmp")
-        (repo / "tiny" / ".2.tmp").rename(repo / "tiny" / "2")
-        draining = [("1", pb.ModelInfo.DRAINING), ("2", pb.ModelInfo.LOADED)]
-        wait_until(lambda: _versions(stub) == draining, what="version 2 beside draining 1")
-        assert recognize(stub, clips[0][0], Config()).model.version == "2"
-        assert stream(stub, clips[0][0], Config())[-1].model.version == "2"
+            # Version 2 appears atomically (as `echoic export` writes it) while they are open.
+            shutil.copytree(tiny_model_dir, repo / "tiny" / ".2.tmp")
+            (repo / "tiny" / ".2.tmp").rename(repo / "tiny" / "2")
+            draining = [("1", pb.ModelInfo.DRAINING), ("2", pb.ModelInfo.LOADED)]
+            wait_until(lambda: _versions(stub) == draining, what="version 2 beside draining 1")
+            assert recognize(stub, clips[0][0], Config()).model.version == "2"
+            assert stream(stub, clips[0][0], Config())[-1].model.version == "2"
+            # A request can pin the serving version, but not the draining one.
+            pinned = recognize(stub, clips[0][0], Config(model="tiny", model_version="2"))
+            assert pinned.model.version == "2" and texts(pinned) == [expected[0]]
+            code, details = status_of(lambda: recognize(stub, TONE, linear16(model_version="1")))
+            assert code == Code.INVALID_ARGUMENT and "version '1' is draining" in details, details
 
-        release.set()  # the old streams finish, on version 1
-        for t in threads[1:]:
-            t.join(RPC_TIMEOUT)
-        for i in range(2):
-            assert {r.model.version for r in old[i]} == {"1"}
-            assert finals(old[i]) == [expected[i]]
-        wait_until(lambda: _versions(stub) == [("2", pb.ModelInfo.LOADED)], what="1 to unload")
-        code, details = status_of(lambda: recognize(stub, TONE, Config(model_version="1")))
-        assert code == Code.INVALID_ARGUMENT and "not loaded" in details
+            release.set()  # the old streams finish, on version 1
+            for t in threads[1:]:
+                t.join(RPC_TIMEOUT)
+            for i in range(2):
+                assert {r.model.version for r in old[i]} == {"1"}
+                assert finals(old[i]) == [expected[i]]
+            wait_until(lambda: _versions(stub) == [("2", pb.ModelInfo.LOADED)], what="1 to unload")
+            code, details = status_of(lambda: recognize(stub, TONE, Config(model_version="1")))
+            assert code == Code.INVALID_ARGUMENT and "not loaded" in details
 
-        # A broken version 3 is skipped; version 2 keeps serving.
-        (repo / "tiny" / "3").mkdir()
-        (repo / "tiny" / "3" / "model.onnx").write_bytes(b"not a model")
-        time.sleep(0.5)  # several polls
-        assert _versions(stub) == [("2", pb.ModelInfo.LOADED)]
-        stop.set()
-        threads[0].join(RPC_TIMEOUT)
+            # A broken version 3 is tried, logged and skipped; version 2 keeps serving.
+            (repo / "tiny" / "3").mkdir()
+            (repo / "tiny" / "3" / "model.onnx").write_bytes(b"not a model")
+            failed = "model tiny version 3 not loaded"
+            wait_until(
+                lambda: any(failed in r.getMessage() for r in caplog.records),
+                what="the load of version 3 to fail",
+            )  # fmt: skip
+            (record,) = [r.getMessage() for r in caplog.records if failed in r.getMessage()]
+            assert record.endswith("tiny 2 keeps serving"), record
+            assert _versions(stub) == [("2", pb.ModelInfo.LOADED)]
+            assert recognize(stub, clips[3][0], Config()).model.version == "2"
+        finally:  # the load thread stops, and the streams end, even when a check fails
+            stop.set()
+            release.set()
+            for t in threads:
+                t.join(RPC_TIMEOUT)
 
     assert failures == []
-    assert {v for v, _ in seen} <= {"1", "2"} and seen[-1][0] == "2"
+    assert {v for v, _ in seen} == {"1", "2"} and seen[-1][0] == "2"
     assert all(t == [expected[3]] for _, t in seen)
 
 
