@@ -896,11 +896,24 @@ def test_tls_and_mutual_tls(tiny_model_dir, certificates) -> None:
 # ---------------------------------------------------------------- the process
 
 
-def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir) -> None:
+def _refused(stub) -> bool:
+    """A new call fails at once with UNAVAILABLE (nobody listens on the port any more)."""
+    try:
+        stub.ListModels(pb.ListModelsRequest(), timeout=5)
+    except grpc.RpcError as e:
+        return e.code() == Code.UNAVAILABLE
+    return False
+
+
+def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir, clips, expected) -> None:
+    """README: SIGTERM stops new calls and gives open streams --grace-seconds to finish;
+    health checks say NOT_SERVING from then on (a watcher hears it: a new Check is a new
+    call, refused like the others)."""
     command = [sys.executable, "-m", "echoic.cli.main", "serve", "--model", str(tiny_model_dir),
                "--port", "0", "--threads", "1", "--grace-seconds", "20"]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
     try:
         port = None
         for line in process.stderr:
@@ -908,23 +921,35 @@ def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir) -> None:
                 port = int(match.group(1))
                 break
         assert port, "the server never said where it listens"
-        drain = threading.Thread(target=process.stderr.read)  # keep the pipe flowing
+        drain = threading.Thread(target=lambda: log.extend(process.stderr))  # keep it flowing
         drain.start()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.TranscriberStub(channel)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="echoic.v1.Transcriber"), timeout=10
+            )
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             release = threading.Event()
             call = stub.StreamingRecognize(
-                stream_messages(TONE * 2, linear16(), interim=True, pause=(OPEN, release)),
+                stream_messages(pcm16(clips[0][1]), linear16(), interim=True,
+                                pause=(OPEN, release)),
                 timeout=RPC_TIMEOUT,
-            )
-            next(call)  # the stream is open
+            )  # fmt: skip
+            first = next(call)  # the stream is open
             process.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            wait_until(lambda: _refused(stub), what="new calls to be refused")
+            code, _ = status_of(lambda: recognize(stub, TONE, linear16()))
+            assert code == Code.UNAVAILABLE
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as fresh:
+                assert _refused(pb_grpc.TranscriberStub(fresh))
             assert process.poll() is None, "the server exited with a stream open"
             release.set()
-            assert [r for r in call if r.results[0].is_final]
+            assert finals([first, *call]) == [expected[0]]  # the open stream's final result
         assert process.wait(timeout=30) == 0
         drain.join(timeout=10)
+        assert any("SIGTERM: draining open streams for up to 20 s" in line for line in log), log
     finally:
         if process.poll() is None:
             process.kill()
