@@ -357,12 +357,12 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         code = grpc.StatusCode.OK
         admitted = False
         try:
+            if self.draining:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the server is shutting down: retry the call on another replica",
+                )
             if admit:
-                if self.draining:
-                    raise RequestError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        "the server is shutting down: retry the call on another replica",
-                    )
                 if self.active >= self._config.max_streams:
                     raise RequestError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,

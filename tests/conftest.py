@@ -120,6 +120,18 @@ def tiny_model_dir(speech_corpus: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
+def tiny_lm_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model_dir` copied, with `lm.arpa` beside its graphs: a word trigram LM of
+    SENTENCES (`echoic lm`'s estimator), as a model directory ships one for beam search."""
+    from echoic.model.core.lm import build_arpa
+
+    out = tmp_path_factory.mktemp("tiny-lm-model") / "echoic-tiny" / "1"
+    shutil.copytree(tiny_model_dir, out)
+    build_arpa(SENTENCES.splitlines(), out / "lm.arpa", order=3)
+    return out
+
+
+@pytest.fixture(scope="session")
 def corpus_audio(speech_corpus: Path) -> list[tuple[str, np.ndarray]]:
     """(text, 16 kHz float32 samples) of every utterance in `speech_corpus`."""
     import json

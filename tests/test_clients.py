@@ -200,7 +200,9 @@ def test_mutual_tls(tiny_model_dir: Path, certificates, wavs) -> None:  # noqa: 
 # ------------------------------------------------------------------ retries
 
 
-def test_unary_calls_retry_until_the_server_comes_up(tiny_model_dir: Path, wavs) -> None:
+def test_unary_calls_retry_until_the_server_comes_up(
+    tiny_model_dir: Path, recognizer, wavs
+) -> None:
     port = free_port()
     patient = RetryPolicy(attempts=100, initial_backoff=0.1, max_backoff=0.3)  # ~30 s
     outcome: dict[str, object] = {}
@@ -222,7 +224,7 @@ def test_unary_calls_retry_until_the_server_comes_up(tiny_model_dir: Path, wavs)
         late.stop()
     assert not thread.is_alive()
     assert "error" not in outcome, outcome
-    assert outcome["text"] is not None
+    assert outcome["text"] == _in_process_text(recognizer, wavs[0])
 
 
 def test_retries_are_bounded(wavs) -> None:

@@ -111,9 +111,11 @@ def test_word_times_lie_inside_the_audio(tiny_model_dir: Path, corpus_audio, kin
     rec = Recognizer(tiny_model_dir, DecoderConfig(kind=kind), intra_op_threads=1)
     _, audio = corpus_audio[0]
     t = rec.transcribe([audio])[0]
+    assert t.words and [w.text for w in t.words] == t.text.split()
     for w in t.words:
         assert 0 <= w.start < w.end <= len(audio) / 16000 + 0.1
         assert 0 <= w.confidence <= 1
+    assert all(a.end <= b.start for a, b in zip(t.words, t.words[1:], strict=False))
 
 
 def test_empty_audio_gives_an_empty_transcript(recognizer: Recognizer) -> None:

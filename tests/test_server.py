@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
+from echoic.server.session import MAX_CUT_DELAY  # noqa: E402
 
 Code = grpc.StatusCode
 Config = pb.RecognitionConfig
@@ -232,6 +234,32 @@ def test_beam_final_results_carry_max_alternatives(stub, tiny_model_dir, clips) 
     assert len(greedy.alternatives) == 1
 
 
+def test_beam_search_uses_the_model_directorys_lm(tiny_lm_model_dir, clips) -> None:
+    """A model directory with lm.arpa: BEAM requests decode with it, disable_lm without."""
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    from echoic.model.core.decoding import DecoderConfig
+
+    with_lm = Recognizer(
+        tiny_lm_model_dir, DecoderConfig(kind="beam", beam_size=8), intra_op_threads=1
+    )
+    assert with_lm.lm_path == str(tiny_lm_model_dir / "lm.arpa")
+    without = Recognizer(with_lm.engine, DecoderConfig(kind="beam", beam_size=8, use_lm=False))
+    audio = [samples for _, samples in clips]
+    want = [t.text for t in with_lm.transcribe(audio)]
+    plain = [t.text for t in without.transcribe(audio)]
+    assert want != plain, "the LM should change what the tiny model's beam search reads"
+    beam = pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8)
+    no_lm = pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8, disable_lm=True)
+    with running(tiny_lm_model_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        (info,) = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+        assert info.has_language_model
+        for (wav, _), lm_text, plain_text in zip(clips, want, plain, strict=True):
+            assert texts(recognize(stub, wav, Config(decoder=beam))) == [lm_text]
+            assert finals(stream(stub, wav, Config(decoder=beam))) == [lm_text]
+            assert texts(recognize(stub, wav, Config(decoder=no_lm))) == [plain_text]
+
+
 def test_interim_results_then_one_final(stub, clips, expected) -> None:
     wav, samples = clips[0]
     responses = stream(stub, wav, Config(), interim=True)
@@ -247,26 +275,144 @@ def test_interim_results_then_one_final(stub, clips, expected) -> None:
     assert len(sparse) - 1 <= len(samples) / 16000 + 1 and len(sparse) < len(responses)
 
 
-def test_endpointing_splits_utterances_alike_in_stream_and_recognize(stub, clips) -> None:
+# Endpointing is checked on the bundled model, whose transcripts are real words: two
+# corpus utterances with a known pause between them, so where each utterance ends is
+# known from the audio itself.
+PAUSE = 1.5  # s of digital silence put between the two utterances
+
+
+@pytest.fixture(scope="module")
+def bundled_stub() -> Iterator[pb_grpc.TranscriberStub]:
+    with running() as server, channel_to(server) as channel:  # no model named: the bundled one
+        yield pb_grpc.TranscriberStub(channel)
+
+
+@pytest.fixture(scope="module")
+def two_utterances(clips) -> tuple[np.ndarray, list[np.ndarray], tuple[float, float]]:
+    """(audio, [the two parts], (quiet_from, quiet_to)): clips 0 and 1 joined by PAUSE s of
+    silence, and where the signal is quiet between them (s): from the last instant of the
+    first clip's speech to the first instant of the second's."""
+
+    def speech(x: np.ndarray) -> tuple[float, float]:  # above 2% of the peak
+        loud = np.flatnonzero(np.abs(x) > 0.02 * np.abs(x).max())
+        return loud[0] / 16000, (loud[-1] + 1) / 16000
+
     (_, a), (_, b) = clips[0], clips[1]
-    audio = pcm16(np.concatenate([a, np.zeros(24000, np.float32), b]))  # 1.5 s pause between
-    for endpointing, least in (
-        (pb.EndpointingConfig(trailing_silence_ms=800), 2),
-        (pb.EndpointingConfig(max_utterance_ms=1000), 3),
-    ):
-        config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
-        response = recognize(stub, audio, config)
-        results = list(response.results)
-        assert len(results) >= least
-        assert [r.utterance_index for r in results] == list(range(len(results)))
-        assert all(r.is_final and r.alternatives[0].transcript for r in results)
-        for earlier, later in zip(results, results[1:], strict=False):
-            assert earlier.utterance_end_time <= later.utterance_start_time
-            assert (
-                earlier.alternatives[0].words[-1].end_time
-                <= later.alternatives[0].words[0].start_time
-            )
-        assert finals(stream(stub, audio, config)) == texts(response)
+    audio = np.concatenate([a, np.zeros(round(PAUSE * 16000), np.float32), b])
+    quiet = (speech(a)[1], len(a) / 16000 + PAUSE + speech(b)[0])
+    return audio, [a, b], quiet
+
+
+def _utterances(response) -> list[tuple[int, float, float, str]]:
+    return [
+        (r.utterance_index, r.utterance_start_time, r.utterance_end_time,
+         r.alternatives[0].transcript)
+        for r in response.results
+    ]  # fmt: skip
+
+
+def _final_utterances(responses) -> list[tuple[int, float, float, str]]:
+    return [u for r in responses if r.results and r.results[0].is_final for u in _utterances(r)]
+
+
+def _chunking(stub) -> tuple[float, float]:
+    """(chunk, frame) of the served model, s: an endpoint can only fall at a step's end."""
+    (info,) = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+    return info.chunk_seconds, info.frame_seconds
+
+
+@pytest.mark.parametrize(
+    "silence_ms", [pytest.param(500, id="500ms"), pytest.param(1200, id="1200ms")]
+)
+def test_trailing_silence_ends_the_utterance_inside_the_pause(
+    bundled_stub, two_utterances, silence_ms: int
+) -> None:
+    """Measured: the first clip's last word ends at 3.15 s, its speech at 3.16 s, the
+    second's speech starts at 5.09 s; 500 ms ends the utterance at 4.2 s, 1200 ms at 4.8 s
+    (chunks of 0.6 s); the second part reads 'she sells se chells by the se suore' against
+    'she sells sechells by the cesure' alone (CER 0.125: the acoustic model's state carries
+    over the endpoint)."""
+    import jiwer
+
+    audio, parts, (quiet_from, quiet_to) = two_utterances
+    chunk, frame = _chunking(bundled_stub)
+    alone = [t.text for t in Recognizer(intra_op_threads=1).transcribe(parts)]
+    endpointing = pb.EndpointingConfig(trailing_silence_ms=silence_ms)
+    config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
+    response = recognize(bundled_stub, pcm16(audio), config)
+    # One utterance a clip: no cut at a pause between words, none missed in the pause.
+    assert len(response.results) == 2, _utterances(response)
+    first, second = response.results
+    assert first.utterance_index == 0 and second.utterance_index == 1
+    assert first.is_final and second.is_final
+    last_word = first.alternatives[0].words[-1].end_time
+    assert quiet_from - 2 * frame <= last_word <= quiet_from + frame
+    # Rule 1 fires at the end of the first step that leaves `silence_ms` after the last word.
+    silence = silence_ms / 1000
+    steps = np.ceil((last_word + silence) / chunk - 1e-6)
+    assert first.utterance_end_time == pytest.approx(steps * chunk)
+    assert quiet_from + silence - 2 * frame <= first.utterance_end_time < quiet_to
+    assert second.utterance_start_time == first.utterance_end_time
+    assert second.utterance_end_time == pytest.approx(len(audio) / 16000)
+    assert second.alternatives[0].words[0].start_time >= quiet_to - frame
+    for result in (first, second):
+        words = result.alternatives[0].words
+        assert [w.word for w in words] == result.alternatives[0].transcript.split()
+        assert result.utterance_start_time <= words[0].start_time
+        assert words[-1].end_time <= result.utterance_end_time
+    assert first.alternatives[0].transcript == alone[0]
+    assert jiwer.cer(alone[1], second.alternatives[0].transcript) <= 0.2
+    assert _final_utterances(stream(bundled_stub, pcm16(audio), config)) == _utterances(response)
+
+
+@pytest.mark.parametrize(
+    "longest_ms", [pytest.param(1000, id="1000ms"), pytest.param(2500, id="2500ms")]
+)
+def test_max_utterance_cuts_pieces_no_longer_than_asked(
+    bundled_stub, two_utterances, longest_ms: int
+) -> None:
+    """Measured at 1000 ms before cuts waited for a frame outside a character: 0-1.2,
+    1.2-2.4, 2.4-3.6, 4.8-6.0, 6.0-6.91 s (3.6-4.8 s is silence alone, which gives no
+    result)."""
+    audio, _, (quiet_from, quiet_to) = two_utterances
+    chunk, frame = _chunking(bundled_stub)
+    longest = longest_ms / 1000
+    config = linear16(
+        endpointing=pb.EndpointingConfig(max_utterance_ms=longest_ms),
+        enable_word_time_offsets=True,
+    )
+    response = recognize(bundled_stub, pcm16(audio), config)
+    pieces = _utterances(response)
+    assert [i for i, *_ in pieces] == list(range(len(pieces)))
+    # Cut at the end of the first step that reaches `longest` and does not end inside a
+    # character's frames (the next piece would write it again), so every piece but the
+    # last is that long or at most MAX_CUT_DELAY longer, in whole steps; together they
+    # cover the audio.
+    cut = np.ceil(longest / chunk - 1e-6) * chunk
+    latest = cut + np.ceil(MAX_CUT_DELAY / chunk - 1e-6) * chunk
+    assert pieces[0][1] == 0.0 and pieces[-1][2] == pytest.approx(len(audio) / 16000)
+    for _, start, end, _ in pieces[:-1]:
+        assert cut - 1e-6 <= end - start <= latest + 1e-6 and cut < longest + chunk
+        assert (end - start) / chunk == pytest.approx(round((end - start) / chunk))
+    assert pieces[-1][2] - pieces[-1][1] <= latest + 1e-6
+    for (_, _, end, _), (_, start, _, _) in zip(pieces, pieces[1:], strict=False):
+        # Contiguous, but for stretches of silence alone, which give no result.
+        assert start == pytest.approx(end) or quiet_from <= end < start <= quiet_to + frame
+    for r in response.results:
+        words = r.alternatives[0].words
+        assert words and [w.word for w in words] == r.alternatives[0].transcript.split()
+        assert r.utterance_start_time <= words[0].start_time
+        assert words[-1].end_time <= r.utterance_end_time
+    # Nothing lost or repeated at the cuts: the same letters as two utterances cut in the
+    # pause (the cuts restart the decoder, so a cut inside a word splits it in two).
+    whole = recognize(
+        bundled_stub,
+        pcm16(audio),
+        linear16(endpointing=pb.EndpointingConfig(trailing_silence_ms=800)),
+    )  # fmt: skip
+    letters = lambda texts: "".join(texts).replace(" ", "")  # noqa: E731
+    assert letters(t for *_, t in pieces) == letters(texts(whole))
+    assert _final_utterances(stream(bundled_stub, pcm16(audio), config)) == pieces
 
 
 # ---------------------------------------------------------------- audio formats
@@ -351,12 +497,13 @@ BAD_STREAMS = [
 
 
 @pytest.mark.parametrize(("messages", "says"), BAD_STREAMS)
-def test_bad_streams_are_invalid_argument(stub, messages, says) -> None:
+def test_bad_streams_are_invalid_argument(stub, clips, expected, messages, says) -> None:
     code, details = status_of(
         lambda: list(stub.StreamingRecognize(iter(messages), timeout=RPC_TIMEOUT))
     )
     assert code == Code.INVALID_ARGUMENT and says in details, details
-    assert texts(recognize(stub, TONE, linear16())) is not None  # and it serves the next client
+    # And it serves the next client as before.
+    assert finals(stream(stub, clips[0][0], Config(encoding=Config.WAV))) == [expected[0]]
 
 
 BAD_REQUESTS = [
@@ -424,7 +571,19 @@ def test_list_models(stub, tiny_model_dir) -> None:
     assert (info.name, info.version, info.state) == ("echoic-tiny", "1", pb.ModelInfo.LOADED)
     assert info.sample_rate_hertz == 16000 and info.streamable and info.vocabulary_size == 29
     assert info.chunk_seconds > 0 and info.frame_seconds > 0
+    assert not info.has_language_model  # no lm.arpa in the directory
     assert info.path == ""  # the server's directories stay hidden unless --expose-paths
+
+
+def test_a_request_can_pin_the_serving_version(stub, clips, expected) -> None:
+    """`model` / `model_version` naming what is served; test_hot_reload_under_load pins a
+    version beside a draining one."""
+    config = Config(encoding=Config.WAV, model="echoic-tiny", model_version="1")
+    response = recognize(stub, clips[0][0], config)
+    assert (response.model.name, response.model.version) == ("echoic-tiny", "1")
+    assert texts(response) == [expected[0]]
+    responses = stream(stub, clips[0][0], config)
+    assert {r.model.version for r in responses} == {"1"} and finals(responses) == [expected[0]]
 
 
 def test_metrics_endpoint_serves_every_metric(server, stub) -> None:
@@ -558,7 +717,8 @@ def _versions(stub) -> list[tuple[str, int]]:
     return [(m.version, m.state) for m in models]
 
 
-def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected) -> None:
+def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="echoic.server")
     repo = tmp_path / "repo"
     shutil.copytree(tiny_model_dir, repo / "tiny" / "1")
     (repo / "tiny" / ".9.partial").mkdir()  # an export in progress: ignored
@@ -592,37 +752,54 @@ def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected) -> Non
         threads += [threading.Thread(target=old_stream, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
-        for event in started:
-            assert event.wait(RPC_TIMEOUT), "a stream on version 1 never started"
+        try:
+            for event in started:
+                assert event.wait(RPC_TIMEOUT), "a stream on version 1 never started"
+            wait_until(lambda: any(v == "1" for v, _ in seen), what="a request served by version 1")
 
-        # Version 2 appears atomically (as `echoic export` writes it) while they are open.
-        shutil.copytree(tiny_model_dir, repo / "tiny" / ".2.tmp")
-        (repo / "tiny" / ".2.tmp").rename(repo / "tiny" / "2")
-        draining = [("1", pb.ModelInfo.DRAINING), ("2", pb.ModelInfo.LOADED)]
-        wait_until(lambda: _versions(stub) == draining, what="version 2 beside draining 1")
-        assert recognize(stub, clips[0][0], Config()).model.version == "2"
-        assert stream(stub, clips[0][0], Config())[-1].model.version == "2"
+            # Version 2 appears atomically (as `echoic export` writes it) while they are open.
+            shutil.copytree(tiny_model_dir, repo / "tiny" / ".2.tmp")
+            (repo / "tiny" / ".2.tmp").rename(repo / "tiny" / "2")
+            draining = [("1", pb.ModelInfo.DRAINING), ("2", pb.ModelInfo.LOADED)]
+            wait_until(lambda: _versions(stub) == draining, what="version 2 beside draining 1")
+            assert recognize(stub, clips[0][0], Config()).model.version == "2"
+            assert stream(stub, clips[0][0], Config())[-1].model.version == "2"
+            # A request can pin the serving version, but not the draining one.
+            pinned = recognize(stub, clips[0][0], Config(model="tiny", model_version="2"))
+            assert pinned.model.version == "2" and texts(pinned) == [expected[0]]
+            code, details = status_of(lambda: recognize(stub, TONE, linear16(model_version="1")))
+            assert code == Code.INVALID_ARGUMENT and "version '1' is draining" in details, details
 
-        release.set()  # the old streams finish, on version 1
-        for t in threads[1:]:
-            t.join(RPC_TIMEOUT)
-        for i in range(2):
-            assert {r.model.version for r in old[i]} == {"1"}
-            assert finals(old[i]) == [expected[i]]
-        wait_until(lambda: _versions(stub) == [("2", pb.ModelInfo.LOADED)], what="1 to unload")
-        code, details = status_of(lambda: recognize(stub, TONE, Config(model_version="1")))
-        assert code == Code.INVALID_ARGUMENT and "not loaded" in details
+            release.set()  # the old streams finish, on version 1
+            for t in threads[1:]:
+                t.join(RPC_TIMEOUT)
+            for i in range(2):
+                assert {r.model.version for r in old[i]} == {"1"}
+                assert finals(old[i]) == [expected[i]]
+            wait_until(lambda: _versions(stub) == [("2", pb.ModelInfo.LOADED)], what="1 to unload")
+            code, details = status_of(lambda: recognize(stub, TONE, Config(model_version="1")))
+            assert code == Code.INVALID_ARGUMENT and "not loaded" in details
 
-        # A broken version 3 is skipped; version 2 keeps serving.
-        (repo / "tiny" / "3").mkdir()
-        (repo / "tiny" / "3" / "model.onnx").write_bytes(b"not a model")
-        time.sleep(0.5)  # several polls
-        assert _versions(stub) == [("2", pb.ModelInfo.LOADED)]
-        stop.set()
-        threads[0].join(RPC_TIMEOUT)
+            # A broken version 3 is tried, logged and skipped; version 2 keeps serving.
+            (repo / "tiny" / "3").mkdir()
+            (repo / "tiny" / "3" / "model.onnx").write_bytes(b"not a model")
+            failed = "model tiny version 3 not loaded"
+            wait_until(
+                lambda: any(failed in r.getMessage() for r in caplog.records),
+                what="the load of version 3 to fail",
+            )  # fmt: skip
+            (record,) = [r.getMessage() for r in caplog.records if failed in r.getMessage()]
+            assert record.endswith("tiny 2 keeps serving"), record
+            assert _versions(stub) == [("2", pb.ModelInfo.LOADED)]
+            assert recognize(stub, clips[3][0], Config()).model.version == "2"
+        finally:  # the load thread stops, and the streams end, even when a check fails
+            stop.set()
+            release.set()
+            for t in threads:
+                t.join(RPC_TIMEOUT)
 
     assert failures == []
-    assert {v for v, _ in seen} <= {"1", "2"} and seen[-1][0] == "2"
+    assert {v for v, _ in seen} == {"1", "2"} and seen[-1][0] == "2"
     assert all(t == [expected[3]] for _, t in seen)
 
 
@@ -725,11 +902,24 @@ def test_tls_and_mutual_tls(tiny_model_dir, certificates) -> None:
 # ---------------------------------------------------------------- the process
 
 
-def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir) -> None:
+def _refused(stub) -> bool:
+    """A new call fails at once with UNAVAILABLE (the server is draining)."""
+    try:
+        stub.ListModels(pb.ListModelsRequest(), timeout=5)
+    except grpc.RpcError as e:
+        return e.code() == Code.UNAVAILABLE
+    return False
+
+
+def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir, clips, expected) -> None:
+    """README: on SIGTERM health says NOT_SERVING at once (to a watcher, and to a new Check
+    on a new connection: the port still answers), new calls get UNAVAILABLE, and open
+    streams get --grace-seconds to finish."""
     command = [sys.executable, "-m", "echoic.cli.main", "serve", "--model", str(tiny_model_dir),
                "--port", "0", "--threads", "1", "--grace-seconds", "20"]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
     try:
         port = None
         for line in process.stderr:
@@ -737,23 +927,38 @@ def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir) -> None:
                 port = int(match.group(1))
                 break
         assert port, "the server never said where it listens"
-        drain = threading.Thread(target=process.stderr.read)  # keep the pipe flowing
+        drain = threading.Thread(target=lambda: log.extend(process.stderr))  # keep it flowing
         drain.start()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.TranscriberStub(channel)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="echoic.v1.Transcriber"), timeout=10
+            )
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             release = threading.Event()
             call = stub.StreamingRecognize(
-                stream_messages(TONE * 2, linear16(), interim=True, pause=(OPEN, release)),
+                stream_messages(pcm16(clips[0][1]), linear16(), interim=True,
+                                pause=(OPEN, release)),
                 timeout=RPC_TIMEOUT,
-            )
-            next(call)  # the stream is open
+            )  # fmt: skip
+            first = next(call)  # the stream is open
             process.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            wait_until(lambda: _refused(stub), what="new calls to be refused")
+            code, _ = status_of(lambda: recognize(stub, TONE, linear16()))
+            assert code == Code.UNAVAILABLE
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as fresh:
+                assert _refused(pb_grpc.TranscriberStub(fresh))
+                check = health_pb2.HealthCheckRequest(service="echoic.v1.Transcriber")
+                status = health_pb2_grpc.HealthStub(fresh).Check(check, timeout=10).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert process.poll() is None, "the server exited with a stream open"
             release.set()
-            assert [r for r in call if r.results[0].is_final]
+            assert finals([first, *call]) == [expected[0]]  # the open stream's final result
         assert process.wait(timeout=30) == 0
         drain.join(timeout=10)
+        assert any("SIGTERM: draining open streams for up to 20 s" in line for line in log), log
     finally:
         if process.poll() is None:
             process.kill()

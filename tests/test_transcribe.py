@@ -66,17 +66,54 @@ def test_stereo_44k_equals_the_16k_original(mixed_folder: Path, corpus_audio) ->
     assert np.abs(converted - mono).max() < 0.01
 
 
-@pytest.mark.parametrize("fmt", ["text", "srt"])
-def test_text_and_srt_outputs(tiny_model_dir: Path, mixed_folder: Path, tmp_path: Path, fmt):
+def _in_process(model_dir: Path, path: Path):
+    from echoic.model.core.audio import load_audio
+    from echoic.model.runtime.recognizer import Recognizer
+
+    return Recognizer(model_dir, intra_op_threads=1).transcribe([load_audio(path, 16000)])[0]
+
+
+def test_text_output(tiny_model_dir: Path, mixed_folder: Path) -> None:
     good = mixed_folder / "good0.wav"
-    args = ["transcribe", str(good), "--model", str(tiny_model_dir), "--format", fmt]
-    run = _run(*args, "--output-dir", str(tmp_path), "--no-progress")
+    run = _run("transcribe", str(good), "--model", str(tiny_model_dir), "--no-progress")
     assert run.returncode == 0, run.stderr
-    if fmt == "text":
-        assert run.stdout.startswith(f"{good}\t")
-    else:
-        cue = (tmp_path / "good0.srt").read_text()
-        assert cue == "" or " --> " in cue.splitlines()[1]
+    assert run.stdout == f"{good}\t{_in_process(tiny_model_dir, good).text}\n"
+
+
+def _srt_seconds(stamp: str) -> float:
+    hours, minutes, rest = stamp.split(":")
+    seconds, ms = rest.split(",")
+    return int(hours) * 3600 + int(minutes) * 60 + int(seconds) + int(ms) / 1000
+
+
+def test_srt_cues_carry_the_words_and_their_times(
+    tiny_model_dir: Path, corpus_audio, tmp_path: Path
+) -> None:
+    talk = tmp_path / "talk.wav"  # two utterances: more words than one cue holds
+    sf.write(talk, np.concatenate([corpus_audio[0][1], corpus_audio[2][1]]), 16000)
+    words = _in_process(tiny_model_dir, talk).words
+    assert len(words) > 7, "too few words for several cues"
+    args = ["transcribe", str(talk), "--model", str(tiny_model_dir), "--format", "srt"]
+    run = _run(*args, "--output-dir", str(tmp_path / "subs"), "--no-progress")
+    assert run.returncode == 0, run.stderr
+    subtitles = (tmp_path / "subs" / "talk.srt").read_text()
+    assert subtitles.strip(), "an empty SRT file"
+    cues = []
+    for n, block in enumerate(subtitles.split("\n\n"), 1):
+        number, times, text = block.rstrip("\n").split("\n")
+        assert number == str(n)
+        start, end = map(_srt_seconds, times.split(" --> "))
+        cues.append((start, end, text.split()))
+    assert len(cues) >= 2
+    assert [w for *_, cue_words in cues for w in cue_words] == [w.text for w in words]
+    first = 0  # each cue runs from its first word's start to its last word's end
+    for start, end, cue_words in cues:
+        last = first + len(cue_words) - 1
+        assert start == pytest.approx(words[first].start, abs=0.0015)
+        assert end == pytest.approx(words[last].end, abs=0.0015)
+        assert start < end and len(cue_words) <= 7 and end - start <= 3.5 + 0.001
+        first = last + 1
+    assert all(a[1] <= b[0] for a, b in zip(cues, cues[1:], strict=False))
 
 
 def test_srt_needs_an_output_dir(tiny_model_dir: Path, mixed_folder: Path) -> None:
@@ -95,3 +132,73 @@ def test_eval_reports_error_rates(tiny_model_dir: Path, speech_corpus: Path) -> 
     result = json.loads(run.stdout)
     assert result["utterances"] == 30 and 0 < result["cer"] <= 1.5
     assert result["real_time_factor"] > 0 and len(result["worst"]) == 5
+
+
+# ---------------------------------------------------------------- beam search flags
+
+
+@pytest.fixture(scope="module")
+def other_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bigram LM of every other corpus sentence: not the model directory's lm.arpa."""
+    from echoic.model.core.lm import build_arpa
+    from tests.conftest import SENTENCES
+
+    path = tmp_path_factory.mktemp("other-lm") / "other.arpa"
+    build_arpa(SENTENCES.splitlines()[::2], path, order=2)
+    return path
+
+
+BEAM_FLAGS = {
+    "model-directory-lm": ([], {}),
+    "lm-file-over-the-directorys": (["--lm", "OTHER"], {"lm_path": "OTHER"}),
+    "no-lm": (["--no-lm"], {"use_lm": False}),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(name, id=name) for name in BEAM_FLAGS])
+def test_beam_flags_equal_in_process_beam_search(
+    tiny_lm_model_dir: Path, mixed_folder: Path, speech_corpus: Path, other_lm: Path, case: str
+) -> None:
+    """`--decoder beam` with the model directory's lm.arpa, `--lm FILE` or `--no-lm`, in
+    `echoic transcribe` and `echoic eval`, reads what `Recognizer` reads with that config."""
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    import jiwer
+
+    from echoic.model.core.audio import load_audio
+    from echoic.model.core.decoding import DecoderConfig
+    from echoic.model.core.text import normalize_text
+    from echoic.model.runtime.recognizer import Recognizer
+
+    files = [str(mixed_folder / f"good{i}.wav") for i in range(3)]
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][:4]
+    utterances = [str(speech_corpus.parent / r["audio_filepath"]) for r in rows]
+    audio = {p: load_audio(p, 16000) for p in files + utterances}
+
+    def read(decoder: dict) -> tuple[str | None, dict[str, str]]:
+        decoder = {k: str(other_lm) if v == "OTHER" else v for k, v in decoder.items()}
+        config = DecoderConfig(kind="beam", **decoder)
+        rec = Recognizer(tiny_lm_model_dir, config, intra_op_threads=1)
+        transcripts = rec.transcribe(list(audio.values()))
+        return rec.lm_path, {p: t.text for p, t in zip(audio, transcripts, strict=True)}
+
+    readings = {name: read(decoder) for name, (_, decoder) in BEAM_FLAGS.items()}
+    lm, want = readings[case]
+    alike = [name for name, (_, r) in readings.items() if r == want]
+    assert alike == [case], f"{alike} read alike: the test cannot tell them apart"
+    assert lm == {"model-directory-lm": str(tiny_lm_model_dir / "lm.arpa"),
+                  "lm-file-over-the-directorys": str(other_lm), "no-lm": None}[case]  # fmt: skip
+    flags = [str(other_lm) if f == "OTHER" else f for f in BEAM_FLAGS[case][0]]
+    beam = ["--model", str(tiny_lm_model_dir), "--decoder", "beam", *flags]
+
+    run = _run("transcribe", *files, *beam, "--format", "jsonl", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    got = {r["audio_filepath"]: r["text"] for r in map(json.loads, run.stdout.splitlines())}
+    assert got == {p: want[p] for p in files}
+
+    run = _run("eval", *beam, "--manifest", str(speech_corpus), "--limit", "4", "--json")
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert (result["decoder"], result["lm"], result["utterances"]) == ("beam", lm, 4)
+    assert {w["audio"]: w["hyp"] for w in result["worst"]} == {p: want[p] for p in utterances}
+    refs = [normalize_text(r["text"]) for r in rows]
+    assert result["wer"] == round(jiwer.wer(refs, [want[p] for p in utterances]), 4)
