@@ -39,6 +39,7 @@ log = logging.getLogger("echoic.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transcriber"].full_name  # "echoic.v1.Transcriber"
 
 
+DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches
 END_SECONDS = 10.0  # s streams still open when the grace ends get to send their final results
 
 
@@ -53,7 +54,7 @@ class Server:
         metrics: Metrics,
         health: health_aio.HealthServicer,
         service: TranscriberService,
-        executor: ThreadPoolExecutor,
+        executors: tuple[ThreadPoolExecutor, ...],
     ) -> None:
         self.config = config
         self.grpc_server = grpc_server
@@ -61,7 +62,7 @@ class Server:
         self.metrics = metrics
         self.health = health
         self.service = service
-        self._executor = executor
+        self._executors = executors
         self.port = 0  # gRPC port
         self.metrics_port: int | None = None  # Prometheus port, None when off
         self._stopped = False
@@ -91,7 +92,8 @@ class Server:
         await self.grpc_server.stop(0)
         await self.registry.close()
         self.metrics.stop_http()
-        await asyncio.to_thread(self._executor.shutdown)  # a model call in flight ends first
+        for executor in self._executors:  # a model call or decoding in flight ends first
+            await asyncio.to_thread(executor.shutdown)
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
@@ -120,12 +122,16 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     metrics = Metrics()
     # Model calls run here, one at a time per model version; a few versions can overlap.
     executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="echoic-engine")
-    registry = ModelRegistry(config, metrics, executor)
+    # Beam searches run here, bounded, beside the batches rather than inside them.
+    decoders = ThreadPoolExecutor(max_workers=DECODER_THREADS, thread_name_prefix="echoic-decode")
+    executors = (executor, decoders)
+    registry = ModelRegistry(config, metrics, executor, decoders)
     try:
         await registry.start()
     except BaseException:
         await registry.close()
-        executor.shutdown(wait=False)
+        for pool in executors:
+            pool.shutdown(wait=False)
         raise
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -143,7 +149,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
              reflection.SERVICE_NAME),
             grpc_server,
         )  # fmt: skip
-    server = Server(config, grpc_server, registry, metrics, health, service, executor)
+    server = Server(config, grpc_server, registry, metrics, health, service, executors)
     address = f"{config.host}:{config.port}"
     try:
         if credentials is None:
@@ -155,7 +161,8 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     except BaseException as e:
         await registry.close()
         metrics.stop_http()
-        executor.shutdown(wait=False)
+        for pool in executors:
+            pool.shutdown(wait=False)
         if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
             raise ServerError(f"cannot listen on {address}: {e}") from e
         if isinstance(e, OSError):

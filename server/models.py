@@ -75,9 +75,16 @@ class LoadedModel:
     dispatcher, and how many calls use it."""
 
     def __init__(
-        self, name: str, version: str, path: Path, greedy: Recognizer, dispatcher: Dispatcher
+        self,
+        name: str,
+        version: str,
+        path: Path,
+        greedy: Recognizer,
+        dispatcher: Dispatcher,
+        decoders: Executor,
     ) -> None:
         self.name, self.version, self.path = name, version, path
+        self._decoders = decoders
         self.card = greedy.card
         self.greedy = greedy
         self.state = LOADED
@@ -106,6 +113,11 @@ class LoadedModel:
         """Run the stream's next step in this version's next batch."""
         await self._dispatcher.step(stream)
 
+    async def decode(self, stream: Stream) -> None:
+        """Decode what the stream's steps queued (deferred decoding: beam search), in the
+        decoder pool, so that the batch every stream shares never waits for a beam."""
+        await asyncio.get_running_loop().run_in_executor(self._decoders, stream.decode_pending)
+
     async def log_probs(self, audio: np.ndarray) -> np.ndarray:
         """Log-probs (T', V) of one whole utterance, batched with others through model.onnx."""
         return await self._dispatcher.offline(audio)
@@ -116,10 +128,13 @@ class LoadedModel:
 
 
 class ModelRegistry:
-    def __init__(self, config: ServerConfig, metrics: Metrics, executor: Executor) -> None:
+    def __init__(
+        self, config: ServerConfig, metrics: Metrics, executor: Executor, decoders: Executor
+    ) -> None:
         self._config = config
         self._metrics = metrics
-        self._executor = executor
+        self._executor = executor  # batched model calls
+        self._decoders = decoders  # beam searches, off the batches
         self.serving: dict[str, LoadedModel] = {}  # name -> the version new requests get
         self.loaded: list[LoadedModel] = []  # every version in memory, serving or draining
         self._failed: dict[Path, tuple] = {}  # directory -> its signature when it failed
@@ -250,7 +265,7 @@ class ModelRegistry:
             metrics=self._metrics,
             labels=(name, version),
         )
-        return LoadedModel(name, version, path, greedy, dispatcher)
+        return LoadedModel(name, version, path, greedy, dispatcher, self._decoders)
 
     def _switch(self, model: LoadedModel) -> None:
         old = self.serving.get(model.name)

@@ -238,6 +238,8 @@ class Session:
         self.stream = UtteranceStream(recognizer) if model.streamable else None
         if self.stream is not None:
             self.stream.n_best = options.alternatives
+            # A beam search is decoded in the decoder pool, not in the shared batch.
+            self.stream.deferred_decoding = options.decoder.kind == "beam"
         self._offline: list[np.ndarray] = []  # samples, for a model that cannot stream
         self.samples = 0  # samples at the model's rate accepted, count
         self._last_interim = 0.0  # decoded audio at the last interim result, s
@@ -277,6 +279,8 @@ class Session:
         stream, opts = self.stream, self.options
         while stream.is_ready():
             await self.model.step(stream)
+            if stream.has_undecoded:
+                await self.model.decode(stream)
             if stream.is_final:
                 break
             if self._endpoint():

@@ -500,3 +500,36 @@ def test_fuzzed_requests_get_clean_statuses_and_the_server_goes_on(tiny_model_di
         after = recognize(stub, tone, Config()).results[0].alternatives[0].transcript
     assert sum(seen.values()) >= 100 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
     assert after == before
+
+
+def test_beam_search_runs_beside_the_batch_not_in_it(tiny_model_dir, monkeypatch) -> None:
+    """Every beam-search step of a stream runs in the decoder pool, never in the engine
+    thread that runs the batch all streams share (so a large beam delays only its own
+    client); greedy streams decode in the batch, as before; transcripts are unchanged."""
+    import threading
+
+    from echoic.model.core import decoding
+
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    threads: dict[str, set[str]] = {"beam": set(), "greedy": set()}
+    for kind, cls in (("beam", decoding.BeamStream), ("greedy", decoding.GreedyStream)):
+        original = cls._accept
+
+        def spy(self, chunk, original=original, kind=kind):
+            threads[kind].add(threading.current_thread().name.rsplit("_", 1)[0])
+            return original(self, chunk)
+
+        monkeypatch.setattr(cls, "_accept", spy)
+    tone = _container(3, 16000, 1, "WAV", tone=True)
+    beam = Config(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8))
+    with running(tiny_model_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        got = recognize(stub, tone, beam).results[0].alternatives[0].transcript
+        list(stub.StreamingRecognize(_messages(tone, Config.WAV, beam), timeout=30))
+        recognize(stub, tone, Config())
+    assert threads["beam"] == {"echoic-decode"}, threads
+    assert threads["greedy"] == {"echoic-engine"}, threads
+    from echoic.model.runtime.recognizer import Recognizer
+
+    local = Recognizer(tiny_model_dir, decoding.DecoderConfig(kind="beam", beam_size=8))
+    assert got == local.transcribe([decode_audio(tone, 16000)])[0].text

@@ -171,8 +171,12 @@ class Stream:
         self._result = Transcript("", (), 0.0)
         self._lock = threading.Lock()
         self._ended = False  # finish() was called; the feeder finishes at the next step
+        # True: a step only queues its log-prob rows, and `decode_pending` (run wherever
+        # the caller likes: a beam search off the batch every stream shares) decodes them.
+        self.deferred_decoding = False
+        self._undecoded: list[np.ndarray] = []  # rows a step queued, not yet decoded
         self.samples_in = 0  # audio samples accepted
-        self.frames_decoded = 0  # output frames decoded
+        self.frames_decoded = 0  # output frames the model has given (decoded, or queued)
 
     # ---- the caller's side ---------------------------------------------------------
 
@@ -233,8 +237,21 @@ class Stream:
 
     def result(self) -> Transcript:
         """The transcript so far; the final one once `is_final`."""
+        self.decode_pending()
         if self.is_final:
             self._result = self._decoder.finalize()
+        return self._result
+
+    @property
+    def has_undecoded(self) -> bool:
+        """Steps queued rows that `decode_pending` has not decoded yet (deferred decoding)."""
+        return bool(self._undecoded)
+
+    def decode_pending(self) -> Transcript:
+        """Decode the rows the steps queued (deferred decoding); the transcript so far."""
+        rows, self._undecoded = self._undecoded, []
+        for log_probs in rows:
+            self._result = self._decoder.accept(log_probs)
         return self._result
 
     def restart_decoder(self) -> Transcript:
@@ -243,6 +260,7 @@ class Stream:
         The recurrent state and the audio position carry on (an endpoint splits the
         transcript, not the acoustic context). Returns the finished utterance.
         """
+        self.decode_pending()
         final = self._decoder.finalize()
         self._decoder = self.recognizer.decoder_stream()
         self._decoder.n_best = self._n_best
@@ -286,7 +304,11 @@ class Stream:
         return self._state
 
     def accept_step(self, log_probs: np.ndarray, state: StreamState) -> None:
-        """A window's log-prob rows (this stream's alone) and the state after it."""
+        """A window's log-prob rows (this stream's alone) and the state after it; the rows
+        are decoded now, or queued for `decode_pending` with deferred decoding."""
         self._state = state
         self.frames_decoded += len(log_probs)
-        self._result = self._decoder.accept(log_probs)
+        if self.deferred_decoding:
+            self._undecoded.append(log_probs)
+        else:
+            self._result = self._decoder.accept(log_probs)
