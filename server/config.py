@@ -54,6 +54,11 @@ class ServerConfig:
         "a model repository DIR/<name>/<version>/, polled for new versions (hot reload)",
         Flag(metavar="DIR", exclusive="model"),
     )
+    default_model: str = setting(
+        "",
+        "the model name a request that names none gets; \"\" = the only one served",
+        Flag(metavar="NAME"),
+    )
     poll_seconds: float = setting(
         5.0,
         "s between two scans of the model repository; 0 = scan only at start",

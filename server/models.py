@@ -12,7 +12,10 @@ the serving one (in a worker thread: the event loop never blocks on a load),
 then takes the new requests, while the streams already open on the old version
 finish there (it is *draining*); once its last stream ends it is unloaded. A
 version that fails to load is logged and skipped, and the old one keeps
-serving; it is tried again when its files change. Removing the serving
+serving; it is tried again when its files change. A version is loaded only once
+it is complete: its `export.json` (which `echoic export` writes last) is there,
+with every graph its model card names, so a version copied file by file is
+never loaded half-written (copy export.json last). SIGHUP scans at once. Removing the serving
 version's directory falls back to the newest remaining one; removing a model's
 whole directory drains and unloads it.
 """
@@ -20,6 +23,7 @@ whole directory drains and unloads it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import Executor
 from pathlib import Path
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from echoic.model.core.decoding import DecoderConfig
+from echoic.model.runtime.card import OFFLINE_FILE, REPORT_FILE, STREAM_FILE, ModelCard
 from echoic.model.runtime.engine import Engine
 from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
 from echoic.server.config import ServerConfig, ServerError
@@ -58,6 +63,20 @@ def scan_repository(repo: Path) -> dict[str, dict[str, Path]]:
         if versions:
             found[name_dir.name] = versions
     return found
+
+
+def incomplete(path: Path) -> str | None:
+    """Why a version directory is not ready to load yet; None when it is."""
+    report = path / REPORT_FILE
+    if not report.is_file():
+        return f"no {REPORT_FILE} yet (`echoic export` writes it last; copy it last)"
+    try:
+        card = ModelCard.from_json(json.dumps(json.loads(report.read_text())["model_card"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{REPORT_FILE} is not readable yet ({e})"
+    needed = [OFFLINE_FILE, *([STREAM_FILE] if card.streamable else [])]
+    missing = [name for name in needed if not (path / name).is_file()]
+    return f"{', '.join(missing)} missing (its {REPORT_FILE} names it)" if missing else None
 
 
 def _signature(path: Path) -> tuple:
@@ -138,6 +157,7 @@ class ModelRegistry:
         self.serving: dict[str, LoadedModel] = {}  # name -> the version new requests get
         self.loaded: list[LoadedModel] = []  # every version in memory, serving or draining
         self._failed: dict[Path, tuple] = {}  # directory -> its signature when it failed
+        self._waiting: dict[Path, str] = {}  # incomplete directory -> why, as last logged
         self._tasks: set[asyncio.Task] = set()
         self._poll_task: asyncio.Task | None = None
 
@@ -186,12 +206,15 @@ class ModelRegistry:
 
     def resolve(self, name: str, version: str) -> LoadedModel:
         if not name:
-            if len(self.serving) == 1:
+            if self._config.default_model and self._config.default_model in self.serving:
+                name = self._config.default_model
+            elif len(self.serving) == 1:
                 name = next(iter(self.serving))
             else:
                 raise ModelLookupError(
-                    "this server serves several models; set config.model to one of: "
-                    + ", ".join(sorted(self.serving))
+                    "this server serves several models and has no default (echoic serve "
+                    "--default-model): name one, with --model NAME on the echoic command line "
+                    "or `model` in RecognitionConfig, from: " + ", ".join(sorted(self.serving))
                 )
         model = self.serving.get(name)
         if model is None:
@@ -228,6 +251,12 @@ class ModelRegistry:
                     break  # the newest loadable version is the one serving
                 if self._failed.get(path) == _signature(path):
                     continue
+                if why := incomplete(path):
+                    if self._waiting.get(path) != why:  # one line per change, not per poll
+                        log.info("model %s version %s not loaded yet: %s", name, version, why)
+                        self._waiting[path] = why
+                    continue
+                self._waiting.pop(path, None)
                 try:
                     model = await self._load(name, version, path)
                 except Exception as e:  # noqa: BLE001 - any broken directory is skipped

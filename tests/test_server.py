@@ -783,6 +783,8 @@ def test_hot_reload_under_load(tiny_model_dir, tmp_path, clips, expected, caplog
             # A broken version 3 is tried, logged and skipped; version 2 keeps serving.
             (repo / "tiny" / "3").mkdir()
             (repo / "tiny" / "3" / "model.onnx").write_bytes(b"not a model")
+            (repo / "tiny" / "3" / "stream.onnx").write_bytes(b"not a model")
+            shutil.copy(tiny_model_dir / "export.json", repo / "tiny" / "3")  # complete, broken
             failed = "model tiny version 3 not loaded"
             wait_until(
                 lambda: any(failed in r.getMessage() for r in caplog.records),

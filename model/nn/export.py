@@ -43,6 +43,7 @@ from echoic.model.runtime.card import (
     CARD_FORMAT,
     CARD_KEY,
     OFFLINE_FILE,
+    REPORT_FILE,
     STREAM_FILE,
     ModelCard,
     StateSpec,
@@ -56,7 +57,6 @@ DEFAULT_STREAM_CHUNK = 16  # output frames per streaming step of a unidirectiona
 PARITY_TOLERANCE = 1e-4  # max |log-prob difference| allowed over valid frames
 # Utterance lengths (input frames) of the parity batches: batch 1 short and long, mixed.
 PARITY_BATCHES: tuple[tuple[int, ...], ...] = ((23,), (150,), (61, 37, 5), (96, 96, 17, 1))
-REPORT_FILE = "export.json"
 
 
 class ExportError(Exception):

@@ -26,6 +26,7 @@ CARD_KEY = "echoic.model_card"  # metadata_props key holding the card's JSON
 CARD_FORMAT = "echoic-model-card-1"
 OFFLINE_FILE = "model.onnx"
 STREAM_FILE = "stream.onnx"
+REPORT_FILE = "export.json"  # written last by `echoic export`: a version is complete with it
 BATCH = "batch"  # the symbolic batch dimension of every graph input and output
 
 
