@@ -126,6 +126,7 @@ async def hostile(client: AsyncClient, channel: grpc.aio.Channel, utterances, n:
             elif kind == "garbage":
                 await client.recognize(b"RIFF" + rng.randbytes(4000), encoding="wav")
             else:  # trickle: a few bytes a second, until the idle timeout or the end
+
                 async def slow():
                     for _ in range(20):
                         await asyncio.sleep(0.5)
@@ -150,8 +151,7 @@ async def soak(server: Server, utterances, args) -> tuple[Record, list[tuple]]:
         deadline = time.monotonic() + 60 * args.minutes
         async with grpc.aio.insecure_channel(target) as channel:
             tasks = [
-                good(client, utterances, i, deadline, rec)
-                for i in range(args.streams - n_hostile)
+                good(client, utterances, i, deadline, rec) for i in range(args.streams - n_hostile)
             ] + [hostile(client, channel, utterances, i, deadline, rec) for i in range(n_hostile)]
 
             async def sample_rss() -> None:

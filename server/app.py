@@ -215,12 +215,13 @@ async def _serve(config: ServerConfig) -> None:
             stopping = loop.create_task(server.stop())
 
     def on_hangup() -> None:
+        if stopping is not None:
+            return  # shutting down: nothing new loads
         if config.model_repo is None:
             log.info("SIGHUP: no model repository to rescan (serving one --model directory)")
             return
         log.info("SIGHUP: rescanning the model repository")
-        task = loop.create_task(server.registry.sync())
-        task.add_done_callback(_log_failure)
+        server.registry.rescan()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
@@ -229,11 +230,6 @@ async def _serve(config: ServerConfig) -> None:
     if stopping is not None:
         await stopping
     log.info("stopped")
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("rescanning the model repository failed: %s", task.exception())
 
 
 def serve(config: ServerConfig) -> None:

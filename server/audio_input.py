@@ -40,6 +40,7 @@ from echoic.model.core.audio import (
 )
 
 _WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
+_PLACEHOLDER_SIZE = 0x7FFF0000  # a WAV data size from here on means "unknown", bytes
 _MAX_HEADER_BYTES = 1 << 20  # a WAV whose samples have not begun after this is not streamable
 
 
@@ -235,6 +236,7 @@ class AudioInput:
         }
         if (tag, bits) not in formats or channels < 1:
             return False
+        check_channels(channels, self.name)
         check_rate(rate, self.name)
         if self._declared_rate is not None and self._declared_rate != rate:
             raise AudioError(
@@ -244,8 +246,9 @@ class AudioInput:
         self._mode = "wav"
         self._rate, self._channels = rate, channels
         self._sample_format, self._sample_bytes = formats[tag, bits], bits // 8
-        # Writers that stream WAV leave the size at 0 or 0xFFFFFFFF: read to the end then.
-        self._data_left = None if data_size in (0, 0xFFFFFFFF) else data_size
+        # Writers that stream WAV leave the size at 0, 0xFFFFFFFF or a placeholder near
+        # 2**31 (arecord to a pipe): read to the end then, and count as the audio comes.
+        self._data_left = None if data_size == 0 or data_size >= _PLACEHOLDER_SIZE else data_size
         if self._data_left is not None:
             frames = self._data_left // (self._sample_bytes * channels)
             check_length(frames, rate, self.max_seconds, self.name, exact=True)

@@ -56,7 +56,7 @@ class ServerConfig:
     )
     default_model: str = setting(
         "",
-        "the model name a request that names none gets; \"\" = the only one served",
+        'the model name a request that names none gets; "" = the only one served',
         Flag(metavar="NAME"),
     )
     poll_seconds: float = setting(
@@ -114,8 +114,8 @@ class ServerConfig:
     )
     max_beam_size: int = setting(
         64,
-        "largest beam_size a request may ask for, hypotheses per frame (a beam search's cost "
-        "grows with it, and it runs in the batch every stream shares)",
+        "largest beam_size a request may ask for, hypotheses per frame (a beam search's "
+        "CPU and memory grow with it)",
         Flag(metavar="N"),
     )
     max_message_bytes: int = setting(

@@ -7,7 +7,8 @@ dispatcher loop takes whatever is queued the moment the engine is free (up to
 `max_batch` streams; with `max_wait_ms` > 0 it first waits that long for a
 fuller batch), runs ONE batched `Recognizer.step` - the new feature frames of
 all its streams in one batch, a single stream.onnx call, then each stream's
-decoding - in a worker thread, and wakes each stream to read its rows. Under
+greedy decoding (a beam search only queues its rows, decoded beside the batch in
+the decoder pool) - in a worker thread, and wakes each stream to read its rows. Under
 light load a window waits for nobody; under heavy load batches grow instead of
 queues.
 
@@ -76,7 +77,8 @@ class Dispatcher:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dispatch {labels}")
 
     async def step(self, stream: Stream) -> None:
-        """Run the stream's next step in the next batch; return once it is decoded."""
+        """Run the stream's next step in the next batch; return once the stream has its
+        rows (decoded, or queued for a beam search: `LoadedModel.decode`)."""
         await self._submit("stream", stream)
 
     async def offline(self, audio: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from echoic.model.core.decoding import DecoderConfig
+from echoic.model.core.decoding import DecoderConfig, Transcript
 from echoic.model.runtime.card import OFFLINE_FILE, REPORT_FILE, STREAM_FILE, ModelCard
 from echoic.model.runtime.engine import Engine
 from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
@@ -137,6 +137,13 @@ class LoadedModel:
         decoder pool, so that the batch every stream shares never waits for a beam."""
         await asyncio.get_running_loop().run_in_executor(self._decoders, stream.decode_pending)
 
+    async def decode_whole(
+        self, recognizer: Recognizer, log_probs: np.ndarray, n_best: int
+    ) -> Transcript:
+        """One whole utterance's transcript (a model that cannot stream), in the decoder pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._decoders, recognizer.decode, log_probs, n_best)
+
     async def log_probs(self, audio: np.ndarray) -> np.ndarray:
         """Log-probs (T', V) of one whole utterance, batched with others through model.onnx."""
         return await self._dispatcher.offline(audio)
@@ -159,6 +166,8 @@ class ModelRegistry:
         self._failed: dict[Path, tuple] = {}  # directory -> its signature when it failed
         self._waiting: dict[Path, str] = {}  # incomplete directory -> why, as last logged
         self._tasks: set[asyncio.Task] = set()
+        self._sync_lock = asyncio.Lock()  # scans (poller, SIGHUP) one at a time
+        self._closed = False
         self._poll_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ start, stop
@@ -176,6 +185,7 @@ class ModelRegistry:
                     f"{repo}: no loadable model (expected {repo}/<name>/<version>/ directories "
                     "written by `echoic export`; see the log for why each failed)"
                 )
+            self._check_default()
             if cfg.poll_seconds > 0:
                 self._poll_task = asyncio.create_task(self._poll(), name="model repository poll")
             return
@@ -187,12 +197,23 @@ class ModelRegistry:
             )
         model = await self._load(None, None, path.resolve())
         self._switch(model)
+        self._check_default()
+
+    def _check_default(self) -> None:
+        default = self._config.default_model
+        if default and default not in self.serving:
+            raise ServerError(
+                f"--default-model {default}: no such model is served (loaded: "
+                + ", ".join(sorted(self.serving)) + ")"
+            )
 
     async def close(self) -> None:
+        self._closed = True
         if self._poll_task is not None:
             self._poll_task.cancel()
-        for model in list(self.loaded):
-            await self._unload(model)
+        async with self._sync_lock:  # a scan in progress ends first
+            for model in list(self.loaded):
+                await self._unload(model)
 
     async def _poll(self) -> None:
         while True:
@@ -205,10 +226,17 @@ class ModelRegistry:
     # ------------------------------------------------------------------ requests
 
     def resolve(self, name: str, version: str) -> LoadedModel:
+        default = self._config.default_model
+        if not name and default:
+            if default not in self.serving:
+                served = ", ".join(sorted(self.serving)) or "none"
+                raise ModelLookupError(
+                    f"this server's default model {default!r} (--default-model) is not loaded "
+                    f"(it serves {served}): name a model, or fix the server's --default-model"
+                )
+            name = default
         if not name:
-            if self._config.default_model and self._config.default_model in self.serving:
-                name = self._config.default_model
-            elif len(self.serving) == 1:
+            if len(self.serving) == 1:
                 name = next(iter(self.serving))
             else:
                 raise ModelLookupError(
@@ -239,8 +267,24 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ hot reload
 
+    def rescan(self) -> None:
+        """Scan the repository now, in the background (SIGHUP)."""
+        self._spawn(self._logged_sync())
+
+    async def _logged_sync(self) -> None:
+        try:
+            await self.sync()
+        except Exception:  # noqa: BLE001 - a bad scan is logged; serving goes on
+            log.exception("scanning the model repository failed")
+
     async def sync(self) -> None:
-        """Scan the repository once and load, switch or drain to match it."""
+        """Scan the repository once and load, switch or drain to match it; one scan at a
+        time (the poller and SIGHUP), none once the registry is closed."""
+        async with self._sync_lock:
+            if not self._closed:
+                await self._sync()
+
+    async def _sync(self) -> None:
         repo = Path(self._config.model_repo).resolve()
         found = await asyncio.to_thread(scan_repository, repo)
         for name, versions in found.items():

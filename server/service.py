@@ -1,8 +1,10 @@
 """The `echoic.v1.Transcriber` service: Recognize, StreamingRecognize, ListModels.
 
 Each call is admitted (or refused with RESOURCE_EXHAUSTED at once when
-`max_streams` calls are open), pinned to the model version it resolved to for its
-whole life, and counted by method and status code. Errors a client can fix
+`max_streams` calls are open, and with UNAVAILABLE while the server drains for
+shutdown), pinned to the model version it resolved to for its whole life, and
+counted by method and status code. A message that does not parse reaches the
+rpc as `Malformed` and is answered INVALID_ARGUMENT. Errors a client can fix
 become INVALID_ARGUMENT, OUT_OF_RANGE or DEADLINE_EXCEEDED with a sentence
 saying what to change; anything else is INTERNAL and logged with its traceback.
 """
@@ -72,7 +74,7 @@ class _RateLimitedWarning:
             self._skipped += 1
             return
         if self._skipped:
-            message += f" (and {self._skipped} more in the last {self.seconds:g} s)"
+            message += f" (and {self._skipped} more since the last such line)"
         log.warning(message, *args)
         self._next, self._skipped = now + self.seconds, 0
 

@@ -7,9 +7,11 @@ decoded audio, a final one at each endpoint and at the end of the audio.
 
 Endpointing (as in sherpa-onnx and Riva), checked after every model step:
 rule 1 ends an utterance after `trailing_silence_ms` of trailing silence (CTC
-blanks and spaces after its last word) once it has a word; rule 2 ends it when it
-reaches `max_utterance_ms` (an utterance of silence alone ends without a result,
-so silence never produces empty finals). The stream then goes on with a fresh
+blanks and spaces after its last word) once it has a word; rule 2 ends it once it
+reaches `max_utterance_ms`, at the first step that does not end inside a
+character's run of frames (at most MAX_CUT_DELAY later), so that the next
+utterance does not write that character again (an utterance of silence alone
+ends without a result, so silence never produces empty finals). The stream then goes on with a fresh
 utterance: the CTC decoder restarts, while the acoustic model's recurrent state
 and window position carry on, since the audio is one continuous signal (nothing
 is dropped or re-padded at the boundary, and no step is spent warming up a new
@@ -22,7 +24,6 @@ them into gRPC status codes.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -341,8 +342,9 @@ class Session:
             return []
         audio = np.concatenate(self._offline) if self._offline else np.zeros(0, np.float32)
         log_probs = await self.model.log_probs(audio)
-        decode = self._recognizer.decode
-        transcript = await asyncio.to_thread(decode, log_probs, self.options.alternatives)
+        transcript = await self.model.decode_whole(
+            self._recognizer, log_probs, self.options.alternatives
+        )
         self.done = True
         return [
             result_proto(

@@ -533,3 +533,29 @@ def test_beam_search_runs_beside_the_batch_not_in_it(tiny_model_dir, monkeypatch
 
     local = Recognizer(tiny_model_dir, decoding.DecoderConfig(kind="beam", beam_size=8))
     assert got == local.transcribe([decode_audio(tone, 16000)])[0].text
+
+
+def _wav_header(rate: int, channels: int, bits: int, data_size: int) -> bytes:
+    import struct
+
+    block = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * block, block, bits)
+    return (
+        b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE"
+        + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+        + b"data" + struct.pack("<I", data_size)
+    )  # fmt: skip
+
+
+def test_a_live_capture_wav_streams_and_a_wide_one_is_refused(stub) -> None:
+    """arecord and other live writers put a placeholder near 2**31 in the data size: the
+    stream is read to its end and measured as it comes, not refused for a length it does
+    not have. A WAV of 1,000 channels is refused at its header."""
+    tone = _container(1, 16000, 1, "WAV", tone=True)
+    live = _wav_header(16000, 1, 16, 0x7FFFFFFF) + tone[44:]
+    responses = list(stub.StreamingRecognize(_messages(live, Config.WAV), timeout=30))
+    assert responses and responses[-1].results[0].is_final
+    assert responses[-1].audio_processed_seconds == pytest.approx(1.0)
+    wide = _wav_header(16000, 1000, 8, 16000 * 1000) + bytes(16000)
+    code, details = status_of(lambda: list(stub.StreamingRecognize(_messages(wide, Config.WAV))))
+    assert code == Code.INVALID_ARGUMENT and "1-255" in details, details

@@ -132,3 +132,13 @@ def test_the_completion_check_is_the_exports_own_report(tiny_model_dir: Path) ->
     from echoic.server.models import incomplete
 
     assert incomplete(tiny_model_dir) is None and incomplete(default_model_dir()) is None
+
+
+def test_a_default_model_that_is_not_served_stops_the_start(tiny_model_dir, tmp_path) -> None:
+    from echoic.server.config import ServerError
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo / "alpha" / "1")
+    with pytest.raises(ServerError, match="--default-model gamma: no such model"):
+        with running(model_repo=repo, default_model="gamma"):
+            pass

@@ -304,6 +304,7 @@ class GreedyDecoder(_Decoder):
 
 _LN10 = math.log(10.0)
 _FLOOR = -1e4  # log-probs below this (-inf included) reach flashlight as this
+_SLICE_FRAMES = 4  # frames per flashlight call (each holds the GIL for all of its frames)
 
 
 def _flashlight() -> Any:
@@ -430,7 +431,11 @@ class BeamStream(StreamingDecoder):
         self._log_probs[self._frames : end] = chunk
         self._frames = end
         emissions = np.ascontiguousarray(np.maximum(chunk, _FLOOR))
-        self._decoder.decode_step(emissions.ctypes.data, len(emissions), self.vocab.size)
+        # flashlight holds the GIL while it decodes: a few frames a call, so that other
+        # threads (the batch every stream shares, the event loop) get it in between.
+        for first in range(0, len(emissions), _SLICE_FRAMES):
+            piece = emissions[first : first + _SLICE_FRAMES]
+            self._decoder.decode_step(piece.ctypes.data, len(piece), self.vocab.size)
         self._latest = self._with_stability(self._best())
 
     def _best(self) -> Transcript:

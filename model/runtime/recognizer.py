@@ -128,7 +128,8 @@ class Recognizer:
         The new feature frames of all of them are computed as one batch (and the
         feeders of streams whose audio has ended are finished); then every one with a
         window ready contributes that window (at most one each, so a call costs one
-        stream.onnx call whatever the mix) and decodes its rows. Returns the number of
+        stream.onnx call whatever the mix) and takes its rows (decoded now, or queued
+        with deferred decoding). Returns the number of
         streams that had work, including any whose step only finished their feeder.
         """
         ready = [s for s in streams if s.is_ready()]
