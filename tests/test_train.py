@@ -215,6 +215,31 @@ def test_resume_refuses_what_it_cannot_continue_exactly(
     assert "Traceback" not in other.stderr
 
 
+def test_overrides_may_follow_flags(speech_corpus: Path, tmp_path: Path) -> None:
+    """`key=value` overrides before, between and after the flags, as people type them;
+    stdout is the final checkpoint's path alone."""
+    cmd = [
+        *ECHOIC, "train", f"data.train_manifest={speech_corpus}", "--config", str(TINY_RECIPE),
+        f"out_dir={tmp_path}", "--no-progress", "max_steps=1", "threads=1",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == f"{tmp_path / 'last.pt'}\n"
+    assert torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=False)["step"] == 1
+
+
+def test_train_records_say_how_many_steps_their_loss_covers(
+    speech_corpus: Path, tmp_path: Path
+) -> None:
+    """log_every=5: a run to step 3, resumed to 7. The record at step 5 covers steps 4-5
+    only (the resume began mid-window), and says so."""
+    _train(speech_corpus, tmp_path, "max_steps=3")
+    _train(speech_corpus, tmp_path, "max_steps=7")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [(r["step"], r["steps"]) for r in rows if r["kind"] == "train"]
+    assert train == [(3, 3), (5, 2), (7, 2)]
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -285,6 +310,7 @@ def test_mpirun_two_ranks_trains_and_reproduces_itself(speech_corpus: Path, tmp_
     assert first.returncode == 0, first.stderr[-2000:]
     assert second.returncode == 0, second.stderr[-2000:]
     assert "2 rank(s)" in first.stderr
+    assert first.stdout == f"{tmp_path / 'a' / 'last.pt'}\n"  # rank 0's line, only
     ckpt = torch.load(tmp_path / "a" / "last.pt", map_location="cpu", weights_only=False)
     assert ckpt["world_size"] == 2 and ckpt["step"] == 8 and len(ckpt["rng"]) == 2
     _assert_same(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")

@@ -395,7 +395,8 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
     """Advance the progress bar; a train record every `log_every` steps and at the last,
-    its loss the mean since the one before."""
+    its loss the mean over its `steps`: those since the record before, or since the
+    resume (fewer than `log_every` when the run resumed between two records)."""
     run.window_loss += loss.item()
     run.window_steps += 1
     hop = run.cfg.model.features.hop_ms / 1000.0
@@ -410,6 +411,7 @@ def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor
             step=run.step,
             epoch=run.epoch,
             loss=run.window_loss / run.window_steps,
+            steps=run.window_steps,
             lr=run.scheduler.get_last_lr()[0],
             grad_norm=float(grad_norm),
             audio_seconds=run.audio_seconds,
@@ -463,8 +465,9 @@ def save(run: Run) -> None:
 # ---- the loop --------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
-    """Train (or resume) according to `cfg`; returns the path of the final checkpoint."""
+def train(cfg: TrainConfig, *, progress: bool = True) -> Path | None:
+    """Train (or resume) according to `cfg`; returns the path of the final checkpoint on
+    rank 0 (the one that wrote it), None on the others."""
     env = distributed.detect_env()
     device = _device(cfg, env)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1))
@@ -480,7 +483,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
 
 def _train(
     cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, progress: bool
-) -> Path:
+) -> Path | None:
     run = start(cfg, env, device, progress)
     run.model.train()
     done = run.step >= run.total
@@ -508,7 +511,7 @@ def _train(
             save(run)
     if run.bar is not None:
         run.bar.close()
-    return run.ckpt_path
+    return run.ckpt_path if run.main else None
 
 
 def config_summary(cfg: TrainConfig) -> str:
