@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -160,6 +160,29 @@ class OutputWriter:
     def close(self) -> None:
         if self._out is not sys.stdout:
             self._out.close()
+
+
+class InInputOrder:
+    """An OutputWriter's front that hands it results in input order, while they arrive in
+    another (batched by length): each waits until those before it have been written."""
+
+    def __init__(self, writer: OutputWriter, items: list[Item]) -> None:
+        self.writer = writer
+        self._position = {item.path: n for n, item in enumerate(items)}
+        self._ready: dict[int, Callable[[], None]] = {}
+        self._next = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._put(record["audio_filepath"], lambda: self.writer.write(record))
+
+    def write_error(self, path: str, error: str) -> None:
+        self._put(path, lambda: self.writer.write_error(path, error))
+
+    def _put(self, path: str, emit: Callable[[], None]) -> None:
+        self._ready[self._position[path]] = emit
+        while self._next in self._ready:
+            self._ready.pop(self._next)()
+            self._next += 1
 
 
 def batches(items: list[Item], durations: dict[str, float], size: int) -> Iterator[list[Item]]:

@@ -22,13 +22,30 @@ COMMANDS = ("synth", "train", "export", "transcribe", "eval", "lm", "serve", "st
 __all__ = ["UserError", "build_parser", "main", "missing_extra"]
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: its positionals (paths, `key=value` overrides) may come
+    before, between and after its flags (`echoic train --config R out_dir=x --no-progress
+    max_steps=1`); argparse alone gives a positional only the first run of them."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's
+        if self._intermixing:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="echoic",
         description="Deep Speech 2 style speech recognition: train, export, serve, transcribe.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name in COMMANDS:
         importlib.import_module(f"echoic.cli.{name}").register(sub)
     return parser

@@ -57,5 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
         raise UserError("no training data: set data.train_manifest=PATH (a JSON-lines manifest)")
     path = train(cfg, progress=not args.no_progress)
-    print(path)
+    if path is not None:  # rank 0, the one that wrote it; the other ranks print nothing
+        print(path)
     return 0

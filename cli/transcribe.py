@@ -6,7 +6,14 @@ import argparse
 import sys
 import time
 
-from echoic.cli.batch_io import FORMATS, OutputWriter, batches, collect_inputs, transcript_record
+from echoic.cli.batch_io import (
+    FORMATS,
+    InInputOrder,
+    OutputWriter,
+    batches,
+    collect_inputs,
+    transcript_record,
+)
 from echoic.cli.stream import add_tls_options
 
 EXAMPLES = """\
@@ -110,6 +117,7 @@ def _transcribe_here(args, todo, writer) -> tuple[int, float, float]:
     from echoic.model.core.audio import AudioError, audio_duration, load_audio
 
     recognizer = load_recognizer(args)
+    writer = InInputOrder(writer, todo)  # batched by length, written in input order
     durations, readable = {}, []
     for item in todo:
         try:

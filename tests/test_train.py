@@ -67,19 +67,13 @@ def _equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-# Where a run writes is no part of what it computes; config_hash hashes train_config,
-# which is compared field by field.
-WHERE_IT_WROTE = ("train_config.out_dir", "config_hash")
-
-
 def _assert_same(a: Path, b: Path, may_differ: tuple[str, ...] = ()) -> None:
     """The two checkpoints are equal in everything: every tensor, the RNG states of every
-    rank, sampler, schedule, step, configs; except out_dir and paths starting with
-    `may_differ`."""
+    rank, sampler, schedule, step, configs; except paths starting with `may_differ`."""
     load = {"map_location": "cpu", "weights_only": False}
     la, lb = (dict(_leaves(torch.load(p, **load))) for p in (a, b))
     assert la.keys() == lb.keys(), f"checkpoints differ in what they hold: {la.keys() ^ lb.keys()}"
-    compared = [k for k in la if not k.startswith(WHERE_IT_WROTE + may_differ)]
+    compared = [k for k in la if not k.startswith(may_differ)]
     different = [k for k in compared if not _equal(la[k], lb[k])]
     assert not different, f"checkpoints differ at {different[:5]} ({len(different)} in all)"
 
@@ -112,8 +106,38 @@ def test_thirty_steps_lower_the_loss(reference_run: Path) -> None:
 def test_same_seed_gives_identical_checkpoints(
     speech_corpus: Path, reference_run: Path, tmp_path: Path
 ) -> None:
+    """Into another out_dir: equal in every value, and then byte for byte (nothing in the
+    file says where it was written)."""
     _train(speech_corpus, tmp_path, *_reference_overrides(speech_corpus))
     _assert_same(reference_run / "last.pt", tmp_path / "last.pt")
+    assert (reference_run / "last.pt").read_bytes() == (tmp_path / "last.pt").read_bytes()
+
+
+def test_same_weights_export_the_same_onnx_bytes(
+    speech_corpus: Path, reference_run: Path, tmp_path: Path
+) -> None:
+    """The reference training again, into another out_dir and reporting otherwise (every
+    step logged, no baseline evaluation, other checkpoint and evaluation cadences): the
+    same weights and config_hash, so byte-identical exported files."""
+    reporting = (
+        "log_every=1",
+        "eval_at_start=false",
+        "eval_max_utterances=3",
+        "checkpoint_every=7",
+    )
+    _train(speech_corpus, tmp_path / "run", *_reference_overrides(speech_corpus), *reporting)
+    load = {"map_location": "cpu", "weights_only": False}
+    ours, theirs = (torch.load(r / "last.pt", **load) for r in (tmp_path / "run", reference_run))
+    assert ours["config_hash"] == theirs["config_hash"]
+    exported = []
+    for name, run in (("ours", tmp_path / "run"), ("theirs", reference_run)):
+        exported.append(tmp_path / name / "echoic-tiny" / "1")
+        subprocess.run(
+            [*ECHOIC, "export", str(run / "last.pt"), str(exported[-1])],
+            check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+    for file in ("model.onnx", "stream.onnx", "export.json"):
+        assert (exported[0] / file).read_bytes() == (exported[1] / file).read_bytes(), file
 
 
 def test_other_seed_gives_other_weights(speech_corpus: Path, tmp_path: Path) -> None:
@@ -122,7 +146,7 @@ def test_other_seed_gives_other_weights(speech_corpus: Path, tmp_path: Path) -> 
     with pytest.raises(AssertionError, match=r"checkpoints differ at \['model\."):
         _assert_same(
             tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt",
-            may_differ=("train_config.seed", "sampler.seed"),
+            may_differ=("train_config.seed", "sampler.seed", "config_hash"),
         )  # fmt: skip
 
 
@@ -163,15 +187,57 @@ def test_sigkill_then_resume_ends_with_the_same_checkpoint(
     )
 
 
-def test_resume_refuses_another_model(speech_corpus: Path, tmp_path: Path) -> None:
-    _train(speech_corpus, tmp_path, "max_steps=1")
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        pytest.param("model.rnn_hidden=32", "holds a different model", id="other-model"),
+        pytest.param(
+            "threads={other}", "and the weights depend on it: pass threads={used} to resume",
+            id="other-thread-count",
+        ),
+    ],
+)  # fmt: skip
+def test_resume_refuses_what_it_cannot_continue_exactly(
+    speech_corpus: Path, tmp_path: Path, override: str, message: str
+) -> None:
+    """The first run picks its thread count (threads=0: cores / ranks) and records the
+    count it used; a resume with another count would silently change the weights."""
+    _train(speech_corpus, tmp_path, "max_steps=1", "threads=0")
+    ckpt = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=False)
+    used = ckpt["train_config"]["threads"]
+    assert used == max(1, os.cpu_count() or 1)
     other = subprocess.run(
-        _train_cmd(speech_corpus, tmp_path, "max_steps=2", "model.rnn_hidden=32"),
+        _train_cmd(speech_corpus, tmp_path, "max_steps=2", override.format(other=used + 1)),
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert other.returncode == 1
-    assert "holds a different model" in other.stderr
+    assert other.returncode == 1, other.stderr[-2000:]
+    assert message.format(used=used) in other.stderr.strip().splitlines()[-1]
     assert "Traceback" not in other.stderr
+
+
+def test_overrides_may_follow_flags(speech_corpus: Path, tmp_path: Path) -> None:
+    """`key=value` overrides before, between and after the flags, as people type them;
+    stdout is the final checkpoint's path alone."""
+    cmd = [
+        *ECHOIC, "train", f"data.train_manifest={speech_corpus}", "--config", str(TINY_RECIPE),
+        f"out_dir={tmp_path}", "--no-progress", "max_steps=1", "threads=1",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == f"{tmp_path / 'last.pt'}\n"
+    assert torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=False)["step"] == 1
+
+
+def test_train_records_say_how_many_steps_their_loss_covers(
+    speech_corpus: Path, tmp_path: Path
+) -> None:
+    """log_every=5: a run to step 3, resumed to 7. The record at step 5 covers steps 4-5
+    only (the resume began mid-window), and says so."""
+    _train(speech_corpus, tmp_path, "max_steps=3")
+    _train(speech_corpus, tmp_path, "max_steps=7")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [(r["step"], r["steps"]) for r in rows if r["kind"] == "train"]
+    assert train == [(3, 3), (5, 2), (7, 2)]
 
 
 @pytest.mark.parametrize(
@@ -244,6 +310,7 @@ def test_mpirun_two_ranks_trains_and_reproduces_itself(speech_corpus: Path, tmp_
     assert first.returncode == 0, first.stderr[-2000:]
     assert second.returncode == 0, second.stderr[-2000:]
     assert "2 rank(s)" in first.stderr
+    assert first.stdout == f"{tmp_path / 'a' / 'last.pt'}\n"  # rank 0's line, only
     ckpt = torch.load(tmp_path / "a" / "last.pt", map_location="cpu", weights_only=False)
     assert ckpt["world_size"] == 2 and ckpt["step"] == 8 and len(ckpt["rng"]) == 2
     _assert_same(tmp_path / "a" / "last.pt", tmp_path / "b" / "last.pt")

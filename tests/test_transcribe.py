@@ -202,3 +202,39 @@ def test_beam_flags_equal_in_process_beam_search(
     assert {w["audio"]: w["hyp"] for w in result["worst"]} == {p: want[p] for p in utterances}
     refs = [normalize_text(r["text"]) for r in rows]
     assert result["wer"] == round(jiwer.wer(refs, [want[p] for p in utterances]), 4)
+
+
+@pytest.fixture(scope="module")
+def lengths_folder(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """WAVs of 3, 1 and 2 utterances' length, and an unreadable file."""
+    root = tmp_path_factory.mktemp("lengths")
+    for name, count in (("long", 3), ("short", 1), ("middle", 2)):
+        audio = np.concatenate([a for _, a in corpus_audio[:count]])
+        sf.write(root / f"{name}.wav", audio, 16000, subtype="PCM_16")
+    (root / "corrupt.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
+    return root
+
+
+@pytest.mark.parametrize("batch_size", [pytest.param("1", id="a-file-a-batch"),
+                                        pytest.param("16", id="one-batch")])  # fmt: skip
+@pytest.mark.parametrize("fmt", ["text", "jsonl"])
+def test_output_follows_input_order(
+    tiny_model_dir: Path, lengths_folder: Path, tmp_path: Path, fmt: str, batch_size: str
+) -> None:
+    """Batched by length (short, middle, long), written in the order given; in JSON
+    lines the unreadable file's error row keeps its place too."""
+    names = ["long.wav", "corrupt.wav", "short.wav", "middle.wav"]
+    out = tmp_path / "out"
+    run = _run(
+        "transcribe", *(str(lengths_folder / n) for n in names), "--model", str(tiny_model_dir),
+        "--format", fmt, "--output", str(out), "--batch-size", batch_size, "--no-progress",
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr  # the corrupt file
+    lines = out.read_text().splitlines()
+    if fmt == "jsonl":
+        written = [Path(json.loads(line)["audio_filepath"]).name for line in lines]
+        assert written == names
+    else:  # text has no line for a file that failed
+        assert [Path(line.split("\t")[0]).name for line in lines] == [
+            n for n in names if n != "corrupt.wav"
+        ]

@@ -18,7 +18,8 @@ Training is synchronous data-parallel SGD: SortaGrad for the first epoch, then
 length-bucketed, shuffled batches. It writes `out_dir/last.pt` atomically every
 `checkpoint_every` steps and resumes from it exactly (model, optimizer, schedule,
 data position, RNG states) when started again with the same recipe. The same
-recipe, seed and world size give a bitwise-identical checkpoint.
+recipe, seed, world size and thread count give a byte-identical checkpoint file,
+whatever the out_dir (README, Determinism).
 
 The module reads in the order things happen: the configs; `start`, which builds a
 `Run` (one process's state) by resuming, fine-tuning or starting fresh; the steps
@@ -82,11 +83,30 @@ class TrainConfig:
     rnn_impl: Literal["auto", "cudnn", "persistent"] = "cudnn"  # GRU / plain RNN kernels on
     # GPU: persistent (echoic.model.nn.persistent, cuDNN where they do not fit), auto (persistent
     # where they fit and are expected faster), cudnn. Same parameters and checkpoints.
-    threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks
+    threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks. The weights
+    # depend on it: a checkpoint records the count used and resumes only with that count.
     stats_utterances: int = 300  # utterances sampled for feature mean/std
     init_from: str = ""  # fine-tuning: a checkpoint whose weights and feature statistics
     # start this run (the network must have the same parameter shapes; chunking may differ);
     # the optimizer, schedule and data order start afresh. A run that resumes ignores it.
+
+
+# Where a checkpoint lies is no part of it: left out of the saved config, so that the
+# same training into two directories writes the same bytes (and a moved file is not stale).
+NOT_SAVED = ("out_dir",)
+# What only says where a run writes and what it reports, never what it computes: left out
+# of `config_hash` (the checkpoint's and the model card's), so that the same weights get
+# the same hash and export to the same ONNX bytes, and a resume notes only real changes.
+NOT_HASHED = (
+    *NOT_SAVED, "log_every", "eval_every", "eval_at_start", "eval_max_utterances",
+    "checkpoint_every", "data.val_manifest",
+)  # fmt: skip
+
+
+def weights_hash(cfg: TrainConfig) -> str:
+    """The hash of everything in `cfg` that changes the weights (the checkpoint's and the
+    model card's `config_hash`)."""
+    return config_hash(cfg, NOT_HASHED)
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -276,14 +296,38 @@ def _resumable(
             f"{ckpt_path} holds a different model (its [model] config differs from this"
             " recipe's); use a new out_dir or the recipe that wrote it"
         )
-    if resume["config_hash"] != config_hash(cfg) and env.rank == 0:
-        print(f"note: resuming {ckpt_path} with a changed training config", file=sys.stderr)
+    saved_threads = resume["train_config"].get("threads", 0)  # 0: not recorded (older)
+    if saved_threads and saved_threads != cfg.threads:
+        raise CheckpointError(
+            f"{ckpt_path} was trained with {saved_threads} intra-op thread(s), this run would use"
+            f" {cfg.threads}, and the weights depend on it: pass threads={saved_threads} to resume"
+        )
+    if resume["config_hash"] != weights_hash(cfg) and env.rank == 0:
+        ours, theirs = _flat(to_dict(cfg, NOT_HASHED)), _flat(resume["train_config"])
+        changed = sorted(k for k, v in ours.items() if theirs.get(k) != v)
+        print(
+            f"note: resuming {ckpt_path} with a changed training config"
+            f" ({', '.join(changed) or 'from an older checkpoint'}): the run will not match"
+            " an uninterrupted one",
+            file=sys.stderr,
+        )
     if resume["world_size"] != env.world_size:
         raise CheckpointError(
             f"{ckpt_path} was written with world size {resume['world_size']}, not"
             f" {env.world_size}: exact resume needs the same number of ranks"
         )
     return resume
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim.lr": 0.003, ...} of a nested config dict."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def _new_model(
@@ -351,7 +395,8 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
     """Advance the progress bar; a train record every `log_every` steps and at the last,
-    its loss the mean since the one before."""
+    its loss the mean over its `steps`: those since the record before, or since the
+    resume (fewer than `log_every` when the run resumed between two records)."""
     run.window_loss += loss.item()
     run.window_steps += 1
     hop = run.cfg.model.features.hop_ms / 1000.0
@@ -366,6 +411,7 @@ def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor
             step=run.step,
             epoch=run.epoch,
             loss=run.window_loss / run.window_steps,
+            steps=run.window_steps,
             lr=run.scheduler.get_last_lr()[0],
             grad_norm=float(grad_norm),
             audio_seconds=run.audio_seconds,
@@ -401,8 +447,8 @@ def save(run: Run) -> None:
                 "format": FORMAT,
                 "model": run.model.state_dict(),
                 "model_config": to_dict(cfg.model),
-                "train_config": to_dict(cfg),
-                "config_hash": config_hash(cfg),
+                "train_config": to_dict(cfg, NOT_SAVED),  # threads: the count used
+                "config_hash": weights_hash(cfg),
                 "optimizer": run.optimizer.state_dict(),
                 "scheduler": run.scheduler.state_dict(),
                 "sampler": run.sampler.state_dict(),
@@ -419,11 +465,13 @@ def save(run: Run) -> None:
 # ---- the loop --------------------------------------------------------------------
 
 
-def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
-    """Train (or resume) according to `cfg`; returns the path of the final checkpoint."""
+def train(cfg: TrainConfig, *, progress: bool = True) -> Path | None:
+    """Train (or resume) according to `cfg`; returns the path of the final checkpoint on
+    rank 0 (the one that wrote it), None on the others."""
     env = distributed.detect_env()
     device = _device(cfg, env)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1))
+    cfg = dataclasses.replace(cfg, threads=threads)  # the count used is what is recorded
     torch.set_num_threads(threads)
     make_deterministic(device)
     distributed.init_distributed(env, device.type)
@@ -435,7 +483,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path:
 
 def _train(
     cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, progress: bool
-) -> Path:
+) -> Path | None:
     run = start(cfg, env, device, progress)
     run.model.train()
     done = run.step >= run.total
@@ -463,7 +511,7 @@ def _train(
             save(run)
     if run.bar is not None:
         run.bar.close()
-    return run.ckpt_path
+    return run.ckpt_path if run.main else None
 
 
 def config_summary(cfg: TrainConfig) -> str:

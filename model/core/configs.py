@@ -95,9 +95,16 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A JSON-safe nested dict (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+def to_dict(cfg: Any, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A JSON-safe nested dict (tuples become lists), without the dotted keys in `exclude`."""
+    data = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    for key in exclude:
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        del node[last]
+    return data
 
 
 def _parse_literal(text: str) -> Any:
@@ -139,7 +146,8 @@ def apply_overrides(cfg: T, overrides: list[str]) -> T:
     return from_dict(type(cfg), data)
 
 
-def config_hash(cfg: Any) -> str:
-    """A short stable hash of a config, recorded in checkpoints and model cards."""
-    blob = json.dumps(to_dict(cfg), sort_keys=True).encode()
+def config_hash(cfg: Any, exclude: tuple[str, ...] = ()) -> str:
+    """A short stable hash of a config without the dotted keys in `exclude`, recorded in
+    checkpoints and model cards."""
+    blob = json.dumps(to_dict(cfg, exclude), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -68,7 +68,7 @@ class ModelCard:
     rnn_hidden: int  # hidden units per direction
     bidirectional: bool  # BiRNN (chunked for streaming) or forward-only with lookahead
     parameters: int  # trainable parameters of the network
-    config_hash: str  # hash of the full training config of the checkpoint
+    config_hash: str  # hash of the training settings that change the weights (checkpoint)
     model_config_hash: str  # hash of the model config alone
     training_step: int  # optimizer steps the checkpoint had taken
     opset: int  # ONNX opset of both graphs
