@@ -3,12 +3,8 @@ a rescan on SIGHUP, several model names with a default. Real servers, real files
 
 from __future__ import annotations
 
-import os
-import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +20,7 @@ from tests.test_server import (  # noqa: E402
     linear16,
     recognize,
     running,
+    serve_process,
     status_of,
     wait_until,
 )
@@ -92,22 +89,7 @@ def test_sighup_rescans_the_repository_now(tiny_model_dir, tmp_path) -> None:
     log says so; the server keeps running."""
     repo = tmp_path / "repo"
     shutil.copytree(tiny_model_dir, repo / "tiny" / "1")
-    command = [sys.executable, "-m", "echoic.cli.main", "serve", "--model-repo", str(repo),
-               "--poll-seconds", "0", "--port", "0", "--threads", "1"]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        port = None
-        for line in process.stderr:
-            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-                port = int(match.group(1))
-                break
-        assert port, "the server never said where it listens"
-        log: list[str] = []
-        import threading
-
-        drain = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
-        drain.start()
+    with serve_process("--model-repo", str(repo), "--poll-seconds", "0") as (process, port, log):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.TranscriberStub(channel)
             shutil.copytree(tiny_model_dir, repo / "tiny" / "2")
@@ -117,13 +99,7 @@ def test_sighup_rescans_the_repository_now(tiny_model_dir, tmp_path) -> None:
             assert process.poll() is None
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-        drain.join(timeout=10)
-        assert any("SIGHUP: rescanning the model repository" in line for line in log), log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        process.stderr.close()
+    assert any("SIGHUP: rescanning the model repository" in line for line in log), log
 
 
 def test_the_completion_check_is_the_exports_own_report(tiny_model_dir: Path) -> None:

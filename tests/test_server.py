@@ -913,24 +913,41 @@ def _refused(stub) -> bool:
     return False
 
 
+@contextmanager
+def serve_process(*flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
+    """A real `echoic serve FLAGS --port 0` process: (process, its port, its log lines so
+    far, which grow until the process ends and are complete on exit); killed if alive."""
+    command = [sys.executable, "-m", "echoic.cli.main", "serve", *flags, "--port", "0",
+               "--threads", "1"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    log: list[str] = []
+    drain = threading.Thread(target=lambda: log.extend(process.stderr))  # keep it flowing
+    try:
+        port = None
+        for line in process.stderr:
+            log.append(line)
+            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                port = int(match.group(1))
+                break
+        assert port, f"the server never said where it listens: {log}"
+        drain.start()
+        yield process, port, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        if drain.is_alive() or drain.ident:
+            drain.join(timeout=10)
+        process.stderr.close()
+
+
 def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir, clips, expected) -> None:
     """README: on SIGTERM health says NOT_SERVING at once (to a watcher, and to a new Check
     on a new connection: the port still answers), new calls get UNAVAILABLE, and open
     streams get --grace-seconds to finish."""
-    command = [sys.executable, "-m", "echoic.cli.main", "serve", "--model", str(tiny_model_dir),
-               "--port", "0", "--threads", "1", "--grace-seconds", "20"]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-    log: list[str] = []
-    try:
-        port = None
-        for line in process.stderr:
-            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-                port = int(match.group(1))
-                break
-        assert port, "the server never said where it listens"
-        drain = threading.Thread(target=lambda: log.extend(process.stderr))  # keep it flowing
-        drain.start()
+    flags = ["--model", str(tiny_model_dir), "--grace-seconds", "20"]
+    with serve_process(*flags) as (process, port, log):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.TranscriberStub(channel)
             watch = health_pb2_grpc.HealthStub(channel).Watch(
@@ -959,10 +976,4 @@ def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir, clips, expe
             release.set()
             assert finals([first, *call]) == [expected[0]]  # the open stream's final result
         assert process.wait(timeout=30) == 0
-        drain.join(timeout=10)
-        assert any("SIGTERM: draining open streams for up to 20 s" in line for line in log), log
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        process.stderr.close()
+    assert any("SIGTERM: draining open streams for up to 20 s" in line for line in log), log
