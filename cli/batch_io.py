@@ -77,11 +77,13 @@ def srt(words: list[dict[str, Any]], max_words: int = 7, max_seconds: float = 3.
     return "\n".join(blocks)
 
 
-def transcript_record(path: str, transcript: Any, duration: float) -> dict[str, Any]:
-    """The JSON-lines record of one transcribed file (a decoding.Transcript)."""
+def transcript_record(path: str, transcript: Any, duration: float, model: str) -> dict[str, Any]:
+    """The JSON-lines record of one transcribed file (a decoding.Transcript, or a server's
+    Recognition); `model` is the "name/version" that transcribed it."""
     return {
         "audio_filepath": path,
         "duration": round(duration, 3),
+        "model": model,
         "text": transcript.text,
         "confidence": round(transcript.confidence, 4),
         "words": [

@@ -133,6 +133,7 @@ def _transcribe_here(args, todo, writer) -> tuple[int, float, float]:
         total = sum(durations.values())
         bar = tqdm(total=round(total, 1), unit="audio s", file=sys.stderr, dynamic_ncols=True)
     seconds, started = 0.0, time.perf_counter()
+    model = f"{recognizer.card.name}/{recognizer.card.version}"
     for batch in batches(readable, durations, max(1, args.batch_size)):
         audios, ok = [], []
         for item in batch:
@@ -144,7 +145,7 @@ def _transcribe_here(args, todo, writer) -> tuple[int, float, float]:
                 failed += 1
         for item, audio, transcript in zip(ok, audios, recognizer.transcribe(audios), strict=True):
             duration = len(audio) / recognizer.sample_rate
-            writer.write(transcript_record(item.path, transcript, duration))
+            writer.write(transcript_record(item.path, transcript, duration, model))
             seconds += duration
         if bar is not None:
             bar.update(round(sum(durations[i.path] for i in batch), 1))

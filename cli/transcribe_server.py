@@ -124,7 +124,9 @@ def transcribe_with_server(
                 else:
                     seconds += recognition.audio_seconds
                     writer.write(
-                        transcript_record(item.path, recognition, recognition.audio_seconds)
+                        transcript_record(
+                            item.path, recognition, recognition.audio_seconds, recognition.model
+                        )
                     )
                 if bar is not None:
                     bar.update(1)

@@ -372,9 +372,11 @@ def test_transcribe_through_the_server(
     for name in ("good0.wav", "good1.wav", "stereo44k.flac", "good.aiff"):
         path = mixed_folder / name
         audio = load_audio(path, 16000)
-        here = transcript_record(str(path), recognizer.transcribe([audio])[0], len(audio) / 16000)
+        transcript = recognizer.transcribe([audio])[0]
+        here = transcript_record(str(path), transcript, len(audio) / 16000, "echoic-tiny/1")
         got = rows[name]
         assert got.keys() == here.keys() and got["text"] == here["text"]
+        assert got["model"] == here["model"]  # the version that answered
         assert got["duration"] == pytest.approx(here["duration"], abs=0.002)
         assert [w.keys() for w in got["words"]] == [w.keys() for w in here["words"]]
         assert [w["word"] for w in got["words"]] == [w["word"] for w in here["words"]]

@@ -48,6 +48,7 @@ def test_bad_files_are_reported_and_the_rest_transcribed(
     ]  # fmt: skip
     for name in ("good0.wav", "good1.wav", "good2.wav", "stereo44k.flac"):
         assert "text" in rows[name] and rows[name]["duration"] > 0.5
+        assert rows[name]["model"] == "echoic-tiny/1"  # which model and version wrote it
     for name in ("corrupt.wav", "empty.wav", "noise.flac"):
         assert name in run.stderr
     assert "4 of 7 files" in run.stderr and "3 failed" in run.stderr
