@@ -33,6 +33,7 @@ from echoic.model.core.audio import (
     AudioError,
     MonoResampler,
     check_channels,
+    check_header_rate,
     check_length,
     check_rate,
     decode_audio,
@@ -182,12 +183,7 @@ class AudioInput:
         channels = ((info[12] >> 1) & 0x7) + 1
         total = ((info[13] & 0x0F) << 32) | int.from_bytes(info[14:18], "big")
         check_rate(rate, self.name)
-        if self._declared_rate is not None and self._declared_rate != rate:
-            raise AudioError(
-                f"{self.name}: sample rate {self._declared_rate} Hz was given but the FLAC "
-                f"header says {rate} Hz; leave sample_rate_hertz at 0 for FLAC or send the "
-                "matching rate"
-            )
+        check_header_rate(self._declared_rate, rate, self.name)
         check_channels(channels, self.name)
         if total == 0:  # the encoder did not know the length
             raise unknown_length(self.name)
@@ -238,11 +234,7 @@ class AudioInput:
             return False
         check_channels(channels, self.name)
         check_rate(rate, self.name)
-        if self._declared_rate is not None and self._declared_rate != rate:
-            raise AudioError(
-                f"{self.name}: sample rate {self._declared_rate} Hz was given but the WAV header "
-                f"says {rate} Hz; leave sample_rate_hertz at 0 for WAV or send the matching rate"
-            )
+        check_header_rate(self._declared_rate, rate, self.name)
         self._mode = "wav"
         self._rate, self._channels = rate, channels
         self._sample_format, self._sample_bytes = formats[tag, bits], bits // 8

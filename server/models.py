@@ -14,9 +14,9 @@ finish there (it is *draining*); once its last stream ends it is unloaded. A
 version that fails to load is logged and skipped, and the old one keeps
 serving; it is tried again when its files change. A version is loaded only once
 it is complete: its `export.json` (which `echoic export` writes last) is there,
-with every graph its model card names, so a version copied file by file is
-never loaded half-written (copy export.json last). SIGHUP scans at once. Removing the serving
-version's directory falls back to the newest remaining one; removing a model's
+with every graph its model card names, so a version copied file by file is never
+loaded half-written (copy export.json last). SIGHUP scans at once. Removing the
+serving version's directory falls back to the newest remaining one; removing a model's
 whole directory drains and unloads it.
 """
 

@@ -184,9 +184,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         try:
             samples = np.concatenate([session.audio.feed(data), session.audio.finish()])
         except AudioTooLong as e:
-            length = f"{e.seconds:.1f} s long" if e.exact else f"longer than {e.seconds:.1f} s"
             raise invalid(
-                f"the audio is {length} but this server accepts at most {e.limit:g} s per "
+                f"the audio is {e.length} but this server accepts at most {e.limit:g} s per "
                 "Recognize request: split it, or stream it with StreamingRecognize"
             ) from None
         self._accept(session, samples)

@@ -11,7 +11,8 @@ blanks and spaces after its last word) once it has a word; rule 2 ends it once i
 reaches `max_utterance_ms`, at the first step that does not end inside a
 character's run of frames (at most MAX_CUT_DELAY later), so that the next
 utterance does not write that character again (an utterance of silence alone
-ends without a result, so silence never produces empty finals). The stream then goes on with a fresh
+ends without a result, so silence never produces empty finals). The stream then
+goes on with a fresh
 utterance: the CTC decoder restarts, while the acoustic model's recurrent state
 and window position carry on, since the audio is one continuous signal (nothing
 is dropped or re-padded at the boundary, and no step is spent warming up a new

@@ -23,7 +23,7 @@ import soxr
 
 MIN_RATE = 8000  # Hz, lowest sample rate accepted (narrowband telephony)
 MAX_RATE = 192000  # Hz, highest sample rate accepted
-MAX_CHANNELS = 255  # channels of raw PCM16 audio, count
+MAX_CHANNELS = 255  # channels of any audio accepted, count
 ENCODINGS = ("auto", "wav", "flac", "linear16")
 
 # libsndfile format names each explicit encoding accepts.
@@ -39,11 +39,15 @@ class AudioTooLong(AudioError):
     before the rest is decoded."""
 
     def __init__(self, name: str, seconds: float, limit: float, *, exact: bool) -> None:
-        length = f"{seconds:.1f} s long" if exact else f"longer than {seconds:.1f} s"
-        super().__init__(f"{name}: the audio is {length}, over the limit of {limit:g} s")
         self.seconds = seconds  # the length, or how much was decoded before it stopped, s
         self.limit = limit  # the limit it went over, s
         self.exact = exact  # `seconds` is the whole length (from a header)
+        super().__init__(f"{name}: the audio is {self.length}, over the limit of {limit:g} s")
+
+    @property
+    def length(self) -> str:
+        """"12.3 s long", or "longer than 12.3 s" when it stopped decoding there."""
+        return f"{self.seconds:.1f} s long" if self.exact else f"longer than {self.seconds:.1f} s"
 
 
 def check_length(frames: int, rate: int, limit: float, name: str, *, exact: bool) -> None:
@@ -60,6 +64,15 @@ def check_rate(rate: int, name: str, what: str = "sample rate") -> None:
         raise AudioError(
             f"{name}: unsupported {what} {rate} Hz (supported: {MIN_RATE}-{MAX_RATE} Hz, "
             "e.g. 8000, 16000, 22050, 44100 or 48000)"
+        )
+
+
+def check_header_rate(declared: int | None, rate: int, name: str) -> None:
+    """AudioError when the caller declared a rate that a file's header contradicts."""
+    if declared is not None and declared != rate:
+        raise AudioError(
+            f"{name}: sample rate {declared} Hz was given but the header says {rate} Hz; "
+            "leave the rate unset (sample_rate_hertz 0) for WAV/FLAC or send the matching rate"
         )
 
 
@@ -105,11 +118,7 @@ def _decode_container(
             )
         rate = f.samplerate
         check_rate(rate, name)
-        if sample_rate is not None and sample_rate != rate:
-            raise AudioError(
-                f"{name}: sample rate {sample_rate} Hz was given but the header says {rate} Hz; "
-                "leave the rate unset for WAV/FLAC or send the matching rate"
-            )
+        check_header_rate(sample_rate, rate, name)
         check_channels(f.channels, name)
         if f.frames >= _UNKNOWN_FRAMES:
             raise unknown_length(name)

@@ -129,8 +129,8 @@ class Recognizer:
         feeders of streams whose audio has ended are finished); then every one with a
         window ready contributes that window (at most one each, so a call costs one
         stream.onnx call whatever the mix) and takes its rows (decoded now, or queued
-        with deferred decoding). Returns the number of
-        streams that had work, including any whose step only finished their feeder.
+        with deferred decoding). Returns the number of streams that had work, including
+        any whose step only finished their feeder.
         """
         ready = [s for s in streams if s.is_ready()]
         if not ready:
