@@ -17,7 +17,18 @@ import sys
 from echoic.cli.errors import UserError, missing_extra
 
 # Subcommands in the order `echoic --help` lists them.
-COMMANDS = ("synth", "train", "export", "transcribe", "eval", "lm", "serve", "stream")
+COMMANDS = (
+    "synth",
+    "train",
+    "export",
+    "deploy",
+    "models",
+    "transcribe",
+    "eval",
+    "lm",
+    "serve",
+    "stream",
+)
 
 __all__ = ["UserError", "build_parser", "main", "missing_extra"]
 
@@ -64,6 +75,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.model.nn.checkpoint", "CheckpointError"),
         ("echoic.model.runtime.card", "ModelError"),
         ("echoic.model.nn.export", "ExportError"),
+        ("echoic.model.nn.rebuild", "RebuildError"),
         ("echoic.model.nn.persistent.capacity", "PersistentKernelError"),
     ):
         if mod in sys.modules:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: set up (if needed) and serve the bundled default model over gRPC.
+# The main job: set up (if needed) and serve the bundled default model over gRPC, from the
+# default model repository (README, "Retrain and redeploy"): `echoic deploy` replaces it live.
 #   bash scripts/serve.sh [echoic serve options]     # gRPC on :50051, metrics on :9090
 set -euo pipefail
 cd "$(dirname "$0")/.."

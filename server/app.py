@@ -217,10 +217,10 @@ async def _serve(config: ServerConfig) -> None:
     def on_hangup() -> None:
         if stopping is not None:
             return  # shutting down: nothing new loads
-        if config.model_repo is None:
+        if server.registry.repo is None:
             log.info("SIGHUP: no model repository to rescan (serving one --model directory)")
             return
-        log.info("SIGHUP: rescanning the model repository")
+        log.info("SIGHUP: rescanning the model repository %s", server.registry.repo)
         server.registry.rescan()
 
     for signum in (signal.SIGTERM, signal.SIGINT):

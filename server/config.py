@@ -46,12 +46,14 @@ class ServerConfig:
     # What to serve: one model directory, or a repository MODEL_REPO/<name>/<version>/.
     model_dir: Path | None = setting(
         None,
-        "a model directory written by `echoic export`; unset = the bundled model",
+        "one model directory written by `echoic export`, served as it is (no hot reload)",
         Flag("model", "DIR", exclusive="model"),
     )
     model_repo: Path | None = setting(
         None,
-        "a model repository DIR/<name>/<version>/, polled for new versions (hot reload)",
+        "a model repository DIR/<name>/<version>/, polled for new versions (hot reload); "
+        "with neither flag: the default repository ($ECHOIC_MODEL_REPO, else "
+        "~/.local/share/echoic/models), seeded with the bundled model on first use",
         Flag(metavar="DIR", exclusive="model"),
     )
     default_model: str = setting(

@@ -1,10 +1,11 @@
 """The loaded models: one directory, or a repository polled for new versions (hot reload).
 
 A repository is `MODEL_REPO/<name>/<version>/`, each version a directory written
-by `echoic export`. Names and versions starting with "." are ignored (export
-builds `.<version>.XXXX.partial` and renames it into place when complete).
-Versions compare as numbers (2 < 10); names that are not numbers sort before
-all numbers, alphabetically.
+by `echoic export` or `echoic deploy`; its rules (hidden dot-names, completeness,
+version order, the default repository) are `echoic.model.runtime.repository`'s.
+With neither `--model` nor `--model-repo` the server serves the default
+repository, seeded with the bundled model on first use, so hot reload works out
+of the box.
 
 Per model name one version serves new requests: the newest one that loads.
 Every `poll_seconds` the repository is scanned; a newer version loads beside
@@ -13,9 +14,8 @@ then takes the new requests, while the streams already open on the old version
 finish there (it is *draining*); once its last stream ends it is unloaded. A
 version that fails to load is logged and skipped, and the old one keeps
 serving; it is tried again when its files change. A version is loaded only once
-it is complete: its `export.json` (which `echoic export` writes last) is there,
-with every graph its model card names, so a version copied file by file is never
-loaded half-written (copy export.json last). SIGHUP scans at once. Removing the
+it is complete (`repository.incomplete`), so a version copied file by file is
+never loaded half-written (copy export.json last). SIGHUP scans at once. Removing the
 serving version's directory falls back to the newest remaining one; removing a model's
 whole directory drains and unloads it.
 """
@@ -23,7 +23,6 @@ whole directory drains and unloads it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from concurrent.futures import Executor
 from pathlib import Path
@@ -31,9 +30,15 @@ from pathlib import Path
 import numpy as np
 
 from echoic.model.core.decoding import DecoderConfig, Transcript
-from echoic.model.runtime.card import OFFLINE_FILE, REPORT_FILE, STREAM_FILE, ModelCard
 from echoic.model.runtime.engine import Engine
 from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
+from echoic.model.runtime.repository import (
+    default_repository,
+    incomplete,
+    scan_repository,
+    seed_with_bundled,
+    version_key,
+)
 from echoic.server.config import ServerConfig, ServerError
 from echoic.server.dispatcher import Dispatcher
 from echoic.server.metrics import Metrics
@@ -45,38 +50,6 @@ LOADED, DRAINING = "loaded", "draining"
 
 class ModelLookupError(LookupError):
     """A request names a model or version that is not served; the message lists what is."""
-
-
-def version_key(version: str) -> tuple[int, int, str]:
-    return (1, int(version), "") if version.isdigit() else (0, 0, version)
-
-
-def scan_repository(repo: Path) -> dict[str, dict[str, Path]]:
-    """name -> version -> directory, skipping dot-names and plain files."""
-    found: dict[str, dict[str, Path]] = {}
-    for name_dir in sorted(repo.iterdir()):
-        if name_dir.name.startswith(".") or not name_dir.is_dir():
-            continue
-        versions = {
-            v.name: v for v in name_dir.iterdir() if not v.name.startswith(".") and v.is_dir()
-        }
-        if versions:
-            found[name_dir.name] = versions
-    return found
-
-
-def incomplete(path: Path) -> str | None:
-    """Why a version directory is not ready to load yet; None when it is."""
-    report = path / REPORT_FILE
-    if not report.is_file():
-        return f"no {REPORT_FILE} yet (`echoic export` writes it last; copy it last)"
-    try:
-        card = ModelCard.from_json(json.dumps(json.loads(report.read_text())["model_card"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{REPORT_FILE} is not readable yet ({e})"
-    needed = [OFFLINE_FILE, *([STREAM_FILE] if card.streamable else [])]
-    missing = [name for name in needed if not (path / name).is_file()]
-    return f"{', '.join(missing)} missing (its {REPORT_FILE} names it)" if missing else None
 
 
 def _signature(path: Path) -> tuple:
@@ -169,42 +142,63 @@ class ModelRegistry:
         self._sync_lock = asyncio.Lock()  # scans (poller, SIGHUP) one at a time
         self._closed = False
         self._poll_task: asyncio.Task | None = None
+        self.repo: Path | None = None  # the repository served; None: one --model directory
 
     # ------------------------------------------------------------------ start, stop
 
     async def start(self) -> None:
         """Load the configured model(s); ServerError when nothing can be served."""
         cfg = self._config
-        if cfg.model_repo is not None:
-            repo = Path(cfg.model_repo).resolve()
-            if not repo.is_dir():
-                raise ServerError(f"{repo}: no such model repository directory")
-            await self.sync()
-            if not self.serving:
-                raise ServerError(
-                    f"{repo}: no loadable model (expected {repo}/<name>/<version>/ directories "
-                    "written by `echoic export`; see the log for why each failed)"
-                )
+        if cfg.model_dir is not None:
+            model = await self._load(None, None, Path(cfg.model_dir).resolve())
+            self._switch(model)
             self._check_default()
-            if cfg.poll_seconds > 0:
-                self._poll_task = asyncio.create_task(self._poll(), name="model repository poll")
             return
-        path = Path(cfg.model_dir) if cfg.model_dir is not None else default_model_dir()
-        if cfg.model_dir is None and not (path / "model.onnx").is_file():
+        if cfg.model_repo is None:
+            self.repo = await asyncio.to_thread(self._default_repository)
+        else:
+            self.repo = Path(cfg.model_repo).resolve()
+        if not self.repo.is_dir():
+            raise ServerError(f"{self.repo}: no such model repository directory")
+        await self.sync()
+        if not self.serving:
             raise ServerError(
-                f"no model given and the bundled default model is not installed ({path}); "
+                f"{self.repo}: no loadable model (expected {self.repo}/<name>/<version>/ "
+                "directories written by `echoic export` or `echoic deploy`; see the log for "
+                "why each failed)"
+            )
+        self._check_default()
+        if cfg.poll_seconds > 0:
+            self._poll_task = asyncio.create_task(self._poll(), name="model repository poll")
+
+    @staticmethod
+    def _default_repository() -> Path:
+        """The default repository, seeded with the bundled model if it has no model."""
+        repo, bundled = default_repository().resolve(), default_model_dir()
+        if not (bundled / "model.onnx").is_file():
+            raise ServerError(
+                f"no model given and the bundled default model is not installed ({bundled}); "
                 "pass --model DIR or --model-repo DIR (directories written by `echoic export`)"
             )
-        model = await self._load(None, None, path.resolve())
-        self._switch(model)
-        self._check_default()
+        try:
+            seeded = seed_with_bundled(repo, bundled)
+        except OSError as e:
+            raise ServerError(
+                f"the default model repository {repo} cannot be set up ({e}); set "
+                "ECHOIC_MODEL_REPO to a writable directory, or pass --model-repo DIR"
+            ) from e
+        if seeded is not None:
+            log.info("seeded the model repository %s with the bundled model", repo)
+        log.info("serving the model repository %s (echoic deploy publishes to it)", repo)
+        return repo
 
     def _check_default(self) -> None:
         default = self._config.default_model
         if default and default not in self.serving:
             raise ServerError(
                 f"--default-model {default}: no such model is served (loaded: "
-                + ", ".join(sorted(self.serving)) + ")"
+                + ", ".join(sorted(self.serving))
+                + ")"
             )
 
     async def close(self) -> None:
@@ -285,8 +279,7 @@ class ModelRegistry:
                 await self._sync()
 
     async def _sync(self) -> None:
-        repo = Path(self._config.model_repo).resolve()
-        found = await asyncio.to_thread(scan_repository, repo)
+        found = await asyncio.to_thread(scan_repository, self.repo)
         for name, versions in found.items():
             current = self.serving.get(name)
             for version in sorted(versions, key=version_key, reverse=True):

@@ -23,12 +23,13 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from echoic.model.core.audio import AudioError, AudioTooLong
+from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig
 from echoic.server.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
-from echoic.server.models import LoadedModel, ModelLookupError, ModelRegistry, version_key
+from echoic.server.models import LoadedModel, ModelLookupError, ModelRegistry
 from echoic.server.session import RequestError, Session, invalid, parse_config
 
 log = logging.getLogger("echoic.server")

@@ -75,6 +75,20 @@ def _have_synthesizers() -> bool:
     return bool(shutil.which("espeak-ng") and shutil.which("flite"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def default_repository(tmp_path_factory: pytest.TempPathFactory):
+    """`echoic serve` with no model flag serves the default repository: for the tests, one
+    of the session's own (seeded with the bundled model on first use), never ~/.local."""
+    repo = tmp_path_factory.mktemp("default-repository") / "models"
+    before = os.environ.get("ECHOIC_MODEL_REPO")
+    os.environ["ECHOIC_MODEL_REPO"] = str(repo)
+    yield repo
+    if before is None:
+        os.environ.pop("ECHOIC_MODEL_REPO", None)
+    else:
+        os.environ["ECHOIC_MODEL_REPO"] = before
+
+
 @pytest.fixture(scope="session")
 def speech_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """30 synthesized utterances (espeak-ng and flite voices); returns the manifest path.

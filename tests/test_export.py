@@ -452,3 +452,94 @@ def test_the_server_serves_a_model_that_cannot_stream(exported) -> None:
         assert times == pytest.approx(want_times, abs=1e-6)
         assert response.audio_processed_seconds == pytest.approx(len(audio) / 16000, abs=1e-3)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "cannot stream" in message
+
+
+# ---------------------------------------------------------------- back from an export
+
+
+def _with_trained_norms(model: DeepSpeech2, seed: int) -> DeepSpeech2:
+    """Every norm with statistics and affine parameters away from their initial values,
+    as training leaves them (an export folds them away; a rebuild must cope)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "running_var"):
+                n = m.running_var.numel()
+                m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
+                m.running_var.copy_(torch.rand(n, generator=g) * 2 + 0.2)
+                m.weight.copy_(torch.rand(n, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(n, generator=g) * 0.3)
+    return model
+
+
+def _features_batch(
+    model: DeepSpeech2, seconds: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    feats = [torch.from_numpy(compute_features(_audio(s, i), model.cfg.features))
+             for i, s in enumerate(seconds)]  # fmt: skip
+    return (torch.nn.utils.rnn.pad_sequence(feats, batch_first=True),
+            torch.tensor([len(f) for f in feats]))  # fmt: skip
+
+
+def test_rebuild_gives_back_the_exported_network(tmp_path: Path) -> None:
+    """The recurrent and output weights come back bit for bit, the folded norms as the
+    same function: the rebuilt network computes what the checkpoint did."""
+    from echoic.model.nn.rebuild import rebuild
+
+    original = _with_trained_norms(_model(**MODELS["bigru-chunk4-ctx2"]), seed=3).eval()
+    ckpt = _save_checkpoint(tmp_path / "trained.pt", original)
+    out = export_model(ckpt, tmp_path / "repo" / "m" / "1")
+    rebuilt, info = rebuild(out)
+    assert info["model_config"] == original.cfg and info["model_config_matches"]
+    assert info["step"] == 42 and info["parity_max_abs_diff"] <= 1e-4
+    theirs, ours = original.state_dict(), rebuilt.state_dict()
+    exact = [
+        k for k in theirs if ".fwd." in k or ".bwd." in k or k.startswith(("head.", "feature_"))
+    ]
+    assert len(exact) == 4 * 2 * original.cfg.rnn_layers + 4
+    for key in exact:
+        assert torch.equal(theirs[key], ours[key]), key
+    features, lengths = _features_batch(original, (0.7, 1.3, 0.2))
+    with torch.no_grad():
+        want, got = original(features, lengths)[0], rebuilt(features, lengths)[0]
+    assert float((want - got).abs().max()) < 1e-5
+    assert rebuild(out / "model.onnx")[1]["source"] == str(out)  # the graph's path works too
+
+
+@pytest.mark.parametrize("model_id", ["bilstm-chunk3-ctx2", "unigru-rowconv3"])
+def test_rebuild_says_which_models_it_cannot_rebuild(exported, model_id: str) -> None:
+    from echoic.model.nn.rebuild import RebuildError, rebuild
+
+    with pytest.raises(
+        RebuildError, match="supports bidirectional GRU models.*training checkpoint"
+    ):
+        rebuild(exported(model_id)[1])
+
+
+def test_recalibrated_norms_keep_the_function_and_fit_training_mode(tmp_path: Path) -> None:
+    """After `recalibrate_norms` on some audio, eval mode computes what it did, and
+    training mode (batch statistics) on that audio computes nearly the same: without it,
+    the first fine-tuning steps would start from another function."""
+    import copy
+
+    from echoic.model.nn.rebuild import rebuild, recalibrate_norms
+
+    original = _with_trained_norms(_model(**MODELS["bigru-chunk4-ctx2"]), seed=4).eval()
+    out = export_model(_save_checkpoint(tmp_path / "t.pt", original), tmp_path / "r" / "m" / "1")
+    rebuilt, _ = rebuild(out)
+    calibration = _features_batch(original, (0.9, 1.1, 0.6, 1.4))
+    features, lengths = _features_batch(original, (1.0, 1.2, 0.8, 1.3))
+
+    def run(model: DeepSpeech2, train: bool) -> torch.Tensor:
+        model.train(train)
+        with torch.no_grad():
+            return model(copy.deepcopy(features), lengths)[0]
+
+    before_eval, before_train = run(rebuilt, False), run(copy.deepcopy(rebuilt), True)
+    frames = recalibrate_norms(rebuilt, [calibration])
+    assert frames == sum(original.cfg.output_frames(int(n)) for n in calibration[1])
+    after_eval, after_train = run(rebuilt, False), run(rebuilt, True)
+    assert float((after_eval - before_eval).abs().max()) < 1e-4
+    gap_before = float((before_train - before_eval).abs().mean())
+    gap_after = float((after_train - after_eval).abs().mean())
+    assert gap_after < gap_before / 3, (gap_before, gap_after)

@@ -105,7 +105,7 @@ def test_sighup_rescans_the_repository_now(tiny_model_dir, tmp_path) -> None:
 def test_the_completion_check_is_the_exports_own_report(tiny_model_dir: Path) -> None:
     """What `echoic export` writes is complete by this rule: the bundled model too."""
     from echoic.model.runtime.recognizer import default_model_dir
-    from echoic.server.models import incomplete
+    from echoic.model.runtime.repository import incomplete
 
     assert incomplete(tiny_model_dir) is None and incomplete(default_model_dir()) is None
 
@@ -118,3 +118,204 @@ def test_a_default_model_that_is_not_served_stops_the_start(tiny_model_dir, tmp_
     with pytest.raises(ServerError, match="--default-model gamma: no such model"):
         with running(model_repo=repo, default_model="gamma"):
             pass
+
+
+# ---------------------------------------------------------------- the whole loop
+
+
+ROOT = Path(__file__).resolve().parents[1]
+FINETUNE = ROOT / "training" / "recipes" / "finetune.toml"
+DEFAULT_RECIPE = ROOT / "training" / "recipes" / "default.toml"
+
+
+def _echoic(*args: str, timeout: float = 300) -> str:
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "echoic.cli.main", *args], cwd=ROOT, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+    assert run.returncode == 0, f"echoic {' '.join(args)}: {run.stderr[-3000:]}"
+    return run.stdout + run.stderr
+
+
+def test_the_finetune_recipe_is_the_bundled_models_network() -> None:
+    """finetune.toml's [model] is default.toml's, and the network rebuilt from the bundled
+    export has exactly that config (same hash as its card) and reproduces its graphs."""
+    import tomllib
+
+    from echoic.model.core.configs import config_hash, from_dict
+    from echoic.model.nn.network import ModelConfig
+    from echoic.model.nn.rebuild import rebuild
+    from echoic.model.runtime.recognizer import default_model_dir
+    from echoic.model.runtime.repository import read_report_card
+
+    finetune = tomllib.loads(FINETUNE.read_text())
+    assert finetune["model"] == tomllib.loads(DEFAULT_RECIPE.read_text())["model"]
+    assert finetune["init_from"] == "model/default"
+    assert (ROOT / finetune["init_from"]).resolve() == default_model_dir().resolve()
+    _, info = rebuild(default_model_dir())
+    card = read_report_card(default_model_dir())
+    assert config_hash(from_dict(ModelConfig, finetune["model"])) == card.model_config_hash
+    assert info["model_config_matches"] and info["parity_max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
+    speech_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop as a user runs it, on the bundled model: `echoic serve` with no repository
+    flag (the default repository, seeded with the bundled model); fine-tune the bundled
+    model on a small synthesized corpus (twice: the same checkpoint bytes); `echoic deploy`
+    it; new requests get version 2 while a stream opened on version 1 finishes there with
+    exactly its offline transcript; `echoic deploy --remove` rolls back. A client sends
+    requests the whole time: none fails, and no restart."""
+    import json
+    import threading
+
+    from echoic.model.core.audio import decode_audio
+    from echoic.model.runtime.recognizer import Recognizer, default_model_dir
+    from tests.test_server import finals, pcm16, stream_messages
+
+    repo = tmp_path / "default-repo"
+    monkeypatch.setenv("ECHOIC_MODEL_REPO", str(repo))
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()]
+    audio = decode_audio(Path(rows[0]["audio_filepath"]).read_bytes(), 16000)
+    offline_v1 = Recognizer(default_model_dir(), intra_op_threads=1).transcribe([audio])[0].text
+    assert offline_v1  # the bundled model hears something in it
+
+    # Fine-tune twice with the same seed: byte-identical checkpoints.
+    runs = [tmp_path / "run-a", tmp_path / "run-b"]
+    for run in runs:
+        log = _echoic("train", "--config", str(FINETUNE), f"data.train_manifest={speech_corpus}",
+                      f"out_dir={run}", "max_steps=3", "threads=1", "--no-progress")  # fmt: skip
+        assert "an export: weights rebuilt" in log
+    assert (runs[0] / "last.pt").read_bytes() == (runs[1] / "last.pt").read_bytes()
+
+    with serve_process("--poll-seconds", "0.5") as (process, port, server_log):
+        target = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.TranscriberStub(channel)
+            assert _versions(stub) == [("echoic-en-default", "1")]
+            assert (repo / "echoic-en-default" / "1" / "model.onnx").is_file()
+
+            answered: list[str] = []
+            failures: list[str] = []
+            stop = threading.Event()
+
+            def load() -> None:  # a client that keeps asking through every switch
+                while not stop.is_set():
+                    try:
+                        answered.append(recognize(stub, pcm16(audio), linear16()).model.version)
+                    except grpc.RpcError as e:
+                        failures.append(f"{e.code()}: {e.details()}")
+
+            client = threading.Thread(target=load)
+            client.start()
+            try:
+                release = threading.Event()
+                third = len(pcm16(audio)) // 3 // 2 * 2
+                call = stub.StreamingRecognize(
+                    stream_messages(pcm16(audio), linear16(), interim=True,
+                                    pause=(third, release)),
+                    timeout=120,
+                )  # fmt: skip
+                first = next(call)  # the stream is open on version 1
+                assert first.model.version == "1"
+
+                out = _echoic("deploy", str(runs[0] / "last.pt"), "--wait", target)
+                assert "deployed echoic-en-default version 2" in out and "word LM" in out
+                assert _versions(stub) == [("echoic-en-default", "2")]
+                assert recognize(stub, pcm16(audio), linear16()).model.version == "2"
+                listed = _echoic("models", "--server", target)
+                assert "draining" in listed  # version 1 holds the open stream
+
+                release.set()
+                rest = list(call)
+                assert {r.model.version for r in [first, *rest]} == {"1"}
+                assert " ".join(t for t in finals([first, *rest]) if t) == offline_v1
+
+                out = _echoic("deploy", "--remove", "echoic-en-default/2", "--wait", target)
+                assert "no longer serves echoic-en-default version 2" in out
+                assert recognize(stub, pcm16(audio), linear16()).model.version == "1"
+            finally:
+                stop.set()
+                client.join(timeout=60)
+        assert process.poll() is None  # never restarted
+    assert not failures, failures[:5]
+    assert {"1", "2"} <= set(answered), "the client saw both versions"
+    assert not [line for line in server_log if " ERROR " in line], server_log
+
+
+def test_deploy_and_models_in_a_repository(tiny_model_dir, tmp_path, capsys) -> None:
+    """`echoic deploy` numbers versions, carries the LM forward, refuses what is not a
+    complete model and an existing version, and `--remove` takes one out; `echoic
+    models` lists what a server would serve, and why a version would not load."""
+    import json
+
+    from echoic.cli.main import main
+    from echoic.model.runtime.recognizer import default_model_dir
+
+    repo = tmp_path / "repo"
+    assert main(["deploy", str(tiny_model_dir), "--repo", str(repo), "--name", "t"]) == 0
+    (repo / "t" / "1" / "lm.arpa").write_text((default_model_dir() / "lm.arpa").read_text())
+    assert main(["deploy", str(tiny_model_dir), "--repo", str(repo), "--name", "t"]) == 0
+    assert "deployed t version 2" in capsys.readouterr().out
+    assert (repo / "t" / "2" / "lm.arpa").read_bytes() == (
+        repo / "t" / "1" / "lm.arpa"
+    ).read_bytes()
+    assert main(["deploy", str(tiny_model_dir), "--repo", str(repo), "--name", "t", "--no-lm"]) == 0
+    assert not (repo / "t" / "3" / "lm.arpa").exists()
+    half = repo / "t" / "4"
+    half.mkdir()
+    shutil.copy(tiny_model_dir / "model.onnx", half)
+    assert not [p for p in (repo / "t").iterdir() if p.name.startswith(".")]  # no leftovers
+
+    capsys.readouterr()
+    assert main(["models", "--repo", str(repo), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["version"], r["status"].split(":")[0]) for r in rows] == [
+        ("4", "incomplete"),
+        ("3", "newest"),
+        ("2", "older"),
+        ("1", "older"),
+    ]
+    assert "no export.json yet" in rows[0]["status"]
+
+    def fails(*argv: str) -> str:
+        assert main(list(argv)) == 1
+        return capsys.readouterr().err
+
+    assert "already exists" in fails("deploy", str(tiny_model_dir), "--repo", str(repo),
+                                     "--name", "t", "--version", "2")  # fmt: skip
+    assert "not a complete model directory" in fails("deploy", str(half), "--repo", str(repo))
+    assert "no such checkpoint or model directory" in fails("deploy", str(tmp_path / "nope"))
+    assert "give a SOURCE" in fails("deploy", "--repo", str(repo))
+    assert "NAME/VERSION" in fails("deploy", "--remove", "t", "--repo", str(repo))
+    assert "no version 9 of t" in fails("deploy", "--remove", "t/9", "--repo", str(repo))
+    assert main(["deploy", "--remove", "t/3", "--repo", str(repo)]) == 0
+    assert sorted(p.name for p in (repo / "t").iterdir()) == ["1", "2", "4"]
+    assert "removed t version 3" in capsys.readouterr().out
+    assert main(["models", "--bundled"]) == 0
+    assert capsys.readouterr().out.strip() == str(default_model_dir())
+
+
+def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeypatch) -> None:
+    """The first start seeds it with the bundled model; a repository that has models is
+    left as it is (a removed bundled version stays removed)."""
+    from echoic.model.runtime.recognizer import default_model_dir
+    from echoic.model.runtime.repository import seed_with_bundled
+
+    repo = tmp_path / "fresh" / "models"
+    monkeypatch.setenv("ECHOIC_MODEL_REPO", str(repo))
+    with running() as server, channel_to(server) as channel:
+        assert _versions(pb_grpc.TranscriberStub(channel)) == [("echoic-en-default", "1")]
+    copied = repo / "echoic-en-default" / "1"
+    for name in ("model.onnx", "stream.onnx", "lm.arpa", "export.json"):
+        assert (copied / name).read_bytes() == (default_model_dir() / name).read_bytes()
+    (repo / "mine").mkdir()
+    shutil.move(copied, repo / "mine" / "1")
+    shutil.rmtree(repo / "echoic-en-default")
+    assert seed_with_bundled(repo, default_model_dir()) is None
+    assert sorted(p.name for p in repo.iterdir()) == ["mine"]

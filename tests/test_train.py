@@ -283,19 +283,29 @@ def test_init_from_starts_from_the_weights_with_a_fresh_schedule(
     [
         ("init_from={run}/nope.pt", "no checkpoint at"),
         ("model.rnn_hidden=32", "its network does not fit this recipe's [model]"),
+        ("init_from={bundled}", "its network does not fit this recipe's [model]"),
+        ("init_from={tmp}/bad/model.onnx", "is not a readable ONNX model"),
+        ("init_from={tmp}", "no checkpoint at"),
     ],
-    ids=["missing", "other-network"],
+    ids=["missing", "other-network", "export-of-another-network", "bad-graph", "a-directory"],
 )
 def test_init_from_refuses_what_it_cannot_load(
     speech_corpus: Path, reference_run: Path, tmp_path: Path, override: str, message: str
 ) -> None:
-    overrides = [f"init_from={reference_run / 'last.pt'}", override.format(run=reference_run)]
+    """A clear one-line error, and no empty out_dir left behind."""
+    from echoic.model.runtime.recognizer import default_model_dir
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.onnx").write_bytes(b"not a graph")
+    paths = dict(run=reference_run, bundled=default_model_dir(), tmp=tmp_path)
+    overrides = [f"init_from={reference_run / 'last.pt'}", override.format(**paths)]
     run = subprocess.run(
-        _train_cmd(speech_corpus, tmp_path, *overrides), capture_output=True, text=True,
+        _train_cmd(speech_corpus, tmp_path / "out", *overrides), capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert run.returncode == 1, run.stderr[-2000:]
     assert message in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(not shutil.which("mpirun"), reason="mpirun (openmpi-bin) is not installed")

@@ -46,6 +46,7 @@ from echoic.model.core.configs import apply_overrides, config_hash, from_dict, t
 from echoic.model.core.text import Vocabulary
 from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
+from echoic.model.nn.rebuild import is_export, rebuild, recalibrate_norms
 from echoic.training import checkpoint, distributed
 from echoic.training.data import (
     Batch,
@@ -54,6 +55,7 @@ from echoic.training.data import (
     DataConfig,
     SpeechDataset,
     Utterance,
+    collate,
     make_loader,
     read_manifest,
 )
@@ -86,9 +88,10 @@ class TrainConfig:
     threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks. The weights
     # depend on it: a checkpoint records the count used and resumes only with that count.
     stats_utterances: int = 300  # utterances sampled for feature mean/std
-    init_from: str = ""  # fine-tuning: a checkpoint whose weights and feature statistics
-    # start this run (the network must have the same parameter shapes; chunking may differ);
-    # the optimizer, schedule and data order start afresh. A run that resumes ignores it.
+    init_from: str = ""  # fine-tuning: a checkpoint (or an exported model directory, such as
+    # the bundled model/default) whose weights and feature statistics start this run (the
+    # network must have the same parameter shapes; chunking may differ); the optimizer,
+    # schedule and data order start afresh. A run that resumes ignores it.
 
 
 # Where a checkpoint lies is no part of it: left out of the saved config, so that the
@@ -145,8 +148,7 @@ def make_deterministic(device: torch.device) -> None:
 
 def feature_stats(utts: list, cfg: ModelConfig, count: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-bin mean and std of the raw features over an evenly spaced sample of utterances."""
-    step = max(1, len(utts) // max(count, 1))
-    sample = SpeechDataset(utts[::step][:count], cfg.features)
+    sample = SpeechDataset(_evenly(utts, count), cfg.features)
     total, total_sq, frames = 0.0, 0.0, 0
     for i in range(len(sample)):
         f64 = sample[i].features.astype(np.float64)
@@ -213,8 +215,6 @@ def start(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, prog
     """Read the data and build the run: resumed from out_dir/last.pt when there is one,
     else fine-tuned from `cfg.init_from` when set, else fresh."""
     out, main = Path(cfg.out_dir), env.rank == 0
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
     vocab = Vocabulary(cfg.model.vocabulary)
     train_utts, report = read_manifest(cfg.data.train_manifest, vocab, cfg.data)
     val_utts = []
@@ -227,6 +227,8 @@ def start(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, prog
     ckpt_path = out / checkpoint.LAST
     resume = _resumable(ckpt_path, cfg, env)
     model = _new_model(cfg, train_utts, fresh=resume is None, main=main)
+    if main:  # only now: a run that cannot start leaves no empty out_dir behind
+        out.mkdir(parents=True, exist_ok=True)
     model.to(device)
     model.set_rnn_impl(cfg.rnn_impl)
     loader, sampler = make_loader(
@@ -340,9 +342,9 @@ def _new_model(
     np.random.seed(cfg.seed)
     model = DeepSpeech2(cfg.model)
     if fresh and cfg.init_from:
-        _init_from(model, cfg.init_from)
+        how = _init_from(model, cfg, train_utts)
         if main:
-            print(f"fine-tuning from {cfg.init_from}", file=sys.stderr)
+            print(f"fine-tuning from {cfg.init_from}{how}", file=sys.stderr)
     elif fresh:
         mean, std = feature_stats(train_utts, cfg.model, cfg.stats_utterances)
         model.feature_mean.copy_(torch.from_numpy(mean))
@@ -350,20 +352,50 @@ def _new_model(
     return model
 
 
-def _init_from(model: DeepSpeech2, path: str) -> None:
-    """Load a checkpoint's weights and feature statistics into `model` (fine-tuning)."""
-    ckpt = load_checkpoint(path)
+def _init_from(model: DeepSpeech2, cfg: TrainConfig, train_utts: list[Utterance]) -> str:
+    """Load `cfg.init_from`'s weights and feature statistics into `model` (fine-tuning);
+    returns how, for the log line. An exported model is rebuilt (`echoic.model.nn.rebuild`)
+    and its norms recalibrated on this run's data."""
+    path = cfg.init_from
+    source = info = None
+    if is_export(path):
+        source, info = rebuild(path)
+        theirs = source.state_dict()
+    else:
+        theirs = load_checkpoint(path)["model"]
     ours = model.state_dict()
-    theirs = ckpt["model"]
     misfit = sorted(set(ours) ^ set(theirs)) or [
         k for k in ours if ours[k].shape != theirs[k].shape
     ]
+    if source is not None and not misfit and source.cfg.features != cfg.model.features:
+        misfit = ["[model.features]"]
     if misfit:
         raise CheckpointError(
             f"init_from={path}: its network does not fit this recipe's [model] (first"
             f" difference: {misfit[0]}); fine-tune with the [model] it was trained with"
         )
-    model.load_state_dict(theirs)
+    if source is None:
+        model.load_state_dict(theirs)
+        return ""
+    sample = SpeechDataset(_evenly(train_utts, cfg.stats_utterances), cfg.model.features)
+    batches = (
+        (b.features, b.feature_lengths)
+        for b in (
+            collate([sample[j] for j in range(i, min(i + 16, len(sample)))])
+            for i in range(0, len(sample), 16)
+        )
+    )
+    frames = recalibrate_norms(source, batches)
+    model.load_state_dict(source.state_dict())
+    return (
+        f" (an export: weights rebuilt, max |diff| {info['parity_max_abs_diff']:.1e} from"
+        f" its graphs; norm statistics measured on {frames} frames of this data)"
+    )
+
+
+def _evenly(utts: list, count: int) -> list:
+    """An evenly spaced sample of at most `count` utterances."""
+    return utts[:: max(1, len(utts) // max(count, 1))][:count]
 
 
 # ---- the steps -------------------------------------------------------------------

@@ -46,7 +46,7 @@ class AudioTooLong(AudioError):
 
     @property
     def length(self) -> str:
-        """"12.3 s long", or "longer than 12.3 s" when it stopped decoding there."""
+        """ "12.3 s long", or "longer than 12.3 s" when it stopped decoding there."""
         return f"{self.seconds:.1f} s long" if self.exact else f"longer than {self.seconds:.1f} s"
 
 

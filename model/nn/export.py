@@ -48,6 +48,7 @@ from echoic.model.runtime.card import (
     ModelCard,
     StateSpec,
 )
+from echoic.model.runtime.repository import check_name
 
 if TYPE_CHECKING:
     from echoic.model.runtime.engine import Engine
@@ -367,9 +368,11 @@ def export_model(
     chunk = _stream_chunk(model, stream_chunk)
     name = name or cfg.name
     version = version or _default_version(out_dir)
-    for what, value in (("name", name), ("version", version)):
-        if not value.strip() or "/" in value or value.startswith("."):
-            raise ExportError(f"bad model {what} {value!r}: it becomes a directory name")
+    try:
+        check_name("name", name)
+        check_name("version", version)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
     card = build_card(model, ckpt, name=name, version=version, chunk=chunk)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

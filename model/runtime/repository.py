@@ -1,0 +1,168 @@
+"""A model repository on disk: `REPO/<name>/<version>/`, each version an exported model.
+
+The server serves from one (`echoic serve --model-repo`, or the default repository
+below); `echoic deploy` publishes into one. The rules both sides keep:
+
+- Names and versions starting with "." are never loaded: a version is built in a
+  dot-directory beside its place and renamed into it when complete, so it appears
+  whole or not at all (`publish`). Removing one renames it out of sight first.
+- A version is complete when its `export.json` (which `echoic export` writes last)
+  is there with every graph its model card names (`incomplete`), so a version
+  copied in file by file by other tools is not loaded half-written either.
+- Versions compare as numbers (2 < 10); names that are not numbers sort before all
+  numbers, alphabetically (`version_key`).
+
+The default repository (`default_repository`) is `$ECHOIC_MODEL_REPO`, else
+`$XDG_DATA_HOME/echoic/models`, else `~/.local/share/echoic/models`; the first time
+it is used it is seeded with the bundled model (`seed_with_bundled`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from echoic.model.core.files import fsync_directory
+from echoic.model.runtime.card import OFFLINE_FILE, REPORT_FILE, STREAM_FILE, ModelCard
+
+ENV_REPO = "ECHOIC_MODEL_REPO"
+
+
+def default_repository() -> Path:
+    """Where `echoic serve` and `echoic deploy` look when given no repository."""
+    if os.environ.get(ENV_REPO):
+        return Path(os.environ[ENV_REPO]).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "echoic" / "models"
+
+
+def version_key(version: str) -> tuple[int, int, str]:
+    return (1, int(version), "") if version.isdigit() else (0, 0, version)
+
+
+def scan_repository(repo: Path) -> dict[str, dict[str, Path]]:
+    """name -> version -> directory, skipping dot-names and plain files."""
+    found: dict[str, dict[str, Path]] = {}
+    for name_dir in sorted(repo.iterdir()):
+        if name_dir.name.startswith(".") or not name_dir.is_dir():
+            continue
+        versions = {
+            v.name: v for v in name_dir.iterdir() if not v.name.startswith(".") and v.is_dir()
+        }
+        if versions:
+            found[name_dir.name] = versions
+    return found
+
+
+def read_report_card(path: Path) -> ModelCard:
+    """The model card in a version directory's `export.json` (ValueError, OSError, KeyError)."""
+    return ModelCard.from_json(
+        json.dumps(json.loads((path / REPORT_FILE).read_text())["model_card"])
+    )
+
+
+def incomplete(path: Path) -> str | None:
+    """Why a version directory is not ready to load yet; None when it is."""
+    if not (path / REPORT_FILE).is_file():
+        return f"no {REPORT_FILE} yet (`echoic export` writes it last; copy it last)"
+    try:
+        card = read_report_card(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{REPORT_FILE} is not readable yet ({e})"
+    needed = [OFFLINE_FILE, *([STREAM_FILE] if card.streamable else [])]
+    missing = [name for name in needed if not (path / name).is_file()]
+    return f"{', '.join(missing)} missing (its {REPORT_FILE} names it)" if missing else None
+
+
+def check_name(what: str, value: str) -> None:
+    """A model name or version must be one visible directory name."""
+    if not value.strip() or "/" in value or value.startswith("."):
+        raise ValueError(f"bad model {what} {value!r}: it becomes a directory name")
+
+
+def next_version(repo: Path, name: str) -> str:
+    """One more than the highest numbered version of `name` (hidden ones count too: a
+    version being published or removed keeps its number); "1" for a new name."""
+    numbers = [0]
+    if (repo / name).is_dir():
+        for entry in (repo / name).iterdir():
+            digits = entry.name.lstrip(".").split(".")[0]
+            if digits.isdigit():
+                numbers.append(int(digits))
+    return str(max(numbers) + 1)
+
+
+def staging_dir(repo: Path, name: str, version: str) -> Path:
+    """A new hidden directory beside REPO/<name>/<version>, on the same file system,
+    in which to build that version before `publish` renames it into place."""
+    check_name("name", name)
+    check_name("version", version)
+    parent = repo / name
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", suffix=".partial", dir=parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server may run as another user
+    return tmp
+
+
+def publish(built: Path, repo: Path, name: str, version: str) -> Path:
+    """Rename a complete version directory `built` (from `staging_dir`) to
+    REPO/<name>/<version> in one step; FileExistsError if that version exists."""
+    if why := incomplete(built):
+        raise ValueError(f"{built} is not a complete model directory: {why}")
+    for entry in built.iterdir():
+        if entry.is_file():
+            with open(entry, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_directory(built)
+    target = repo / name / version
+    if target.exists():
+        raise FileExistsError(f"{target} already exists: publish another version")
+    os.rename(built, target)  # a directory appears whole, or not at all
+    fsync_directory(target.parent)
+    return target
+
+
+def copy_version(source: Path, repo: Path, name: str, version: str) -> Path:
+    """Publish a copy of the model directory `source` as REPO/<name>/<version>."""
+    if why := incomplete(source):
+        raise ValueError(f"{source} is not a complete model directory: {why}")
+    tmp = staging_dir(repo, name, version)
+    try:
+        for entry in sorted(source.iterdir()):
+            if entry.is_file() and not entry.name.startswith("."):
+                shutil.copy2(entry, tmp / entry.name)
+        return publish(tmp, repo, name, version)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_version(repo: Path, name: str, version: str) -> None:
+    """Take REPO/<name>/<version> out of the repository in one step (renamed to a
+    hidden name, then deleted), so that no scan sees it half-deleted."""
+    check_name("name", name)
+    check_name("version", version)
+    target = repo / name / version
+    if not target.is_dir():
+        raise FileNotFoundError(f"no version {version} of {name} in {repo}")
+    hidden = Path(tempfile.mkdtemp(prefix=f".{version}.", suffix=".removed", dir=target.parent))
+    os.rename(target, hidden / version)
+    fsync_directory(target.parent)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
+    """Put a copy of the bundled model into `repo` when the repository has no model at
+    all (the first use of the default repository); returns the new version's path, or
+    None when the repository already had models (it is then left as it is)."""
+    repo.mkdir(parents=True, exist_ok=True)
+    if scan_repository(repo):
+        return None
+    card = read_report_card(bundled)
+    try:
+        return copy_version(bundled, repo, card.name, card.version)
+    except FileExistsError:  # another process seeded it first
+        return None
