@@ -28,6 +28,9 @@ ENCODINGS = {
     "linear16": Encoding.LINEAR16,
     "wav": Encoding.WAV,
     "flac": Encoding.FLAC,
+    "mulaw": Encoding.MULAW,
+    "alaw": Encoding.ALAW,
+    "ogg": Encoding.OGG_OPUS,
 }
 
 

@@ -6,12 +6,13 @@ live stream uses, with the same arithmetic as `decode_audio` (integer PCM scaled
 by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
 [-1, 1]), so a stream's samples equal the decoded file's:
 
-- LINEAR16: raw PCM16; a sample split across two messages is carried over.
-- WAV: the RIFF header is parsed once it has arrived; integer (8, 16, 24, 32 bit)
-  and float (32, 64 bit) PCM then stream. Other WAV codecs (mu-law, ADPCM, ...)
-  are buffered and decoded by `decode_audio` at the end.
-- FLAC (and containers detected by ENCODING_UNSPECIFIED other than WAV): buffered,
-  decoded by `decode_audio` when the audio ends.
+- LINEAR16, MULAW, ALAW: raw PCM16 or G.711 bytes (telephony, 8 kHz); a sample
+  split across two messages is carried over.
+- WAV: the RIFF header is parsed once it has arrived; integer (8, 16, 24, 32 bit),
+  float (32, 64 bit) and G.711 (mu-law, A-law) samples then stream. Other WAV
+  codecs (ADPCM, ...) are buffered and decoded by `decode_audio` at the end.
+- FLAC and OGG (Opus or Vorbis), and containers detected by ENCODING_UNSPECIFIED
+  other than WAV: buffered, decoded by `decode_audio` when the audio ends.
 
 `max_seconds` holds for every encoding, as early as the audio allows: from the
 WAV or FLAC header when it gives the length, as PCM samples arrive, and for
@@ -30,6 +31,7 @@ import numpy as np
 
 from echoic.model.core.audio import (
     ENCODINGS,
+    RAW_ENCODINGS,
     AudioError,
     MonoResampler,
     check_channels,
@@ -37,10 +39,12 @@ from echoic.model.core.audio import (
     check_length,
     check_rate,
     decode_audio,
+    raw_to_float,
     unknown_length,
 )
 
-_WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
+_WAVE_PCM, _WAVE_FLOAT, _WAVE_ALAW, _WAVE_MULAW = 0x0001, 0x0003, 0x0006, 0x0007
+_WAVE_EXTENSIBLE = 0xFFFE
 _PLACEHOLDER_SIZE = 0x7FFF0000  # a WAV data size from here on means "unknown", bytes
 _MAX_HEADER_BYTES = 1 << 20  # a WAV whose samples have not begun after this is not streamable
 
@@ -51,9 +55,12 @@ def check_format(encoding: str, sample_rate: int | None, channels: int) -> None:
     The messages name the config fields (RecognitionConfig's)."""
     if encoding not in ENCODINGS:
         raise AudioError(f"unsupported encoding {encoding!r}")
-    if encoding == "linear16" and sample_rate is None:
+    if encoding in RAW_ENCODINGS and sample_rate is None:
+        what = {"linear16": "LINEAR16 (raw PCM16)", "mulaw": "MULAW (raw G.711 mu-law)",
+                "alaw": "ALAW (raw G.711 A-law)"}[encoding]  # fmt: skip
+        example = "16000" if encoding == "linear16" else "8000"
         raise AudioError(
-            "LINEAR16 (raw PCM16) has no header: set sample_rate_hertz (e.g. 16000) in the config"
+            f"{what} has no header: set sample_rate_hertz (e.g. {example}) in the config"
         )
     if sample_rate is not None:
         check_rate(sample_rate, "sample_rate_hertz")
@@ -80,10 +87,11 @@ class AudioInput:
         self.max_seconds = max_seconds  # longest audio accepted, s; 0 = no limit
         self._declared_rate = sample_rate
         self._channels = channels
-        self._mode = "linear16" if encoding == "linear16" else "sniff"
+        self._mode = "raw" if encoding in RAW_ENCODINGS else "sniff"
         self._pending = b""  # bytes not yet turned into samples (or the whole buffered file)
-        self._sample_bytes = 2
-        self._sample_format = "int16"
+        g711 = encoding in ("mulaw", "alaw")  # one byte a sample
+        self._sample_bytes = 1 if g711 else 2
+        self._sample_format = encoding if g711 else "int16"
         self._data_left: int | None = None  # WAV data-chunk bytes still to come; None: unbounded
         self._rate = sample_rate or 0
         self._to_model: MonoResampler | None = None
@@ -112,7 +120,7 @@ class AudioInput:
             self._check_flac_header()
         if self._mode == "wav-header":
             self._parse_wav_header()
-        if self._mode in ("linear16", "wav"):
+        if self._mode in ("raw", "wav"):
             return self._decode_pcm(last=False)
         return _EMPTY
 
@@ -150,18 +158,21 @@ class AudioInput:
         head = self._pending[:4]
         if len(head) < 4:
             return
-        if head == b"RIFF":
-            if self.encoding == "flac":
-                raise AudioError(f"{self.name}: encoding FLAC was requested but the data is WAV")
+        found = {b"RIFF": "wav", b"fLaC": "flac", b"OggS": "ogg"}.get(head)
+        if found is not None and self.encoding not in ("auto", found):
+            raise AudioError(
+                f"{self.name}: encoding {self.encoding.upper()} was requested but the data is "
+                f"{found.upper()}"
+            )
+        if found == "wav":
             self._mode = "wav-header"
-        elif head == b"fLaC":
-            if self.encoding == "wav":
-                raise AudioError(f"{self.name}: encoding WAV was requested but the data is FLAC")
+        elif found == "flac":
             self._mode = "flac-header"
-        elif self.encoding == "auto" and head == b"OggS":
+        elif found == "ogg":
             self._mode = "buffer"
         else:
-            want = {"auto": "WAV or FLAC", "wav": "WAV", "flac": "FLAC"}[self.encoding]
+            want = {"auto": "WAV, FLAC or OGG", "wav": "WAV", "flac": "FLAC", "ogg": "OGG"}
+            want = want[self.encoding]
             raise AudioError(
                 f"{self.name}: cannot decode audio: expected {want} but the data starts with "
                 f"{head!r}; for raw PCM16 without a header send encoding LINEAR16 and its "
@@ -229,6 +240,8 @@ class AudioInput:
             (_WAVE_PCM, 32): "int32",
             (_WAVE_FLOAT, 32): "float32",
             (_WAVE_FLOAT, 64): "float64",
+            (_WAVE_ALAW, 8): "alaw",
+            (_WAVE_MULAW, 8): "mulaw",
         }
         if (tag, bits) not in formats or channels < 1:
             return False
@@ -237,7 +250,7 @@ class AudioInput:
         check_header_rate(self._declared_rate, rate, self.name)
         self._mode = "wav"
         self._rate, self._channels = rate, channels
-        self._sample_format, self._sample_bytes = formats[tag, bits], bits // 8
+        self._sample_format, self._sample_bytes = formats[tag, bits], (bits + 7) // 8
         # Writers that stream WAV leave the size at 0, 0xFFFFFFFF or a placeholder near
         # 2**31 (arecord to a pipe): read to the end then, and count as the audio comes.
         self._data_left = None if data_size == 0 or data_size >= _PLACEHOLDER_SIZE else data_size
@@ -273,8 +286,8 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 
 def _pcm_to_float(raw: bytes, fmt: str, channels: int) -> np.ndarray:
     """Interleaved PCM bytes -> (N, C) float32 in [-1, 1], scaled as libsndfile scales."""
-    if fmt == "int16":
-        x = np.frombuffer(raw, "<i2").astype(np.float32) / np.float32(32768.0)
+    if fmt in ("int16", "mulaw", "alaw"):
+        x = raw_to_float(raw, "linear16" if fmt == "int16" else fmt)
     elif fmt == "uint8":
         x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / np.float32(128.0)
     elif fmt == "int24":

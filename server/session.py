@@ -42,6 +42,9 @@ _ENCODINGS = {
     pb.RecognitionConfig.LINEAR16: "linear16",
     pb.RecognitionConfig.WAV: "wav",
     pb.RecognitionConfig.FLAC: "flac",
+    pb.RecognitionConfig.MULAW: "mulaw",
+    pb.RecognitionConfig.ALAW: "alaw",
+    pb.RecognitionConfig.OGG_OPUS: "ogg",
 }
 
 
@@ -65,7 +68,7 @@ def invalid(message: str) -> RequestError:
 class Options:
     """A RecognitionConfig, checked and in server units."""
 
-    encoding: str  # "auto", "linear16", "wav" or "flac"
+    encoding: str  # "auto", "linear16", "mulaw", "alaw", "wav", "flac" or "ogg"
     sample_rate: int | None  # Hz of the audio sent; None = from the header
     channels: int  # channels of LINEAR16 audio, count
     model: str  # model name; "" = the only one served
@@ -90,7 +93,8 @@ def parse_config(
     `max_beam`: the largest beam_size this server allows (`ServerConfig.max_beam_size`)."""
     if config.encoding not in _ENCODINGS:
         raise invalid(
-            f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), WAV or FLAC"
+            f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), MULAW, ALAW, "
+            "WAV, FLAC or OGG_OPUS"
         )
     for field, value in (("model", config.model), ("model_version", config.model_version)):
         if len(value) > MAX_NAME:

@@ -190,3 +190,36 @@ def test_file_errors_name_the_path(
 def test_directory_is_an_audio_error(tmp_path: Path) -> None:
     with pytest.raises(AudioError, match="cannot read audio file"):
         load_audio(tmp_path, 16000)
+
+
+# ---------------------------------------------------------------- telephony and Ogg
+
+
+@pytest.mark.parametrize(("law", "subtype"), [("mulaw", "ULAW"), ("alaw", "ALAW")])
+def test_raw_g711_decodes_as_libsndfile_decodes_it_in_a_wav(law: str, subtype: str) -> None:
+    """Raw G.711 bytes (no header, the caller gives the rate) give exactly the samples
+    libsndfile gives for the same bytes in a WAV file, at 8 kHz and resampled."""
+    wav = _encode(_sine(300, 8000, 0.5, 0.8), 8000, "WAV", subtype)
+    with sf.SoundFile(io.BytesIO(wav)) as f:
+        assert f.subtype == subtype
+    raw = wav[wav.index(b"data") + 8 :]
+    for rate in (8000, 16000):
+        want = decode_audio(wav, rate)
+        got = decode_audio(raw, rate, encoding=law, sample_rate=8000)
+        assert np.array_equal(got, want)
+    with pytest.raises(AudioError, match="raw mu-law has no header; give its sample rate"):
+        decode_audio(raw, 16000, encoding="mulaw")
+    stereo = decode_audio(raw, 8000, encoding=law, sample_rate=8000, channels=2)
+    assert stereo.size == len(raw) // 2
+
+
+def test_ogg_opus_and_vorbis_decode_and_ogg_is_checked() -> None:
+    """OGG holds Opus (browsers, phones) or Vorbis; "ogg" refuses other containers."""
+    tone = _sine(440, 48000, 0.5)
+    for subtype in ("OPUS", "VORBIS"):
+        data = _encode(tone, 48000, "OGG", subtype)
+        samples = decode_audio(data, 16000, encoding="ogg")
+        assert np.array_equal(samples, decode_audio(data, 16000))
+        assert abs(samples.size - 8000) <= 400 and abs(_peak_hz(samples, 16000) - 440) < 10
+    with pytest.raises(AudioError, match="encoding 'ogg' was requested but the data is WAV"):
+        decode_audio(_encode(tone, 48000, "WAV"), 16000, encoding="ogg")

@@ -24,10 +24,31 @@ import soxr
 MIN_RATE = 8000  # Hz, lowest sample rate accepted (narrowband telephony)
 MAX_RATE = 192000  # Hz, highest sample rate accepted
 MAX_CHANNELS = 255  # channels of any audio accepted, count
-ENCODINGS = ("auto", "wav", "flac", "linear16")
+ENCODINGS = ("auto", "wav", "flac", "ogg", "linear16", "mulaw", "alaw")
+# Raw encodings: no header, so the caller gives the rate and channel count.
+RAW_ENCODINGS = ("linear16", "mulaw", "alaw")
 
 # libsndfile format names each explicit encoding accepts.
-_CONTAINER_FORMATS = {"wav": ("WAV", "WAVEX", "RF64", "W64"), "flac": ("FLAC",)}
+_CONTAINER_FORMATS = {
+    "wav": ("WAV", "WAVEX", "RF64", "W64"),
+    "flac": ("FLAC",),
+    "ogg": ("OGG",),  # Ogg Opus (browsers' MediaRecorder, phones) and Ogg Vorbis
+}
+_G711_SUBTYPES = {"mulaw": "ULAW", "alaw": "ALAW"}
+_g711_tables: dict[str, np.ndarray] = {}
+
+
+def g711_table(law: str) -> np.ndarray:
+    """The 256 float32 values of G.711 mu-law ("mulaw") or A-law ("alaw") bytes, as
+    libsndfile decodes them, so raw bytes, WAV files and streams decode to the same bits."""
+    if law not in _g711_tables:
+        every_byte = io.BytesIO(bytes(range(256)))
+        table, _ = sf.read(
+            every_byte, dtype="float32", format="RAW", subtype=_G711_SUBTYPES[law],
+            samplerate=8000, channels=1,
+        )  # fmt: skip
+        _g711_tables[law] = table
+    return _g711_tables[law]
 
 
 class AudioError(ValueError):
@@ -188,21 +209,37 @@ class MonoResampler:
         return np.ascontiguousarray(np.clip(mono, -1.0, 1.0))
 
 
-def _read_linear16(
-    data: bytes, sample_rate: int | None, channels: int, max_seconds: float, name: str
+_RAW_NAMES = {"linear16": "raw PCM16 (linear16)", "mulaw": "raw mu-law", "alaw": "raw A-law"}
+
+
+def _read_raw(
+    data: bytes,
+    encoding: str,
+    sample_rate: int | None,
+    channels: int,
+    max_seconds: float,
+    name: str,
 ) -> tuple[np.ndarray, int]:
+    what = _RAW_NAMES[encoding]
     if sample_rate is None:
-        raise AudioError(f"{name}: raw PCM16 (linear16) has no header; give its sample rate")
+        raise AudioError(f"{name}: {what} has no header; give its sample rate")
     check_channels(channels, name)
-    frame_bytes = 2 * channels
+    frame_bytes = (2 if encoding == "linear16" else 1) * channels
     if len(data) % frame_bytes:
         raise AudioError(
-            f"{name}: raw PCM16 with {channels} channel(s) needs a multiple of {frame_bytes} "
-            f"bytes, got {len(data)} (truncated or not 16-bit PCM)"
+            f"{name}: {what} with {channels} channel(s) needs a multiple of {frame_bytes} "
+            f"bytes, got {len(data)} (truncated, or another encoding)"
         )
     check_length(len(data) // frame_bytes, sample_rate, max_seconds, name, exact=True)
-    pcm = np.frombuffer(data, dtype="<i2").reshape(-1, channels)  # (N, C)
-    return pcm.astype(np.float32) / np.float32(32768.0), sample_rate
+    return raw_to_float(data, encoding).reshape(-1, channels), sample_rate  # (N, C)
+
+
+def raw_to_float(data: bytes, encoding: str) -> np.ndarray:
+    """Raw samples (interleaved) as float32 in [-1, 1]: PCM16 scaled by 2**15, G.711
+    through libsndfile's table."""
+    if encoding == "linear16":
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / np.float32(32768.0)
+    return g711_table(encoding)[np.frombuffer(data, dtype=np.uint8)]
 
 
 def decode_audio(
@@ -217,10 +254,11 @@ def decode_audio(
 ) -> np.ndarray:
     """Decode `data` to float32 mono in [-1, 1] at `target_rate` Hz.
 
-    encoding: "auto" (container detected from its header), "wav", "flac" (the
-    header must say so) or "linear16" (raw little-endian PCM16, interleaved when
-    `channels` > 1; needs `sample_rate`). For containers, a `sample_rate` that
-    disagrees with the header is an error rather than silently ignored. Audio longer
+    encoding: "auto" (container detected from its header), "wav", "flac", "ogg" (the
+    header must say so), or a raw encoding that needs `sample_rate` and is interleaved
+    when `channels` > 1: "linear16" (little-endian PCM16), "mulaw" or "alaw" (G.711).
+    For containers, a `sample_rate` that disagrees with the header is an error rather
+    than silently ignored. Audio longer
     than `max_seconds` (0 = no limit) raises AudioTooLong as soon as that is known:
     from the header, or once that much has been decoded.
     """
@@ -235,9 +273,9 @@ def decode_audio(
     if not data:
         raise AudioError(f"{name}: no audio data (0 bytes)")
 
-    if encoding != "linear16":
+    if encoding not in RAW_ENCODINGS:
         return _decode_container(data, encoding, sample_rate, target_rate, max_seconds, name)
-    samples, rate = _read_linear16(data, sample_rate, channels, max_seconds, name)
+    samples, rate = _read_raw(data, encoding, sample_rate, channels, max_seconds, name)
     if samples.shape[0] == 0:
         raise AudioError(f"{name}: the audio has no samples (0 s long)")
     to_model = MonoResampler(rate, target_rate)

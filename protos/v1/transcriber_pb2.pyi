@@ -15,10 +15,16 @@ class RecognitionConfig(_message.Message):
         LINEAR16: _ClassVar[RecognitionConfig.AudioEncoding]
         WAV: _ClassVar[RecognitionConfig.AudioEncoding]
         FLAC: _ClassVar[RecognitionConfig.AudioEncoding]
+        MULAW: _ClassVar[RecognitionConfig.AudioEncoding]
+        ALAW: _ClassVar[RecognitionConfig.AudioEncoding]
+        OGG_OPUS: _ClassVar[RecognitionConfig.AudioEncoding]
     ENCODING_UNSPECIFIED: RecognitionConfig.AudioEncoding
     LINEAR16: RecognitionConfig.AudioEncoding
     WAV: RecognitionConfig.AudioEncoding
     FLAC: RecognitionConfig.AudioEncoding
+    MULAW: RecognitionConfig.AudioEncoding
+    ALAW: RecognitionConfig.AudioEncoding
+    OGG_OPUS: RecognitionConfig.AudioEncoding
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HERTZ_FIELD_NUMBER: _ClassVar[int]
     AUDIO_CHANNEL_COUNT_FIELD_NUMBER: _ClassVar[int]
