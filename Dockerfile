@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 #
-# echoic server images. No torch in any of them: they install `echoic[serve]`
-# (onnxruntime) or `echoic[gpu]` (onnxruntime-gpu), never the training extra.
+# echoic server images. No torch in any of them: they install `echoic[serve,riva]`
+# (onnxruntime) or `echoic[gpu,riva]` (onnxruntime-gpu), never the training extra.
 #
 #   docker build -t echoic .                          # CPU server (the default target)
 #   docker build -t echoic:gpu --target gpu .         # CUDA server (onnxruntime-gpu)
@@ -41,7 +41,7 @@ ENV VIRTUAL_ENV=/opt/echoic PATH=/opt/echoic/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python3 -m venv /opt/echoic \
-    && pip install --no-cache-dir "$(ls /wheels/echoic-*.whl)[gpu]"
+    && pip install --no-cache-dir "$(ls /wheels/echoic-*.whl)[gpu,riva]"
 USER 10001:10001
 WORKDIR /home/echoic
 EXPOSE 50051 9090
@@ -56,7 +56,7 @@ ENV VIRTUAL_ENV=/opt/echoic PATH=/opt/echoic/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/echoic \
-    && pip install --no-cache-dir "$(ls /wheels/echoic-*.whl)[serve]"
+    && pip install --no-cache-dir "$(ls /wheels/echoic-*.whl)[serve,riva]"
 USER 10001:10001
 WORKDIR /home/echoic
 EXPOSE 50051 9090

@@ -119,7 +119,23 @@ def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
-def _enable_reflection(grpc_server: grpc.aio.Server) -> None:
+def _add_riva(
+    service: TranscriberService, registry: ModelRegistry, grpc_server: grpc.aio.Server
+) -> str | None:
+    """The Riva ASR API beside echoic's, when nvidia-riva-client (the riva extra) is
+    installed; returns its service name, or None."""
+    try:
+        from echoic.server import riva
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("riva"):
+            raise
+        log.info("the Riva ASR API is off: pip install 'echoic[riva]' to serve it")
+        return None
+    riva.add_to_server(riva.RivaService(service, registry), grpc_server)
+    return riva.SERVICE_NAME
+
+
+def _enable_reflection(grpc_server: grpc.aio.Server, riva: str | None) -> None:
     """Server reflection as both grpc.reflection.v1 (what grpcurl, grpc-js and Postman ask
     first) and v1alpha. The two protocols are the same messages under two package names,
     so one servicer (grpcio-reflection's, which ships only v1alpha) answers both."""
@@ -130,6 +146,7 @@ def _enable_reflection(grpc_server: grpc.aio.Server) -> None:
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         REFLECTION_V1,
         reflection.SERVICE_NAME,
+        *([riva] if riva else []),
     )
     servicer = reflection.aio.ReflectionServicer(names)
     for service in (REFLECTION_V1, reflection.SERVICE_NAME):
@@ -168,10 +185,11 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     grpc_server = grpc.aio.server(options=options)
     service = TranscriberService(config, registry, metrics)
     add_to_server(service, grpc_server)
+    riva = _add_riva(service, registry, grpc_server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
     if config.reflection:
-        _enable_reflection(grpc_server)
+        _enable_reflection(grpc_server, riva)
     server = Server(config, grpc_server, registry, metrics, health, service, executors)
     address = f"{config.host}:{config.port}"
     try:
@@ -195,7 +213,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         raise
     server.port = port
     await grpc_server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, *([riva] if riva else [])):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if credentials is None and not _loopback(config.host):
         log.warning(

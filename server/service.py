@@ -50,14 +50,14 @@ class Malformed:
     with INVALID_ARGUMENT (grpc itself would answer UNKNOWN or INTERNAL, and log a
     traceback)."""
 
-    def __init__(self, kind: str, error: DecodeError) -> None:
-        self.kind, self.error = kind, error
+    def __init__(self, kind: str, error: DecodeError, api: str) -> None:
+        self.kind, self.error, self.api = kind, error, api
 
     def problem(self) -> MalformedRequest:
         return MalformedRequest(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"the request is not a valid {self.kind} message ({_reason(self.error)}): "
-            "build it with stubs generated from echoic/v1/transcriber.proto",
+            f"build it with stubs generated from {self.api}",
         )
 
 
@@ -85,14 +85,15 @@ def _reason(error: DecodeError) -> str:
     return text.rsplit(": ", 1)[-1][:200] if ": " in text else "truncated or corrupt"
 
 
-def _lenient(message: type) -> Callable[[bytes], Any]:
-    """A deserializer that hands the rpc a `Malformed` instead of raising."""
+def lenient(message: type, api: str = "echoic/v1/transcriber.proto") -> Callable[[bytes], Any]:
+    """A deserializer that hands the rpc a `Malformed` instead of raising; `api` names
+    where correct stubs come from."""
 
     def parse(data: bytes) -> Any:
         try:
             return message.FromString(data)
         except DecodeError as e:
-            return Malformed(message.DESCRIPTOR.name, e)
+            return Malformed(message.DESCRIPTOR.name, e, api)
 
     return parse
 
@@ -103,17 +104,17 @@ def add_to_server(service: TranscriberService, server: grpc.aio.Server) -> None:
     handlers = {
         "Recognize": grpc.unary_unary_rpc_method_handler(
             service.Recognize,
-            request_deserializer=_lenient(pb.RecognizeRequest),
+            request_deserializer=lenient(pb.RecognizeRequest),
             response_serializer=pb.RecognizeResponse.SerializeToString,
         ),
         "StreamingRecognize": grpc.stream_stream_rpc_method_handler(
             service.StreamingRecognize,
-            request_deserializer=_lenient(pb.StreamingRecognizeRequest),
+            request_deserializer=lenient(pb.StreamingRecognizeRequest),
             response_serializer=pb.StreamingRecognizeResponse.SerializeToString,
         ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             service.ListModels,
-            request_deserializer=_lenient(pb.ListModelsRequest),
+            request_deserializer=lenient(pb.ListModelsRequest),
             response_serializer=pb.ListModelsResponse.SerializeToString,
         ),
     }
@@ -153,6 +154,24 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         return await self._guard(
             "ListModels", context, lambda: self._list_models(request), admit=False
         )
+
+    # ------------------------------------------------------------------ other doors
+
+    async def recognize_for(
+        self,
+        method: str,
+        translate: Callable[[], pb.RecognizeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.RecognizeResponse:
+        """Recognize for a door whose request `translate` turns into echoic's (the Riva
+        API; its errors are answered as echoic's): the same admission, limits and path;
+        `method` labels its metrics."""
+        return await self._guard(method, context, lambda: self._recognize(translate()))
+
+    async def stream_for(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        """StreamingRecognize for a door whose `context` reads and writes echoic's messages
+        (translating its own); as `recognize_for`."""
+        await self._guard(method, context, lambda: self._stream(context))
 
     # ------------------------------------------------------------------ bodies
 

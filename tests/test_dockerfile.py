@@ -70,8 +70,8 @@ def test_stages_and_targets() -> None:
 def test_serving_stages_never_install_torch(stage: str) -> None:
     text = " ".join(args for _, args in _stages()[stage]).lower()
     assert "torch" not in text and "[train]" not in text
-    installs = re.findall(r"\.whl\)\[(\w+)\]", text)
-    assert installs == [stage if stage == "gpu" else "serve"]
+    installs = re.findall(r"\.whl\)\[([\w,]+)\]", text)
+    assert installs == [f"{stage if stage == 'gpu' else 'serve'},riva"]
 
 
 @pytest.mark.parametrize("stage", SERVING)
@@ -268,6 +268,7 @@ def _closure(extra: str) -> set[str]:
 @pytest.mark.parametrize("extra", SERVING)
 def test_serving_extras_pull_in_no_torch(extra: str) -> None:
     pytest.importorskip("packaging", reason="packaging is needed to read requirements")
-    deps = _closure("gpu" if extra == "gpu" else "serve")
+    deps = _closure("gpu" if extra == "gpu" else "serve") | _closure("riva")
+    assert "nvidia-riva-client" in deps  # the Riva API is in both images
     assert "torch" not in deps and "onnx" not in deps
     assert ("onnxruntime-gpu" in deps) != ("onnxruntime" in deps)  # one or the other
