@@ -221,8 +221,10 @@ def test_the_node_example_streams_like_the_python_client(
     node = shutil.which("node")
     example = ROOT / "examples" / "node"
     if node is None or not (example / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.skip("Node.js or the example's packages are missing (npm install --prefix "
-                    "examples/node; scripts/bootstrap.sh does it where npm is installed)")  # fmt: skip
+        pytest.skip(
+            "Node.js or the example's packages are missing (npm install --prefix "
+            "examples/node; scripts/bootstrap.sh does it where npm is installed)"
+        )
     pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
     import json
 
