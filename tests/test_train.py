@@ -113,6 +113,27 @@ def test_same_seed_gives_identical_checkpoints(
     assert (reference_run / "last.pt").read_bytes() == (tmp_path / "last.pt").read_bytes()
 
 
+AUGMENTED = (
+    "data.augment.speed_prob=0.5", "data.augment.noise_prob=0.5", "data.augment.reverb_prob=0.3",
+    "data.augment.telephone_prob=0.3", "data.augment.freq_masks=2", "data.augment.time_masks=1",
+    "max_steps=6",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_augmented_training_is_deterministic(speech_corpus: Path, tmp_path: Path) -> None:
+    """Augmentation draws from (seed, epoch, utterance) alone: two runs write the same
+    bytes, and differ from the run without it."""
+    runs = [tmp_path / "a", tmp_path / "b", tmp_path / "clean"]
+    for run in runs[:2]:
+        _train(speech_corpus, run, *AUGMENTED)
+    _train(speech_corpus, runs[2], "max_steps=6")
+    assert (runs[0] / "last.pt").read_bytes() == (runs[1] / "last.pt").read_bytes()
+    load = {"map_location": "cpu", "weights_only": False}
+    augmented, clean = (torch.load(r / "last.pt", **load)["model"] for r in (runs[0], runs[2]))
+    assert not all(torch.equal(augmented[k], clean[k]) for k in clean)
+
+
 def test_same_weights_export_the_same_onnx_bytes(
     speech_corpus: Path, reference_run: Path, tmp_path: Path
 ) -> None:

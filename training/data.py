@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from echoic.model.core.audio import AudioError, audio_duration, load_audio
 from echoic.model.core.features import FeatureConfig, compute_features
 from echoic.model.core.text import TextError, Vocabulary
+from echoic.training.augment import AugmentConfig, Augmenter
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class DataConfig:
     sortagrad: bool = True  # first epoch in order of increasing length
     bad_input: Literal["skip", "stop"] = "stop"  # what to do with an unusable manifest line
     num_workers: int = 0  # data loader worker processes; 0 = load in the training process
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # training only (augment.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_duration < self.max_duration:
@@ -261,11 +263,22 @@ class SpeechDataset(Dataset):
     """
 
     def __init__(
-        self, utterances: Sequence[Utterance], features: FeatureConfig, max_substitutes: int = 8
+        self,
+        utterances: Sequence[Utterance],
+        features: FeatureConfig,
+        max_substitutes: int = 8,
+        augment: AugmentConfig | None = None,
+        seed: int = 0,
     ) -> None:
         self.utterances = list(utterances)
         self.features = features
         self.max_substitutes = max_substitutes
+        self.epoch = 0  # set by BatchLoader before each epoch: augmentation draws from it
+        self.augmenter = (
+            Augmenter(augment, seed, features.sample_rate, self._babble_talker)
+            if augment is not None and augment.active
+            else None
+        )
         durations = np.array([u.duration for u in self.utterances], dtype=np.float64)
         self._by_duration = np.argsort(durations, kind="stable")
         self._position = np.empty_like(self._by_duration)
@@ -293,13 +306,25 @@ class SpeechDataset(Dataset):
                 if self.failures[utt.path] == 1:
                     log.warning("line %d: %s; substituting a neighbour by duration", utt.line, e)
                 continue
+            if self.augmenter is not None:
+                samples = self.augmenter.waveform(samples, self.epoch, candidate)
             features = compute_features(samples, self.features)  # (T, F)
+            if self.augmenter is not None:
+                features = self.augmenter.features(features, self.epoch, candidate)
             tokens = np.asarray(utt.tokens, dtype=np.int64)
             return Example(features, tokens, candidate, candidate != index)
         raise ManifestError(
             f"{self.utterances[index].path} and its {self.max_substitutes * 2} nearest"
             " neighbours by duration all fail to load; is the data still there?"
         )
+
+    def _babble_talker(self, rng: np.random.Generator) -> np.ndarray:
+        """Another utterance's samples, for babble noise; empty when it does not load."""
+        other = self.utterances[int(rng.integers(len(self.utterances)))]
+        try:
+            return load_audio(other.path, self.features.sample_rate)
+        except AudioError:
+            return np.zeros(0, np.float32)
 
 
 class Batch(NamedTuple):
@@ -453,6 +478,7 @@ class BatchLoader:
     def __iter__(self) -> Iterator[Batch]:
         sampler = self.sampler
         delivered = sampler.consumed
+        self.dataset.epoch = sampler.epoch  # workers copy the dataset when the loader starts
         seed = np.random.SeedSequence([sampler.seed, sampler.epoch, delivered])
         loader = DataLoader(
             self.dataset,
@@ -482,9 +508,11 @@ def make_loader(
 ) -> tuple[BatchLoader, BucketBatchSampler]:
     """Dataset + sampler + collate for one rank, with `cfg.num_workers` loader processes.
 
-    Drive epochs and checkpoints through the sampler (`set_epoch`, `state_dict`).
+    Drive epochs and checkpoints through the sampler (`set_epoch`, `state_dict`). A
+    shuffled (training) loader applies `cfg.augment`; an unshuffled one never does.
     """
-    dataset = SpeechDataset(utterances, features)
+    augment = cfg.augment if shuffle else None
+    dataset = SpeechDataset(utterances, features, augment=augment, seed=seed)
     durations = [u.duration for u in utterances]
     sampler = BucketBatchSampler(durations, cfg, seed, rank, world_size, shuffle)
     return BatchLoader(dataset, sampler, cfg.num_workers, pin_memory), sampler
