@@ -33,7 +33,8 @@ def _engines(value: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in ENGINES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown engine {unknown[0] if unknown else value!r} (choose from espeak, flite)"
+            f"unknown engine {unknown[0] if unknown else value!r}"
+            f" (choose from {', '.join(ENGINES)})"
         )
     return names
 
@@ -74,7 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_engines,
         default=("espeak", "flite"),
         metavar="LIST",
-        help="comma-separated synthesizers: espeak,flite (default both)",
+        help="comma-separated synthesizers: espeak, flite, festival (default espeak,flite; "
+        "festival needs apt-get install festival festvox-kallpc16k festvox-kdlpc16k "
+        "festvox-us-slt-hts)",
     )
     p.add_argument(
         "--voices-per-sentence",

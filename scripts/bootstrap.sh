@@ -9,6 +9,10 @@ cd "$(dirname "$0")/.."
 need=()
 command -v espeak-ng >/dev/null || need+=(espeak-ng)
 command -v flite >/dev/null || need+=(flite)
+command -v text2wave >/dev/null || need+=(festival)
+for voice in festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts; do
+  dpkg -s "$voice" >/dev/null 2>&1 || need+=("$voice")
+done
 command -v mpirun >/dev/null || need+=(openmpi-bin)
 [ -e /usr/include/x86_64-linux-gnu/openmpi ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include ] \
   || dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev)

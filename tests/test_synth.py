@@ -347,3 +347,35 @@ def test_make_fortune_text_holds_out_unseen_sentences(tmp_path: Path) -> None:
     assert all(3 <= len(s.split()) <= 20 for s in train + held)
     make_fortune_text(tmp_path / "again", fortunes_dir=few, held_out=20, seed=0)
     assert (tmp_path / "again" / "heldout.txt").read_text() == "\n".join(held) + "\n"
+
+
+needs_festival = pytest.mark.skipif(
+    shutil.which("text2wave") is None, reason="festival (text2wave) is not installed"
+)
+
+
+@needs_festival
+@needs_espeak
+@needs_flite
+def test_three_engines_and_the_corpus_record(tmp_path: Path) -> None:
+    """Festival's voices speak beside espeak-ng's and flite's, each diphone voice at the
+    mean F0 drawn for it; corpus.json names every engine's version, the voices each
+    offered and how many utterances each voice spoke."""
+    import json
+
+    text = write_text(tmp_path / "t.txt", USABLE * 3)
+    config = SynthConfig(engines=("espeak", "flite", "festival"), voices_per_sentence=3, seed=4)
+    summary = synthesize_corpus(text, tmp_path / "c", config)
+    rows = [json.loads(line) for line in Path(summary.manifest).read_text().splitlines()]
+    festival = [r for r in rows if r["engine"] == "festival"]
+    assert festival and {r["engine"] for r in rows} == {"espeak", "flite", "festival"}
+    for row in festival:
+        audio, rate = sf.read(row["audio_filepath"])
+        assert rate == 16000 and len(audio) / rate == pytest.approx(row["duration"], abs=1e-3)
+        assert (row["pitch"] > 0) == (row["voice"] != "cmu_us_slt_arctic_hts")
+    record = json.loads((tmp_path / "c" / "corpus.json").read_text())
+    assert set(record["engines"]) == {"espeak", "flite", "festival"}
+    assert "2.5" in record["engines"]["festival"] and "flite" in record["engines"]["flite"]
+    assert {"kal_diphone", "ked_diphone"} <= set(record["voices"]["festival"])
+    assert sum(record["utterances_per_voice"].values()) == len(rows)
+    assert record["config"]["engines"] == ["espeak", "flite", "festival"]

@@ -1,4 +1,4 @@
-"""Synthetic speech corpora: espeak-ng and flite voices, speed, pitch and noise.
+"""Synthetic speech corpora: espeak-ng, flite and festival voices, speed, pitch and noise.
 
 `synthesize_corpus(text_file, out_dir, SynthConfig(...))` reads sentences (one a
 line), normalises them, and renders each `voices_per_sentence` times with a voice,
@@ -13,6 +13,8 @@ Output in `out_dir`:
   to the same files, finds them and synthesises nothing; a changed setting maps to
   new files instead of silently reusing stale ones. Each file is written to a
   temporary name and renamed, so a killed run leaves no half-written WAV.
+- `corpus.json`: the engines with their versions, the voices each offered, how many
+  utterances each voice spoke, and the config.
 - `manifest.jsonl`: one line per utterance in sentence order, NeMo style
   `{"audio_filepath", "duration", "text"}` with absolute paths (relative to the
   manifest's directory with `relative_paths=True`), plus what made the audio:
@@ -52,9 +54,14 @@ class SynthError(RuntimeError):
     """A synthesizer is missing or failed."""
 
 
-ENGINES = ("espeak", "flite")
-PROGRAMS = {"espeak": "espeak-ng", "flite": "flite"}
-INSTALL_HINT = {"espeak": "apt-get install espeak-ng", "flite": "apt-get install flite"}
+ENGINES = ("espeak", "flite", "festival")
+DEFAULT_ENGINES = ("espeak", "flite")  # festival only when asked for (its voices are extra)
+PROGRAMS = {"espeak": "espeak-ng", "flite": "flite", "festival": "text2wave"}
+INSTALL_HINT = {
+    "espeak": "apt-get install espeak-ng",
+    "flite": "apt-get install flite",
+    "festival": "apt-get install festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts",
+}
 NOISE_KINDS = ("white", "pink", "brown")
 
 # espeak-ng voice variants that sound like people (no whisper, robot or novelty voices).
@@ -68,19 +75,24 @@ ESPEAK_VARIANTS = (
     *("steph", "travis", "victor", "zac"),
 )
 ESPEAK_DEFAULT_WPM = 175.0  # espeak-ng's default rate, words per minute
-# flite voices used, with their mean F0 in Hz as measured on their default output.
-FLITE_VOICES = {"kal16": 95.0, "slt": 170.0, "rms": 100.0, "awb": 125.0}
+# flite voices used (all it ships but awb_time, which only speaks the time), with their
+# mean F0 in Hz as measured on their default output.
+FLITE_VOICES = {"kal16": 95.0, "kal": 95.0, "slt": 170.0, "rms": 100.0, "awb": 125.0}
+# Festival's English voices, with their mean F0 in Hz where the voice takes a target
+# (diphone voices, through int_lr_params); None: an HTS voice, whose pitch stays its own.
+FESTIVAL_VOICES = {"kal_diphone": 105.0, "ked_diphone": 105.0, "cmu_us_slt_arctic_hts": None}
 
 
 @dataclass(frozen=True)
 class SynthConfig:
-    engines: tuple[str, ...] = ENGINES  # synthesizers to draw voices from, names in ENGINES
+    engines: tuple[str, ...] = DEFAULT_ENGINES  # synthesizers to draw voices from (ENGINES)
     voices_per_sentence: int = 1  # renderings of each sentence with distinct voices, count
     seed: int = 0  # corpus seed: voices, tempos, noise and file names follow from it
     variant_seed: int = 0  # epoch knob: a new value re-draws every voice and noise
     speed: tuple[float, float] = (0.75, 1.2)  # tempo factor range, 1.0 = engine default
     espeak_pitch: tuple[int, int] = (30, 70)  # espeak-ng -p range, 0-99 (50 = default)
-    flite_f0_scale: tuple[float, float] = (0.85, 1.2)  # flite mean F0 range, x voice's own
+    flite_f0_scale: tuple[float, float] = (0.85, 1.2)  # flite and festival mean F0 range,
+    # x the voice's own
     noise_prob: float = 0.0  # chance that an utterance gets additive noise, 0-1
     snr_db: tuple[float, float] = (10.0, 30.0)  # speech-to-noise ratio range, dB
     noise_kinds: tuple[str, ...] = NOISE_KINDS  # noise colours to draw from
@@ -119,7 +131,7 @@ class Utterance:
     engine: str  # synthesizer
     voice: str  # voice name as passed to the synthesizer
     speed: float  # tempo factor, 1.0 = engine default
-    pitch: float  # espeak-ng pitch 0-99, or flite mean F0 in Hz
+    pitch: float  # espeak-ng pitch 0-99, or flite/festival mean F0 in Hz (0: the voice's own)
     noise: str | None  # noise colour, or None for clean audio
     snr_db: float | None  # speech-to-noise ratio, dB
     noise_seed: int  # seed of the noise samples
@@ -193,6 +205,29 @@ def flite_voices(program: str) -> list[str]:
     return [v for v in FLITE_VOICES if v in listed]
 
 
+def festival_voices(program: str) -> list[str]:
+    """Festival's English voices that are installed (`festival` lists them)."""
+    festival = shutil.which("festival", path=str(Path(program).parent)) or "festival"
+    listed = _run([festival, "-b", "(print (voice.list))"]).strip().strip("()").split()
+    return [v for v in FESTIVAL_VOICES if v in listed]
+
+
+def engine_versions(programs: dict[str, str]) -> dict[str, str]:
+    """Each engine's version line, as it reports it (recorded with the corpus)."""
+    versions = {}
+    for engine, program in programs.items():
+        if engine == "festival":
+            program = shutil.which("festival", path=str(Path(program).parent)) or "festival"
+        try:  # flite prints its version and exits 1
+            done = subprocess.run([program, "--version"], capture_output=True, timeout=30)
+            text = done.stdout.decode(errors="replace")
+        except (OSError, subprocess.TimeoutExpired):
+            text = ""
+        lines = [line.strip() for line in text.splitlines() if "version" in line.lower()]
+        versions[engine] = (lines or [line.strip() for line in text.splitlines()] or ["?"])[0]
+    return versions
+
+
 def find_programs(engines: Sequence[str]) -> dict[str, str]:
     """Program paths of the requested engines only; SynthError names a missing one."""
     return {engine: find_program(engine) for engine in engines}
@@ -200,7 +235,7 @@ def find_programs(engines: Sequence[str]) -> dict[str, str]:
 
 def discover_voices(programs: dict[str, str]) -> dict[str, list[Voice]]:
     """The voices each engine (name -> program path) offers."""
-    listers = {"espeak": espeak_voices, "flite": flite_voices}
+    listers = {"espeak": espeak_voices, "flite": flite_voices, "festival": festival_voices}
     pools: dict[str, list[Voice]] = {}
     for engine, program in programs.items():
         names = listers[engine](program)
@@ -215,6 +250,14 @@ def synth_command(utt: Utterance, program: str, wav_path: str) -> list[str]:
         wpm = round(ESPEAK_DEFAULT_WPM * utt.speed)
         pitch = str(int(utt.pitch))
         return [program, "-v", utt.voice, "-s", str(wpm), "-p", pitch, "-w", wav_path, "--stdin"]
+    if utt.engine == "festival":  # the text comes on stdin
+        evals = [f"(voice_{utt.voice})", f"(Parameter.set 'Duration_Stretch {1.0 / utt.speed:.4f})"]
+        if FESTIVAL_VOICES[utt.voice] is not None:
+            evals.append(
+                f"(set! int_lr_params (list (list 'target_f0_mean {utt.pitch}) (list "
+                "'target_f0_std 12) (list 'model_f0_mean 170) (list 'model_f0_std 34)))"
+            )
+        return [program, *(arg for e in evals for arg in ("-eval", e)), "-o", wav_path]
     return [
         program,
         "-voice",
@@ -258,7 +301,8 @@ def plan_sentence(
             pitch = float(rng.integers(config.espeak_pitch[0], config.espeak_pitch[1] + 1))
         else:
             scale = rng.uniform(*config.flite_f0_scale)
-            pitch = round(float(FLITE_VOICES[voice.name] * scale), 1)
+            own = (FLITE_VOICES if voice.engine == "flite" else FESTIVAL_VOICES)[voice.name]
+            pitch = round(float(own * scale), 1) if own is not None else 0.0
         noisy = rng.random() < config.noise_prob
         noise = str(rng.choice(config.noise_kinds)) if noisy else None
         snr = round(float(rng.uniform(*config.snr_db)), 2) if noisy else None
@@ -316,7 +360,7 @@ def render(utt: Utterance, program: str, sample_rate: int, tmp_dir: str) -> np.n
     fd, raw_path = tempfile.mkstemp(suffix=".wav", dir=tmp_dir)
     os.close(fd)
     try:
-        stdin = utt.text.encode() if utt.engine == "espeak" else None
+        stdin = utt.text.encode() if utt.engine in ("espeak", "festival") else None
         _run(synth_command(utt, program, raw_path), stdin=stdin)
         try:
             audio, rate = sf.read(raw_path, dtype="float32", always_2d=True)
@@ -373,6 +417,31 @@ def manifest_entry(utt: Utterance, audio_path: str, duration: float) -> dict[str
     }
 
 
+def _write_corpus_record(
+    out_dir: Path,
+    config: SynthConfig,
+    programs: dict[str, str],
+    pools: dict[str, list[Voice]],
+    plan: list[Utterance],
+) -> None:
+    """`corpus.json` beside the manifest: the engines and their versions, the voices each
+    offered and how many utterances each voice spoke, and the config."""
+    used: dict[str, int] = {}
+    for utt in plan:
+        key = f"{utt.engine}:{utt.voice}"
+        used[key] = used.get(key, 0) + 1
+    record = {
+        "engines": engine_versions(programs),
+        "voices": {engine: [v.name for v in voices] for engine, voices in pools.items()},
+        "utterances_per_voice": dict(sorted(used.items())),
+        "config": asdict(config),
+    }
+    path = out_dir / "corpus.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def synthesize_corpus(
     text_path: str | Path,
     out_dir: str | Path,
@@ -427,6 +496,7 @@ def synthesize_corpus(
                     future.cancel()
                 raise
 
+    _write_corpus_record(out_dir, config, programs, pools, plan)
     manifest = out_dir / "manifest.jsonl"
     lines = []
     for i, utt in enumerate(plan):
