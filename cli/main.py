@@ -19,6 +19,7 @@ from echoic.cli.errors import UserError, missing_extra
 # Subcommands in the order `echoic --help` lists them.
 COMMANDS = (
     "synth",
+    "degrade",
     "train",
     "export",
     "deploy",

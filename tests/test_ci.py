@@ -18,7 +18,9 @@ NEEDS_MPIRUN = "tests/test_distributed.py::test_mpirun_two_ranks_all_reduce_over
 @pytest.mark.parametrize(
     ("ci", "returncode", "output"),
     [
-        pytest.param("1", 4, "CI is set and not installed: espeak-ng, flite, text2wave, mpirun", id="ci"),
+        pytest.param(
+            "1", 4, "CI is set and not installed: espeak-ng, flite, text2wave, mpirun", id="ci"
+        ),
         pytest.param("true", 4, "Install: bash scripts/bootstrap.sh", id="ci-true"),
         pytest.param("", 0, "mpirun is not installed", id="not-ci-skips"),
     ],

@@ -152,7 +152,10 @@ def test_the_finetune_recipe_is_the_bundled_models_network() -> None:
     from echoic.model.runtime.repository import read_report_card
 
     finetune = tomllib.loads(FINETUNE.read_text())
-    assert finetune["model"] == tomllib.loads(DEFAULT_RECIPE.read_text())["model"]
+    default = tomllib.loads(DEFAULT_RECIPE.read_text())["model"]
+    assert finetune["model"] == default
+    robust = tomllib.loads((ROOT / "training" / "recipes" / "robust.toml").read_text())
+    assert robust["model"] == default and robust["init_from"] == "model/default"
     assert finetune["init_from"] == "model/default"
     assert (ROOT / finetune["init_from"]).resolve() == default_model_dir().resolve()
     _, info = rebuild(default_model_dir())

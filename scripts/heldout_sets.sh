@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The held-out sets that measure how a model holds up off its training conditions
+# (README, "The default model"), and one table of WER/CER (greedy and beam) over them:
+#   clean-espeak, clean-flite, clean-festival   the held-out sentences, one engine each
+#   clean                                       the three together
+#   mulaw8k, reverb, noisy10db, quiet           `clean`, degraded (echoic degrade)
+# Sentences: data/default/text/heldout.txt (made as scripts/train_default.sh makes it).
+#   bash scripts/heldout_sets.sh [MODEL_DIR] [UTTERANCES_PER_ENGINE]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+E=.venv/bin/echoic
+model=${1:-model/default}
+per_engine=${2:-100}
+T=data/default/text
+H=data/heldout-sets
+[ -f $T/heldout.txt ] || $E synth --make-text $T --seed 1
+mkdir -p $H
+head -n "$per_engine" $T/heldout.txt > $H/sentences.txt
+for engine in espeak flite festival; do
+  $E synth --text $H/sentences.txt --out $H/clean-$engine --engines $engine --seed 31 >/dev/null
+done
+mkdir -p $H/clean
+cat $H/clean-{espeak,flite,festival}/manifest.jsonl > $H/clean/manifest.jsonl
+$E degrade $H/clean/manifest.jsonl $H --seed 31 >/dev/null
+$E eval --model "$model" --decoders greedy,beam --manifest \
+  $H/clean-espeak/manifest.jsonl $H/clean-flite/manifest.jsonl $H/clean-festival/manifest.jsonl \
+  $H/clean/manifest.jsonl $H/{mulaw8k,reverb,noisy10db,quiet}/manifest.jsonl

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Stage 2 of the default model (README, "The default model"): the bundled model fine-tuned
+# on espeak-ng, flite and festival voices with augmentation (training/recipes/robust.toml),
+# then exported and measured on the held-out sets (scripts/heldout_sets.sh). Every step
+# resumes or skips what is done, so rerun it after an interruption (same thread count).
+#   bash scripts/train_robust.sh [key=value ...]      # e.g. max_steps=1500
+#   ECHOIC_SENTENCES=4000 bash scripts/train_robust.sh  # a smaller corpus (default 8000)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+E=.venv/bin/echoic
+D=data/default
+[ -f $D/text/train.txt ] || $E synth --make-text $D/text --seed 1
+$E synth --text $D/text/train.txt --out $D/train3 --engines espeak,flite,festival \
+  --seed 13 --limit "${ECHOIC_SENTENCES:-8000}"
+bash scripts/heldout_sets.sh model/default 100 > data/heldout-sets/before.txt
+${ECHOIC_LAUNCH:-} $E train --config training/recipes/robust.toml --no-progress "$@"
+rm -rf runs/robust-export
+$E export runs/robust/last.pt runs/robust-export/1 --name echoic-en-default --version 2
+cp model/default/lm.arpa runs/robust-export/1/lm.arpa
+bash scripts/heldout_sets.sh runs/robust-export/1 100 | tee data/heldout-sets/after.txt
