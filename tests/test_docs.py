@@ -17,9 +17,9 @@ STOP = re.compile(r"`([\w/]+\.py):([\w.]+)`")
 
 
 def _code_folders() -> set[str]:
-    """Folders of the package, benchmarks and examples: model's subpackages, the other top
-    folders."""
-    tops = {"training", "server", "clients", "protos", "cli", "bench", "examples"}
+    """Folders of the package, benchmarks, examples and deployment: model's subpackages, the
+    other top folders."""
+    tops = {"training", "server", "clients", "protos", "cli", "bench", "examples", "deploy"}
     model = {f"model/{p.name}" for p in (ROOT / "model").iterdir() if p.is_dir()}
     return tops | {m for m in model if not m.endswith("__pycache__")}
 
