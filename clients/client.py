@@ -18,6 +18,7 @@ server's message.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -154,6 +155,54 @@ def channel_credentials(
     )
 
 
+# Calls spread over every address the target resolves to (round robin: each new call, and
+# each stream, goes to the next ready and healthy server), and unary calls that find a
+# server gone or draining (UNAVAILABLE) are retried by gRPC on another one before the
+# client's own retry.
+SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    # A server that starts draining turns NOT_SERVING here and gets no new calls.
+    "healthCheckConfig": {"serviceName": "echoic.v1.Transcriber"},
+    "methodConfig": [{
+        "name": [{"service": "echoic.v1.Transcriber", "method": "Recognize"},
+                 {"service": "echoic.v1.Transcriber", "method": "ListModels"}],
+        "retryPolicy": {
+            "maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
+            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }],
+})  # fmt: skip
+
+
+def resolve_target(target: str) -> str:
+    """A gRPC target for `target`: "host:port", a gRPC URI ("dns:///name:port",
+    "ipv4:a:p,b:p"), or several "host:port" separated by commas (IP addresses or
+    localhost), which become one "ipv4:"/"ipv6:" target balanced round robin."""
+    if "," not in target or ":///" in target or target.startswith(("ipv4:", "ipv6:")):
+        return target
+    import ipaddress
+
+    addresses = []
+    for part in (p.strip() for p in target.split(",")):
+        host, sep, port = part.rpartition(":")
+        host = host.strip("[]")
+        host = "127.0.0.1" if host == "localhost" else host
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"{part!r} in {target!r}: list servers by IP address (or localhost), or give "
+                "one name that resolves to all of them: dns:///NAME:PORT"
+            ) from None
+        if not sep or not port.isdigit():
+            raise ValueError(f"{part!r} in {target!r}: give HOST:PORT")
+        addresses.append((ip.version, f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"))
+    versions = {v for v, _ in addresses}
+    if len(versions) > 1:
+        raise ValueError(f"{target!r}: list IPv4 or IPv6 addresses, not both")
+    return f"ipv{versions.pop()}:" + ",".join(a for _, a in addresses)
+
+
 def channel_options(tls_server_name: str | None = None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
@@ -162,6 +211,8 @@ def channel_options(tls_server_name: str | None = None) -> list[tuple[str, Any]]
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.service_config", SERVICE_CONFIG),
+        ("grpc.enable_retries", 1),
     ]
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
@@ -178,7 +229,9 @@ def open_channel(
     tls_key: str | os.PathLike[str] | None,
     tls_server_name: str | None,
 ) -> Any:
-    """A channel from `channels` (the grpc or grpc.aio module): TLS when any TLS option is set."""
+    """A channel from `channels` (the grpc or grpc.aio module): TLS when any TLS option is
+    set; `target` as `resolve_target` takes it (one server or several)."""
+    target = resolve_target(target)
     options = channel_options(tls_server_name)
     if tls or tls_ca or tls_cert or tls_key:
         creds = channel_credentials(tls_ca, tls_cert, tls_key)

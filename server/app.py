@@ -182,6 +182,13 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),  # a busy port is an error, not a second server beside it
     ]
+    if config.max_connection_age_seconds:
+        # GOAWAY after this age: clients reconnect (and rebalance over the replicas there
+        # are now); the streams open on the old connection get as long as a stream may last.
+        age_ms = int(config.max_connection_age_seconds * 1000)
+        grace_ms = int((config.max_stream_seconds or 24 * 3600) * 1000)
+        options += [("grpc.max_connection_age_ms", age_ms),
+                    ("grpc.max_connection_age_grace_ms", grace_ms)]  # fmt: skip
     grpc_server = grpc.aio.server(options=options)
     service = TranscriberService(config, registry, metrics)
     add_to_server(service, grpc_server)

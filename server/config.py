@@ -123,6 +123,13 @@ class ServerConfig:
     max_message_bytes: int = setting(
         32 * 1024 * 1024, "largest request message, bytes", Flag(metavar="B")
     )
+    max_connection_age_seconds: float = setting(
+        0.0,
+        "s after which a client connection is asked to reconnect (GOAWAY), so that clients "
+        "spread over new replicas; its open streams may finish (up to --max-stream-seconds); "
+        "0 = never",
+        Flag("max-connection-age", "S"),
+    )
     grace_seconds: float = setting(
         30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
     )
@@ -167,6 +174,7 @@ class ServerConfig:
             (self.idle_timeout_seconds > 0, "idle_timeout_seconds must be > 0"),
             (self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
             (self.grace_seconds >= 0, "grace_seconds must be >= 0"),
+            (self.max_connection_age_seconds >= 0, "max_connection_age_seconds must be >= 0"),
             ((self.tls_cert is None) == (self.tls_key is None), "TLS needs both cert and key"),
             (self.tls_client_ca is None or self.tls_cert is not None, "mTLS needs a server cert"),
         ]

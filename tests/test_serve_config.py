@@ -23,7 +23,7 @@ FLAGS = {
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--gpu", "--max-streams",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
     "--max-message-bytes",
-    "--grace-seconds", "--no-reflection", "--expose-paths",
+    "--max-connection-age", "--grace-seconds", "--no-reflection", "--expose-paths",
     "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level", "-h", "--help",
 }  # fmt: skip
 
