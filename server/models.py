@@ -52,6 +52,10 @@ class ModelLookupError(LookupError):
     """A request names a model or version that is not served; the message lists what is."""
 
 
+class DecoderError(ValueError):
+    """A decoder config this model cannot decode with (a boosted word it cannot spell)."""
+
+
 def _signature(path: Path) -> tuple:
     """Changes when the directory's files do (a failed load is retried then)."""
     try:
@@ -94,6 +98,11 @@ class LoadedModel:
         """The recognizer for a decoder config (sharing this version's engine), built once."""
         if decoder.kind == "greedy":
             return self.greedy
+        if decoder.boost:  # one request's words: built for it, never cached (the LM is shared)
+            try:
+                return await asyncio.to_thread(Recognizer, self.greedy.engine, decoder)
+            except ValueError as e:
+                raise DecoderError(f"decoder.boosts: {e}") from None
         async with self._lock:
             if decoder not in self._recognizers:
                 self._recognizers[decoder] = await asyncio.to_thread(

@@ -29,7 +29,7 @@ from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig
 from echoic.server.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
-from echoic.server.models import LoadedModel, ModelLookupError, ModelRegistry
+from echoic.server.models import DecoderError, LoadedModel, ModelLookupError, ModelRegistry
 from echoic.server.session import RequestError, Session, invalid, parse_config
 
 log = logging.getLogger("echoic.server")
@@ -428,7 +428,7 @@ def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
 def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, RequestError):
         return e.code, str(e)
-    if isinstance(e, (AudioError, ModelLookupError)):
+    if isinstance(e, (AudioError, ModelLookupError, DecoderError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, DispatcherClosed):
         return grpc.StatusCode.UNAVAILABLE, f"{e}: retry the request"

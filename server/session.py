@@ -32,6 +32,7 @@ import numpy as np
 
 from echoic.model.core.audio import AudioError
 from echoic.model.core.decoding import DecoderConfig, Transcript
+from echoic.model.core.text import normalize_text
 from echoic.model.runtime.recognizer import Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
@@ -82,6 +83,35 @@ class Options:
     alternatives: int = 1  # most alternatives in a final result, count
 
 
+MAX_BOOSTED_WORDS = 1000  # words in all of a request's decoder.boosts, count
+MAX_BOOSTED_CHARS = 50  # characters of one boosted word
+DEFAULT_BOOST = 5.0  # nats, for a WordBoost whose boost is 0
+
+
+def _boosts(d: pb.DecoderConfig) -> tuple[tuple[str, float], ...]:
+    """decoder.boosts as (word, nats), words normalised as transcripts are; the largest
+    boost wins for a word given twice."""
+    words: dict[str, float] = {}
+    given = 0
+    for entry in d.boosts:
+        nats = entry.boost or DEFAULT_BOOST
+        if not -100.0 <= nats <= 100.0:
+            raise invalid(f"decoder.boosts boost must be -100 to 100 nats, got {nats:g}")
+        for phrase in entry.words:
+            given += 1
+            if given > MAX_BOOSTED_WORDS or len(phrase) > MAX_BOOSTED_CHARS * 8:
+                raise invalid(f"decoder.boosts: at most {MAX_BOOSTED_WORDS} words")
+            for word in normalize_text(phrase).split():
+                if len(word) > MAX_BOOSTED_CHARS:
+                    raise invalid(
+                        f"decoder.boosts: {word[:20]!r}... is over {MAX_BOOSTED_CHARS} characters"
+                    )
+                words[word] = max(words.get(word, nats), nats)
+    if len(words) > MAX_BOOSTED_WORDS:
+        raise invalid(f"decoder.boosts: at most {MAX_BOOSTED_WORDS} words")
+    return tuple(sorted(words.items()))
+
+
 def parse_config(
     config: pb.RecognitionConfig,
     *,
@@ -115,8 +145,16 @@ def parse_config(
             f"beam_size must be 0 (the default, {min(default_beam, max_beam)}) to {max_beam} "
             f"(this server's --max-beam-size), got {d.beam_size}"
         )
+    boost = _boosts(d)
+    if boost and d.kind != pb.DecoderConfig.BEAM:
+        raise invalid("decoder.boosts need decoder.kind BEAM (greedy decoding cannot boost)")
     decoder = (
-        DecoderConfig("beam", d.beam_size or min(default_beam, max_beam), use_lm=not d.disable_lm)
+        DecoderConfig(
+            "beam",
+            d.beam_size or min(default_beam, max_beam),
+            use_lm=not d.disable_lm,
+            boost=boost,
+        )  # fmt: skip
         if d.kind == pb.DecoderConfig.BEAM
         else DecoderConfig()
     )

@@ -130,7 +130,6 @@ TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.f
     ("fields", "audio", "says"),
     [
         (dict(language_code="de-DE"), TONE, "transcribes English"),
-        (dict(speech_contexts=[rasr.SpeechContext(phrases=["fox"], boost=20)]), TONE, "boosting"),
         (dict(custom_configuration={"nope": "1"}), TONE, "decoder, beam_size, max_utterance_ms"),
         (dict(custom_configuration={"beam_size": "x"}), TONE, "whole number"),
         (dict(enable_separate_recognition_per_channel=True), TONE, "per channel"),
@@ -139,7 +138,7 @@ TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.f
         (dict(sample_rate_hertz=16000), TONE[:-1], "stray"),
         (dict(encoding=riva_client.AudioEncoding.FLAC), b"fLaC" + bytes(200), "decode"),
     ],
-    ids=["language", "boosting", "custom-key", "custom-value", "per-channel", "no-rate",
+    ids=["language", "custom-key", "custom-value", "per-channel", "no-rate",
          "unknown-model", "half-a-sample", "bad-flac"],
 )  # fmt: skip
 def test_errors_are_invalid_argument_that_say_what_to_fix(server, fields, audio, says) -> None:

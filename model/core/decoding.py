@@ -330,10 +330,17 @@ class DecoderConfig:
     use_lm: bool = True  # with kind="beam": use the LM when one is found
     lm_weight: float = 0.5  # LM weight (beam), natural-log units per LM log-prob
     word_bonus: float = 1.0  # score added per word (beam), nats
+    boost: tuple[tuple[str, float], ...] = ()  # (word, nats) added when the word is spelled
+    # (beam): contextual biasing towards names and terms the model or LM would miss
 
     def __post_init__(self) -> None:
         if self.kind not in ("greedy", "beam"):
             raise ValueError(f"decoder kind must be 'greedy' or 'beam', got {self.kind!r}")
+        if self.boost and self.kind != "beam":
+            raise ValueError("boosted words need the beam decoder (kind 'beam')")
+        for word, nats in self.boost:
+            if not word or " " in word or not math.isfinite(nats):
+                raise ValueError(f"a boosted word is one word with a finite boost, got {word!r}")
 
 
 class BeamSearchDecoder(_Decoder):
@@ -365,6 +372,7 @@ class BeamSearchDecoder(_Decoder):
         unk_penalty: float = 10.0,
         beam_threshold: float = 25.0,
         token_beam: int | None = 8,
+        boost: tuple[tuple[str, float], ...] = (),
     ) -> None:
         self.vocab = vocab
         self.frame_seconds = _check_frame_seconds(frame_seconds)
@@ -387,6 +395,10 @@ class BeamSearchDecoder(_Decoder):
         )
         self.lm = None if lm_path is None else _KenLM.shared(lm_path)  # shared by all decoders
         self._lm_weights = (lm_weight, word_bonus, unk_penalty)
+        bad = [w for w, _ in boost if any(c not in vocab.index for c in w)]
+        if bad:
+            raise ValueError(f"boosted word {bad[0]!r} has characters outside the vocabulary")
+        self._boost = _Boost(dict(boost)) if boost else None
 
     def stream(self, stable_after: int = 3) -> BeamStream:
         """A stream; a word is stable once it held its place for `stable_after` chunks."""
@@ -394,10 +406,10 @@ class BeamSearchDecoder(_Decoder):
             raise ValueError(f"stable_after must be at least 1, got {stable_after}")
         fl = _flashlight()
         space = self.vocab.index[" "]
-        if self.lm is None:
+        if self.lm is None and self._boost is None:
             lm = fl.ZeroLM()
         else:
-            lm = _words_lm_class()(self.lm, self.vocab, self._lm_weights)
+            lm = _words_lm_class()(self.lm, self.vocab, self._lm_weights, self._boost)
         decoder = fl.LexiconFreeDecoder(self._options, lm, space, self.vocab.blank_id, [])
         return BeamStream(self.vocab, self.frame_seconds, decoder, lm, stable_after)
 
@@ -535,6 +547,36 @@ class _KenLM:
         self.prefixes = frozenset(w[:k] for w in self.ids for k in range(1, len(w) + 1))
 
 
+class _Boost:
+    """Boosted words, credited as they are spelled: each character that keeps the word so
+    far a prefix of a boosted word earns that word's boost in proportion (so the beam
+    keeps the hypothesis alive before the word ends), a spelling that leaves every boosted
+    word gives back what it earned, and only a whole boosted word keeps its boost."""
+
+    def __init__(self, boost: dict[str, float]) -> None:
+        self.words = boost
+        credit: dict[str, float] = {}
+        for word, nats in boost.items():
+            for k in range(1, len(word) + 1):
+                share = nats * k / len(word)
+                prefix = word[:k]
+                credit[prefix] = max(credit.get(prefix, share), share)
+        self.credit = credit  # prefix -> what spelling it has earned, nats
+
+    def step(self, before: str, after: str) -> float:
+        """The score change of spelling `after` from `before` (one more character)."""
+        return self.credit.get(after, 0.0) - self.credit.get(before, 0.0)
+
+    def close(self, word: str) -> float:
+        """The score change when `word` ends: a boosted word keeps its boost exactly,
+        anything else gives back what its spelling earned."""
+        return (
+            self.words[word] - self.credit[word]
+            if word in self.words
+            else -self.credit.get(word, 0.0)
+        )
+
+
 @cache
 def _words_lm_class() -> type:
     """The word-LM adapter; a subclass of flashlight's LM, so defined once flashlight loads."""
@@ -557,9 +599,16 @@ def _words_lm_class() -> type:
         stops being the start of any known word, which lets the beam drop it early.
         """
 
-        def __init__(self, kenlm: _KenLM, vocab: Vocabulary, weights: tuple[float, float, float]):
+        def __init__(
+            self,
+            kenlm: _KenLM | None,
+            vocab: Vocabulary,
+            weights: tuple[float, float, float],
+            boost: _Boost | None = None,
+        ):
             fl.LM.__init__(self)
-            self._kenlm = kenlm
+            self._kenlm = kenlm  # None: no LM, only boosted words score
+            self._boost = boost
             self._symbols = vocab.symbols
             self._space = vocab.index[" "]
             weight, self._bonus, self._unk_penalty = weights
@@ -568,8 +617,14 @@ def _words_lm_class() -> type:
 
         def start(self, start_with_nothing: bool) -> Any:
             state = fl.LMState()
-            self._states = {state: (self._kenlm.model.start(False), "", 0.0, False)}
+            ken = self._kenlm.model.start(False) if self._kenlm is not None else None
+            self._states = {state: (ken, "", 0.0, False)}
             return state
+
+        def _known(self, spelled: str) -> bool:
+            """Whether `spelled` starts a word the LM knows or a boosted word."""
+            boosted = self._boost is not None and spelled in self._boost.credit
+            return boosted or self._kenlm is None or spelled in self._kenlm.prefixes
 
         def score(self, state: Any, token: int) -> tuple[Any, float]:
             child = state.child(token)
@@ -577,11 +632,12 @@ def _words_lm_class() -> type:
             if known is None:
                 ken, spelled, _, charged = self._states[state]
                 if token != self._space:
-                    spelled += self._symbols[token]
-                    if charged or spelled in self._kenlm.prefixes:
-                        known = (ken, spelled, 0.0, charged)
+                    before, spelled = spelled, spelled + self._symbols[token]
+                    gain = self._boost.step(before, spelled) if self._boost else 0.0
+                    if charged or self._known(spelled):
+                        known = (ken, spelled, gain, charged)
                     else:
-                        known = (ken, spelled, -self._unk_penalty, True)
+                        known = (ken, spelled, gain - self._unk_penalty, True)
                 elif spelled:
                     ken, word_score = self._word(ken, spelled, charged)
                     known = (ken, "", word_score, False)
@@ -595,15 +651,21 @@ def _words_lm_class() -> type:
             score = 0.0
             if spelled:
                 ken, score = self._word(ken, spelled, charged)
+            if self._kenlm is None:
+                return state, score
             ken, end = self._kenlm.model.finish(ken)
             return state, score + self._weight * end
 
         def _word(self, ken: Any, word: str, charged: bool) -> tuple[Any, float]:
+            boosted = self._boost.close(word) if self._boost else 0.0
+            if self._kenlm is None:  # no LM: only the boost (a plain CTC beam otherwise)
+                return ken, boosted
             index = self._kenlm.ids.get(word)
-            score = self._bonus
+            score = self._bonus + boosted
             if index is None:
                 index = self._kenlm.unk
-                score -= 0.0 if charged else self._unk_penalty
+                wanted = self._boost is not None and word in self._boost.words
+                score -= 0.0 if charged or wanted else self._unk_penalty
             ken, log10p = self._kenlm.model.score(ken, index)
             return ken, score + self._weight * log10p
 

@@ -92,6 +92,7 @@ class Recognizer:
             lm_path=self.lm_path,
             lm_weight=cfg.lm_weight,
             word_bonus=cfg.word_bonus,
+            boost=cfg.boost,
         )
 
     # ---- offline -------------------------------------------------------------------

@@ -46,7 +46,7 @@ class RecognitionConfig(_message.Message):
     def __init__(self, encoding: _Optional[_Union[RecognitionConfig.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., audio_channel_count: _Optional[int] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., decoder: _Optional[_Union[DecoderConfig, _Mapping]] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ...) -> None: ...
 
 class DecoderConfig(_message.Message):
-    __slots__ = ("kind", "beam_size", "disable_lm")
+    __slots__ = ("kind", "beam_size", "disable_lm", "boosts")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         GREEDY: _ClassVar[DecoderConfig.Kind]
@@ -56,10 +56,20 @@ class DecoderConfig(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     BEAM_SIZE_FIELD_NUMBER: _ClassVar[int]
     DISABLE_LM_FIELD_NUMBER: _ClassVar[int]
+    BOOSTS_FIELD_NUMBER: _ClassVar[int]
     kind: DecoderConfig.Kind
     beam_size: int
     disable_lm: bool
-    def __init__(self, kind: _Optional[_Union[DecoderConfig.Kind, str]] = ..., beam_size: _Optional[int] = ..., disable_lm: _Optional[bool] = ...) -> None: ...
+    boosts: _containers.RepeatedCompositeFieldContainer[WordBoost]
+    def __init__(self, kind: _Optional[_Union[DecoderConfig.Kind, str]] = ..., beam_size: _Optional[int] = ..., disable_lm: _Optional[bool] = ..., boosts: _Optional[_Iterable[_Union[WordBoost, _Mapping]]] = ...) -> None: ...
+
+class WordBoost(_message.Message):
+    __slots__ = ("words", "boost")
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    BOOST_FIELD_NUMBER: _ClassVar[int]
+    words: _containers.RepeatedScalarFieldContainer[str]
+    boost: float
+    def __init__(self, words: _Optional[_Iterable[str]] = ..., boost: _Optional[float] = ...) -> None: ...
 
 class EndpointingConfig(_message.Message):
     __slots__ = ("trailing_silence_ms", "max_utterance_ms")
