@@ -11,8 +11,12 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
 - WAV: the RIFF header is parsed once it has arrived; integer (8, 16, 24, 32 bit),
   float (32, 64 bit) and G.711 (mu-law, A-law) samples then stream. Other WAV
   codecs (ADPCM, ...) are buffered and decoded by `decode_audio` at the end.
-- FLAC and OGG (Opus or Vorbis), and containers detected by ENCODING_UNSPECIFIED
-  other than WAV: buffered, decoded by `decode_audio` when the audio ends.
+- FLAC: decoded as it arrives by libsndfile in a thread of its own (`_FlacDecoder`),
+  reading from a pipe that `feed` fills, so FLAC streams get interim results like PCM;
+  memory holds the bytes not yet decoded, not the stream.
+- OGG (Opus or Vorbis), and other containers detected by ENCODING_UNSPECIFIED:
+  buffered, decoded by `decode_audio` when the audio ends (libsndfile seeks to an Ogg
+  file's end to learn its length, which a stream does not have yet).
 
 `max_seconds` holds for every encoding, as early as the audio allows: from the
 WAV or FLAC header when it gives the length, as PCM samples arrive, and for
@@ -21,13 +25,18 @@ buffered audio while it is decoded (a block at a time, stopping at the limit):
 
 Recognize goes through the same class (all bytes, then `finish()`), so a request
 and a stream of the same bytes give the same samples. Errors are `AudioError`.
+`close()` frees what an input holds (the FLAC decoder's thread) when a call ends early.
 """
 
 from __future__ import annotations
 
+import io
+import queue
 import struct
+import threading
 
 import numpy as np
+import soundfile as sf
 
 from echoic.model.core.audio import (
     ENCODINGS,
@@ -97,6 +106,7 @@ class AudioInput:
         self._to_model: MonoResampler | None = None
         self.source_samples = 0  # frames (per channel) decoded so far, at the source rate
         self.bytes_in = 0
+        self._flac: _FlacDecoder | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -110,6 +120,14 @@ class AudioInput:
         """Whether the audio is decoded only at `finish()` (no samples before the end)."""
         return self._mode == "buffer"
 
+    @property
+    def undecoded_bytes(self) -> int:
+        """Bytes held that are not decoded yet: a buffered container's, or a FLAC stream's
+        that its decoder has not reached (a client sending faster than it decodes)."""
+        if self._mode == "buffer":
+            return self.bytes_in
+        return self._flac.backlog if self._flac is not None else 0
+
     def feed(self, data: bytes) -> np.ndarray:
         """Take the next bytes; return the samples they complete (possibly none)."""
         self.bytes_in += len(data)
@@ -122,12 +140,24 @@ class AudioInput:
             self._parse_wav_header()
         if self._mode in ("raw", "wav"):
             return self._decode_pcm(last=False)
+        if self._mode == "flac":
+            self._flac.feed(self._pending)
+            self._pending = b""
+            return self._from_flac(last=False)
         return _EMPTY
+
+    def close(self) -> None:
+        """Stop decoding (a call that ended early); safe to call more than once."""
+        if self._flac is not None:
+            self._flac.close()
 
     def finish(self) -> np.ndarray:
         """The audio has ended: the remaining samples (flushes the resampler)."""
         if self.bytes_in == 0:
             raise AudioError(f"{self.name}: no audio data (0 bytes)")
+        if self._mode == "flac":
+            self._flac.finish()
+            return self._from_flac(last=True)
         if self._mode in ("sniff", "wav-header", "flac-header"):
             self._mode = "buffer"  # too short to tell: let decode_audio say what is wrong
         if self._mode == "buffer":
@@ -199,6 +229,8 @@ class AudioInput:
         if total == 0:  # the encoder did not know the length
             raise unknown_length(self.name)
         check_length(total, rate, self.max_seconds, self.name, exact=True)
+        self._mode, self._rate = "flac", rate
+        self._flac = _FlacDecoder(self.name)
 
     def _parse_wav_header(self) -> None:
         buf = self._pending
@@ -280,8 +312,151 @@ class AudioInput:
             self._to_model = MonoResampler(self._rate, self.target_rate)
         return self._to_model(samples, last=last)
 
+    def _from_flac(self, *, last: bool) -> np.ndarray:
+        """The samples the FLAC decoder has ready (all of them with `last`), as mono at
+        the model's rate, with the length limit checked as they come."""
+        blocks = self._flac.take(wait=last)
+        if self._to_model is None:
+            self._to_model = MonoResampler(self._rate, self.target_rate)
+        out = []
+        for block in blocks:
+            self.source_samples += len(block)
+            check_length(self.source_samples, self._rate, self.max_seconds, self.name, exact=False)
+            if not np.isfinite(block).all():
+                raise AudioError(f"{self.name}: the audio contains NaN or infinite samples")
+            out.append(self._to_model(block))
+        if last:
+            if self.source_samples == 0:
+                raise AudioError(f"{self.name}: the audio has no samples (0 s long)")
+            out.append(self._to_model(np.zeros((0, 1), np.float32), last=True))
+        return np.concatenate(out) if out else _EMPTY
+
 
 _EMPTY = np.zeros(0, dtype=np.float32)
+_FLAC_BLOCK = 4096  # frames the FLAC decoder hands over at a time, per channel
+_FLAC_STALL = 120.0  # s a FLAC decoder waits for bytes before giving up (a leaked stream)
+
+
+class _Pipe(io.RawIOBase):
+    """Bytes written by one thread (`write_bytes`, `close_writing`) and read by libsndfile
+    in another, which blocks until enough have come. Its length is unknown: seeking to
+    the end says "very far", which is all libsndfile asks of it before decoding FLAC."""
+
+    _FAR = 1 << 40
+    _KEEP = 1 << 18  # bytes kept behind the read position: libsndfile reads ahead 8 KiB
+    # at a time and seeks back to where its decoder stopped
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = bytearray()
+        self._base = 0  # stream offset of _buf[0]: bytes read are dropped
+        self._pos = 0
+        self._done = False  # no more bytes will come
+        self._cond = threading.Condition()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write_bytes(self, data: bytes) -> None:
+        with self._cond:
+            self._buf += data
+            self._cond.notify_all()
+
+    def close_writing(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def readinto(self, target) -> int:  # noqa: ANN001 - a buffer from cffi
+        want = len(target)
+        with self._cond:
+            while self._base + len(self._buf) - self._pos < want and not self._done:
+                if not self._cond.wait(timeout=_FLAC_STALL):
+                    self._done = True  # nobody feeds it any more: end here
+            start = self._pos - self._base
+            data = bytes(self._buf[start : start + want])
+            self._pos += len(data)
+            if self._pos - self._base > 2 * self._KEEP:  # drop what was read long ago
+                drop = self._pos - self._base - self._KEEP
+                del self._buf[:drop]
+                self._base += drop
+        target[: len(data)] = data
+        return len(data)
+
+    def tell(self) -> int:
+        return self._pos
+
+    @property
+    def unread(self) -> int:
+        """Bytes written and not yet read."""
+        with self._cond:
+            return max(self._base + len(self._buf) - self._pos, 0)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        target = {0: offset, 1: self._pos + offset}.get(whence, self._FAR)
+        if target < self._base:
+            raise OSError("cannot seek back into bytes already decoded")
+        self._pos = target
+        return self._pos
+
+
+class _FlacDecoder:
+    """libsndfile decoding a FLAC stream in a thread of its own as its bytes arrive."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pipe = _Pipe()
+        self._blocks: queue.SimpleQueue = queue.SimpleQueue()  # (N, C) arrays, then None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="echoic-flac", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with sf.SoundFile(self._pipe) as f:
+                while True:
+                    block = f.read(_FLAC_BLOCK, dtype="float32", always_2d=True)
+                    if not len(block):
+                        break
+                    self._blocks.put(block)
+        except Exception as e:  # noqa: BLE001 - reported to the caller as an AudioError
+            self._error = e
+        finally:
+            self._blocks.put(None)
+
+    def feed(self, data: bytes) -> None:
+        if data:
+            self._pipe.write_bytes(data)
+
+    def finish(self) -> None:
+        self._pipe.close_writing()
+
+    @property
+    def backlog(self) -> int:
+        return self._pipe.unread
+
+    def close(self) -> None:
+        self._pipe.close_writing()
+
+    def take(self, *, wait: bool) -> list[np.ndarray]:
+        """The blocks decoded so far; with `wait`, all of them (after `finish`)."""
+        blocks = []
+        while True:
+            try:
+                block = self._blocks.get(block=wait, timeout=_FLAC_STALL if wait else None)
+            except queue.Empty:
+                break
+            if block is None:
+                self._blocks.put(None)  # stays at the end for later calls
+                if self._error is not None:
+                    reason = getattr(self._error, "error_string", None) or str(self._error)
+                    raise AudioError(f"{self.name}: cannot decode the FLAC audio ({reason})")
+                break
+            blocks.append(block)
+        return blocks
 
 
 def _pcm_to_float(raw: bytes, fmt: str, channels: int) -> np.ndarray:

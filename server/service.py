@@ -183,6 +183,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             raise invalid("audio_content is empty: send the whole audio in the request")
         model = self._registry.resolve(opts.model, opts.version)
         self._registry.acquire(model)
+        session = None
         try:
             recognizer = await model.recognizer(opts.decoder)
             session = Session(
@@ -197,6 +198,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 results=results, audio_processed_seconds=session.seconds, model=_ref(model)
             )
         finally:
+            if session is not None:
+                session.audio.close()
             self._registry.release(model)
 
     def _decode_whole(self, session: Session, data: bytes) -> None:
@@ -251,6 +254,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 "BiRNN without stream.onnx): send the whole audio with Recognize instead"
             )
         self._registry.acquire(model)
+        session = None
         try:
             recognizer = await model.recognizer(opts.decoder)
             session = Session(
@@ -263,7 +267,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 if message is grpc.aio.EOF:
                     if context.cancelled():
                         raise ClientGone
-                    # The end of buffered audio (FLAC) decodes all of it: off the loop.
+                    # The end decodes what is left (all of a buffered Ogg): off the loop.
                     finish = partial(self._stream_audio, session.audio.finish)
                     self._accept(session, await asyncio.to_thread(finish))
                     session.finish()
@@ -293,6 +297,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     self._metrics.final_latency.labels("StreamingRecognize").observe(latency)
                     return
         finally:
+            if session is not None:
+                session.audio.close()  # a FLAC decoder's thread ends with the call
             self._registry.release(model)
 
     @staticmethod
@@ -308,12 +314,14 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             ) from None
 
     def _check_stream_limits(self, session: Session) -> None:
-        if session.audio.buffered and session.audio.bytes_in > self._config.max_message_bytes:
+        waiting = session.audio.undecoded_bytes
+        if waiting > self._config.max_message_bytes:
             raise RequestError(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"{session.audio.bytes_in} bytes of FLAC/container audio are buffered (it is "
-                f"decoded at the end), over this server's {self._config.max_message_bytes} "
-                "bytes: stream WAV or LINEAR16 instead",
+                f"{waiting} bytes of Ogg/container audio are buffered (it is decoded at the "
+                f"end), or of FLAC not yet decoded, over this server's "
+                f"{self._config.max_message_bytes} bytes: stream FLAC at the pace of its "
+                "audio, or WAV or LINEAR16",
             )
 
     def _accept(self, session: Session, samples: np.ndarray) -> None:

@@ -488,6 +488,52 @@ def test_g711_decodes_as_it_arrives(clips, fmt, subtype, encoding, rate) -> None
     assert np.array_equal(np.concatenate([*early, audio.finish()]), whole)
 
 
+@pytest.mark.parametrize(("rate", "channels"), [(16000, 1), (44100, 2), (48000, 1)])
+def test_flac_decodes_as_it_arrives(clips, rate, channels) -> None:
+    """A FLAC stream's samples come out while it arrives (interim results are possible),
+    all of them equal to the whole file's decode, and memory holds only what the decoder
+    has not reached."""
+    from echoic.server.audio_input import AudioInput
+
+    samples = soxr.resample(clips[0][1], 16000, rate)
+    if channels == 2:
+        samples = np.stack([samples, 0.5 * samples], axis=1)
+    data = container(samples, rate, "FLAC")
+    audio = AudioInput("flac", 16000)
+    early = []
+    for i in range(0, len(data), 1000):
+        early.append(audio.feed(data[i : i + 1000]))
+        time.sleep(0.001)  # the decoder runs in its own thread
+    whole = decode_audio(data, 16000)
+    assert sum(map(len, early)) > 0.3 * len(whole) and audio.undecoded_bytes < len(data)
+    assert np.array_equal(np.concatenate([*early, audio.finish()]), whole)
+
+
+def test_an_abandoned_flac_stream_frees_its_decoder(clips) -> None:
+    from echoic.server.audio_input import AudioInput
+
+    data = container(clips[0][1], 16000, "FLAC")
+    before = threading.active_count()
+    inputs = [AudioInput("flac", 16000) for _ in range(5)]
+    for audio in inputs:
+        audio.feed(data[: len(data) // 2])
+    assert threading.active_count() == before + 5
+    for audio in inputs:
+        audio.close()
+    wait_until(lambda: threading.active_count() == before, what="the decoder threads to end")
+
+
+def test_a_flac_stream_gets_interim_results(stub, recognizer, clips) -> None:
+    """Through the server: interim results before the end, and the final transcript of
+    the whole file."""
+    data = container(clips[2][1], 16000, "FLAC")
+    responses = stream(stub, data, Config(encoding=Config.FLAC), interim=True)
+    results = [r.results[0] for r in responses if r.results]
+    assert any(not r.is_final for r in results[:-1]), "no interim result before the end"
+    want = recognizer.transcribe([decode_audio(data, 16000)])[0].text
+    assert finals(responses) == [want]
+
+
 # ---------------------------------------------------------------- bad input
 
 TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.float32))
