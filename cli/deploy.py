@@ -25,7 +25,8 @@ examples:
   echoic deploy --remove echoic-en-default/2
 
 A version is built in a hidden directory beside its place and renamed into it when
-complete, so a server polling the repository loads it whole or not at all; SIGHUP
+complete (the server serves it under the directory's name and version, whatever its
+model card says), so a server polling the repository loads it whole or not at all; SIGHUP
 (kill -HUP) makes the server look at once instead of at its next poll. Streams
 already open finish on the version they started on. The new version gets the word
 LM (lm.arpa) of --lm, else the source directory's, else the newest version's of
@@ -50,6 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a checkpoint (last.pt) or a model directory written by `echoic export`",
     )
     p.add_argument("--remove", metavar="NAME/VERSION", help="take a version out instead")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --remove: even the last version of a model (it stops being served)",
+    )
     p.add_argument(
         "--repo",
         metavar="DIR",
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give a SOURCE to publish, or --remove NAME/VERSION")
     try:
         if args.remove:
-            name, version = _remove(repo, args.remove)
+            name, version = _remove(repo, args.remove, args.force)
             print(f"removed {name} version {version} from {repo}")
             serving = False
         else:
@@ -92,13 +98,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remove(repo: Path, what: str) -> tuple[str, str]:
+def _remove(repo: Path, what: str, force: bool) -> tuple[str, str]:
     from echoic.cli.errors import UserError
-    from echoic.model.runtime.repository import remove_version
+    from echoic.model.runtime.repository import incomplete, remove_version, scan_repository
 
     name, _, version = what.partition("/")
     if not name or not version:
         raise UserError(f"--remove {what}: give NAME/VERSION, as `echoic models` lists them")
+    others = {
+        v: path
+        for v, path in scan_repository(repo).get(name, {}).items()
+        if v != version and incomplete(path) is None
+    } if repo.is_dir() else {}  # fmt: skip
+    if not others and not force:
+        raise UserError(
+            f"{name} version {version} is the last complete version of {name}: removing it"
+            f" stops the model being served (every request for it fails); add --force to do so"
+        )
     remove_version(repo, name, version)
     return name, version
 
@@ -127,6 +143,8 @@ def _publish(args: argparse.Namespace, repo: Path) -> tuple[str, str]:
     else:
         name = args.name or _checkpoint_name(source)
     version = args.version or next_version(repo, name)
+    if (repo / name / version).exists():
+        raise UserError(f"{repo / name / version} already exists: publish another version")
     lm = None
     if args.lm:
         lm = Path(args.lm)
@@ -141,10 +159,12 @@ def _publish(args: argparse.Namespace, repo: Path) -> tuple[str, str]:
     tmp = staging_dir(repo, name, version)
     try:
         built = tmp / version
-        if exported:
-            shutil.copytree(source, built)
-            if args.no_lm:
-                (built / LM_FILE).unlink(missing_ok=True)
+        if exported:  # its visible files, as repository.copy_version copies them
+            built.mkdir()
+            for entry in sorted(source.iterdir()):
+                if entry.is_file() and not entry.name.startswith("."):
+                    if not (args.no_lm and entry.name == LM_FILE):
+                        shutil.copy2(entry, built / entry.name)
         else:
             _export(source, built, name, version)
         if lm is not None:

@@ -78,6 +78,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.model.nn.export", "ExportError"),
         ("echoic.model.nn.rebuild", "RebuildError"),
         ("echoic.model.nn.persistent.capacity", "PersistentKernelError"),
+        ("echoic.clients.client", "ClientError"),
     ):
         if mod in sys.modules:
             known.append(getattr(sys.modules[mod], name))

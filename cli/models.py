@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
 def _server(args: argparse.Namespace) -> int:
     from echoic.cli.errors import UserError
     from echoic.clients import Client, ClientError
+    from echoic.protos.v1 import transcriber_pb2 as pb
 
     try:
         with Client(
@@ -137,7 +138,7 @@ def _server(args: argparse.Namespace) -> int:
         {
             "name": m.name,
             "version": m.version,
-            "state": ["unspecified", "loaded", "draining"][m.state],
+            "state": pb.ModelInfo.State.Name(m.state).lower(),
             "streams": m.active_streams,
             "lm": m.has_language_model,
             "streamable": m.streamable,

@@ -2,7 +2,7 @@
 
     from echoic.clients import Client
 
-    with Client("localhost:50051") as client:
+    with Client("localhost:50051") as client:  # or several: "10.0.0.5:50051,10.0.0.6:50051"
         print(client.recognize("talk.wav").text)
         for response in client.stream_file("talk.wav", realtime=True):
             for result in response.results:
@@ -190,16 +190,16 @@ def resolve_target(target: str) -> str:
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            raise ValueError(
+            raise ClientError(
                 f"{part!r} in {target!r}: list servers by IP address (or localhost), or give "
                 "one name that resolves to all of them: dns:///NAME:PORT"
             ) from None
         if not sep or not port.isdigit():
-            raise ValueError(f"{part!r} in {target!r}: give HOST:PORT")
+            raise ClientError(f"{part!r} in {target!r}: give HOST:PORT")
         addresses.append((ip.version, f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"))
     versions = {v for v, _ in addresses}
     if len(versions) > 1:
-        raise ValueError(f"{target!r}: list IPv4 or IPv6 addresses, not both")
+        raise ClientError(f"{target!r}: list IPv4 or IPv6 addresses, not both")
     return f"ipv{versions.pop()}:" + ",".join(a for _, a in addresses)
 
 

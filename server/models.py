@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Executor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -98,7 +99,9 @@ class LoadedModel:
         """The recognizer for a decoder config (sharing this version's engine), built once."""
         if decoder.kind == "greedy":
             return self.greedy
-        if decoder.boost:  # one request's words: built for it, never cached (the LM is shared)
+        if decoder.boost:  # one request's words: built for it, never cached; the LM comes
+            # from the cached decoder without them, which holds it (loaded once, shared)
+            await self.recognizer(replace(decoder, boost=()))
             try:
                 return await asyncio.to_thread(Recognizer, self.greedy.engine, decoder)
             except ValueError as e:

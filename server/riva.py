@@ -31,6 +31,7 @@ How Riva's fields map (README, "Coming from Riva"):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -128,7 +129,7 @@ def _apply_custom(custom: dict[str, str], out: pb.RecognitionConfig) -> None:
     for key in ("beam_size", "max_utterance_ms"):
         if key in custom:
             value = custom[key]
-            if not value.isdigit() or len(value) > 9:
+            if not re.fullmatch(r"[0-9]{1,9}", value):
                 raise invalid(f"custom_configuration {key}={value[:40]!r}: give a whole number")
             if key == "beam_size":
                 out.decoder.beam_size = int(value)

@@ -98,10 +98,15 @@ def _boosts(d: pb.DecoderConfig) -> tuple[tuple[str, float], ...]:
         if not -100.0 <= nats <= 100.0:
             raise invalid(f"decoder.boosts boost must be -100 to 100 nats, got {nats:g}")
         for phrase in entry.words:
-            given += 1
-            if given > MAX_BOOSTED_WORDS or len(phrase) > MAX_BOOSTED_CHARS * 8:
-                raise invalid(f"decoder.boosts: at most {MAX_BOOSTED_WORDS} words")
+            if len(phrase) > MAX_BOOSTED_CHARS * 8:
+                raise invalid(
+                    f"decoder.boosts: a phrase of {len(phrase)} characters; boost words or"
+                    f" short phrases (at most {MAX_BOOSTED_CHARS * 8} characters)"
+                )
             for word in normalize_text(phrase).split():
+                given += 1
+                if given > MAX_BOOSTED_WORDS:
+                    raise invalid(f"decoder.boosts: at most {MAX_BOOSTED_WORDS} words in all")
                 if len(word) > MAX_BOOSTED_CHARS:
                     raise invalid(
                         f"decoder.boosts: {word[:20]!r}... is over {MAX_BOOSTED_CHARS} characters"

@@ -38,6 +38,27 @@ def test_a_boost_is_earned_while_spelling_and_kept_only_by_the_whole_word() -> N
         DecoderConfig("greedy", boost=(("x", 1.0),))
 
 
+def test_a_negative_boost_makes_a_word_less_likely() -> None:
+    """A word the LM does not know, boosted below zero, scores lower than unboosted (it
+    still pays the unknown-word penalty), and a positive boost waives that penalty."""
+    from echoic.model.core.decoding import _KenLM, _words_lm_class
+    from echoic.model.core.text import Vocabulary
+
+    vocab = Vocabulary()
+    kenlm = _KenLM.shared(default_model_dir() / "lm.arpa")
+
+    def score(boost: dict[str, float]) -> float:
+        lm = _words_lm_class()(kenlm, vocab, (0.5, 1.0, 10.0), _Boost(boost) if boost else None)
+        state, total = lm.start(False), 0.0
+        for char in "zqxv ":
+            state, gained = lm.score(state, vocab.index[char])
+            total += gained
+        return total
+
+    plain, down, up = score({}), score({"zqxv": -5.0}), score({"zqxv": 5.0})
+    assert down == pytest.approx(plain - 5.0) and up == pytest.approx(plain + 5.0 + 10.0)
+
+
 @pytest.fixture(scope="module")
 def recovered(speech_corpus: Path) -> dict:
     """A word the bundled model's beam search misses in one corpus utterance, and the

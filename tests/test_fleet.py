@@ -16,6 +16,7 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
 
 from echoic.clients import Client, ClientError  # noqa: E402
+from echoic.clients.client import ClientError as TargetError  # noqa: E402
 from echoic.clients.client import resolve_target  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
@@ -36,7 +37,7 @@ def test_targets_name_one_server_or_several() -> None:
     assert resolve_target("[::1]:1,[::1]:2") == "ipv6:[::1]:1,[::1]:2"
     for bad, says in (("a.example:1,b.example:2", "dns:///"), ("127.0.0.1,127.0.0.2:1", "PORT"),
                       ("127.0.0.1:1,[::1]:2", "not both")):  # fmt: skip
-        with pytest.raises(ValueError, match=says):
+        with pytest.raises(TargetError, match=says):
             resolve_target(bad)
 
 

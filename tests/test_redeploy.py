@@ -140,6 +140,22 @@ def _echoic(*args: str, timeout: float = 300) -> str:
     return run.stdout + run.stderr
 
 
+def test_fine_tuning_an_export_needs_its_network(speech_corpus: Path, tmp_path: Path) -> None:
+    """The same parameter shapes are not enough: a recipe whose [model] computes another
+    function (here the clipped ReLU's ceiling) is refused, naming the setting."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "echoic.cli.main", "train", "--config", str(FINETUNE),
+         f"data.train_manifest={speech_corpus}", f"out_dir={tmp_path / 'run'}",
+         "model.relu_clip=10", "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1 and "model.relu_clip" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and not (tmp_path / "run").exists()
+
+
 def test_the_finetune_recipe_is_the_bundled_models_network() -> None:
     """finetune.toml's [model] is default.toml's, and the network rebuilt from the bundled
     export has exactly that config (same hash as its card) and reproduces its graphs."""
@@ -273,7 +289,6 @@ def test_deploy_and_models_in_a_repository(tiny_model_dir, tmp_path, capsys) -> 
     half = repo / "t" / "4"
     half.mkdir()
     shutil.copy(tiny_model_dir / "model.onnx", half)
-    assert not [p for p in (repo / "t").iterdir() if p.name.startswith(".")]  # no leftovers
 
     capsys.readouterr()
     assert main(["models", "--repo", str(repo), "--json"]) == 0
@@ -300,6 +315,12 @@ def test_deploy_and_models_in_a_repository(tiny_model_dir, tmp_path, capsys) -> 
     assert main(["deploy", "--remove", "t/3", "--repo", str(repo)]) == 0
     assert sorted(p.name for p in (repo / "t").iterdir()) == ["1", "2", "4"]
     assert "removed t version 3" in capsys.readouterr().out
+    assert main(["deploy", "--remove", "t/2", "--repo", str(repo)]) == 0
+    assert "last complete version" in fails("deploy", "--remove", "t/1", "--repo", str(repo))
+    assert main(["deploy", "--remove", "t/1", "--repo", str(repo), "--force"]) == 0
+    assert sorted(p.name for p in (repo / "t").iterdir()) == ["4"]  # no hidden leftovers
+    assert "ASCII digits" in fails("deploy", str(tiny_model_dir), "--repo", str(repo),
+                                   "--name", "t", "--version", "²")  # fmt: skip
     assert main(["models", "--bundled"]) == 0
     assert capsys.readouterr().out.strip() == str(default_model_dir())
 

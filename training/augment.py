@@ -116,25 +116,27 @@ class Augmenter:
 
     def waveform(self, samples: np.ndarray, epoch: int, index: int) -> np.ndarray:
         """The augmented float32 samples of utterance `index` in `epoch`."""
-        cfg, rng = self.cfg, _rng(self.seed, epoch, index, 0)
-        # Every draw happens whether or not its transform does, so that turning one
-        # transform off leaves the others' draws as they were.
-        draws = rng.random(6)
+        cfg = self.cfg
+        # Each transform draws from a generator of its own, so that turning one off or
+        # changing its range leaves what the others do as it was.
+        speed, room, line, noise, level, clipping = (
+            _rng(self.seed, epoch, index, 10 + k) for k in range(6)
+        )
         x = samples.astype(np.float32, copy=False)
-        if draws[0] < cfg.speed_prob:
-            x = speed_perturb(x, float(rng.uniform(*cfg.speed)))
-        if draws[1] < cfg.reverb_prob:
-            x = reverberate(x, self._rir(rng))
-        if draws[2] < cfg.telephone_prob:
-            x = telephone(x, self.rate, "mulaw" if rng.random() < 0.5 else "alaw")
-        if draws[3] < cfg.noise_prob:
-            kind = str(rng.choice(cfg.noise_kinds))
-            snr = float(rng.uniform(*cfg.snr_db))
-            x = add_noise(x, self._noise(kind, len(x), rng), snr)
-        if draws[4] < cfg.level_prob:
-            x = set_level(x, float(rng.uniform(*cfg.level_dbfs)))
-        if draws[5] < cfg.clip_prob:
-            x = clip(x, float(rng.uniform(*cfg.clip_level)))
+        if speed.random() < cfg.speed_prob:
+            x = speed_perturb(x, float(speed.uniform(*cfg.speed)))
+        if room.random() < cfg.reverb_prob:
+            x = reverberate(x, self._rir(room))
+        if line.random() < cfg.telephone_prob:
+            x = telephone(x, self.rate, "mulaw" if line.random() < 0.5 else "alaw")
+        if noise.random() < cfg.noise_prob:
+            kind = str(noise.choice(cfg.noise_kinds))
+            snr = float(noise.uniform(*cfg.snr_db))
+            x = add_noise(x, self._noise(kind, len(x), noise), snr)
+        if level.random() < cfg.level_prob:
+            x = set_level(x, float(level.uniform(*cfg.level_dbfs)))
+        if clipping.random() < cfg.clip_prob:
+            x = clip(x, float(clipping.uniform(*cfg.clip_level)))
         return np.clip(x, -1.0, 1.0).astype(np.float32)
 
     def _rir(self, rng: np.random.Generator) -> np.ndarray:
@@ -230,15 +232,20 @@ def _g711_encode(x: np.ndarray, law: str) -> np.ndarray:
     return order[nearer].astype(np.uint8)
 
 
-def telephone(x: np.ndarray, rate: int, law: str = "mulaw") -> np.ndarray:
-    """A narrowband phone line: 300-3400 Hz, 8 kHz, G.711 `law`, back at `rate`."""
-    if x.size == 0:
-        return x
+def narrowband(x: np.ndarray, rate: int) -> np.ndarray:
+    """`x` as a phone line carries it: at 8 kHz, 300-3400 Hz only, in [-1, 1]."""
     narrow = soxr.resample(x, rate, 8000) if rate != 8000 else x.copy()
     spectrum = np.fft.rfft(narrow)
     freqs = np.fft.rfftfreq(len(narrow), 1 / 8000)
     spectrum[(freqs < 300) | (freqs > 3400)] = 0.0
-    band = np.clip(np.fft.irfft(spectrum, len(narrow)), -1.0, 1.0).astype(np.float32)
+    return np.clip(np.fft.irfft(spectrum, len(narrow)), -1.0, 1.0).astype(np.float32)
+
+
+def telephone(x: np.ndarray, rate: int, law: str = "mulaw") -> np.ndarray:
+    """A narrowband phone line: 300-3400 Hz, 8 kHz, G.711 `law`, back at `rate`."""
+    if x.size == 0:
+        return x
+    band = narrowband(x, rate)
     line = g711_table(law)[_g711_encode(band, law)]
     return (soxr.resample(line, 8000, rate) if rate != 8000 else line).astype(np.float32)
 

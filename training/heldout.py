@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import soxr
 
 from echoic.model.core.audio import load_audio
 from echoic.training.augment import (
     add_noise,
     coloured_noise,
+    narrowband,
     reverberate,
     room_impulse_response,
     set_level,
@@ -40,18 +40,10 @@ KINDS = ("mulaw8k", "reverb", "noisy10db", "quiet")
 RATE = 16000  # Hz of the sets other than mulaw8k
 
 
-def _bandpass(x: np.ndarray, rate: int, lo: float, hi: float) -> np.ndarray:
-    spectrum = np.fft.rfft(x)
-    freqs = np.fft.rfftfreq(len(x), 1 / rate)
-    spectrum[(freqs < lo) | (freqs > hi)] = 0.0
-    return np.fft.irfft(spectrum, len(x)).astype(np.float32)
-
-
 def degrade(x: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, int, str]:
     """(samples, rate, soundfile subtype) of 16 kHz `x` degraded as `kind`."""
     if kind == "mulaw8k":
-        narrow = _bandpass(soxr.resample(x, RATE, 8000).astype(np.float32), 8000, 300, 3400)
-        return np.clip(narrow, -1, 1), 8000, "ULAW"
+        return narrowband(x, RATE), 8000, "ULAW"
     if kind == "reverb":
         rir = room_impulse_response(float(rng.uniform(0.4, 0.8)), RATE, rng)
         return np.clip(reverberate(x, rir), -1, 1), RATE, "PCM_16"
@@ -74,7 +66,8 @@ def degrade_manifest(
     manifest = Path(manifest)
     rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
     out: dict[str, Path] = {}
-    for kind_index, kind in enumerate(kinds):
+    for kind in kinds:
+        kind_index = KINDS.index(kind)  # draws follow the kind, not its place in `kinds`
         folder = Path(out_dir) / kind
         (folder / "wavs").mkdir(parents=True, exist_ok=True)
         lines = []

@@ -367,8 +367,10 @@ def _init_from(model: DeepSpeech2, cfg: TrainConfig, train_utts: list[Utterance]
     misfit = sorted(set(ours) ^ set(theirs)) or [
         k for k in ours if ours[k].shape != theirs[k].shape
     ]
-    if source is not None and not misfit and source.cfg.features != cfg.model.features:
-        misfit = ["[model.features]"]
+    if source is not None and not misfit:  # shapes alone miss strides, chunks, vocabulary order
+        theirs_cfg, ours_cfg = to_dict(source.cfg), to_dict(cfg.model)
+        free = ("name", "dropout", "chunk_frames", "context_frames")  # may differ
+        misfit = [f"model.{k}" for k in ours_cfg if k not in free and ours_cfg[k] != theirs_cfg[k]]
     if misfit:
         raise CheckpointError(
             f"init_from={path}: its network does not fit this recipe's [model] (first"

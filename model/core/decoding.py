@@ -623,7 +623,7 @@ def _words_lm_class() -> type:
 
         def _known(self, spelled: str) -> bool:
             """Whether `spelled` starts a word the LM knows or a boosted word."""
-            boosted = self._boost is not None and spelled in self._boost.credit
+            boosted = self._boost is not None and self._boost.credit.get(spelled, 0.0) > 0
             return boosted or self._kenlm is None or spelled in self._kenlm.prefixes
 
         def score(self, state: Any, token: int) -> tuple[Any, float]:
@@ -664,7 +664,7 @@ def _words_lm_class() -> type:
             score = self._bonus + boosted
             if index is None:
                 index = self._kenlm.unk
-                wanted = self._boost is not None and word in self._boost.words
+                wanted = self._boost is not None and self._boost.words.get(word, 0.0) > 0
                 score -= 0.0 if charged or wanted else self._unk_penalty
             ken, log10p = self._kenlm.model.score(ken, index)
             return ken, score + self._weight * log10p

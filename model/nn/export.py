@@ -335,7 +335,7 @@ def check_parity(
 
 def _default_version(out_dir: Path) -> str:
     """MODEL_REPO/<name>/<version>/: a numbered directory names the version, else "1"."""
-    return out_dir.name if out_dir.name.isdigit() else "1"
+    return out_dir.name if out_dir.name.isascii() and out_dir.name.isdigit() else "1"
 
 
 def export_model(

@@ -84,7 +84,13 @@ def rebuild(path: str | Path) -> tuple[DeepSpeech2, dict[str, Any]]:
     model = DeepSpeech2(cfg)
     model.load_state_dict(_state_dict(graph, cfg, model.state_dict()))
     model.eval()
-    parity = check_parity(model, model_dir)
+    try:
+        parity = check_parity(model, model_dir)
+    except ModuleNotFoundError as e:
+        raise RebuildError(
+            f"rebuilding a network from an export checks it against ONNX Runtime, which is not"
+            f" installed ({e.name}): pip install 'echoic[serve]'"
+        ) from e
     failures = parity.failures()
     if failures:
         raise RebuildError(

@@ -19,8 +19,10 @@ it is used it is seeded with the bundled model (`seed_with_bundled`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,8 +41,13 @@ def default_repository() -> Path:
     return Path(data) / "echoic" / "models"
 
 
+def _number(text: str) -> bool:
+    """Whether `text` is a version number: ASCII digits only ("²".isdigit() is True)."""
+    return bool(re.fullmatch(r"[0-9]+", text))
+
+
 def version_key(version: str) -> tuple[int, int, str]:
-    return (1, int(version), "") if version.isdigit() else (0, 0, version)
+    return (1, int(version), "") if _number(version) else (0, 0, version)
 
 
 def scan_repository(repo: Path) -> dict[str, dict[str, Path]]:
@@ -79,8 +86,10 @@ def incomplete(path: Path) -> str | None:
 
 def check_name(what: str, value: str) -> None:
     """A model name or version must be one visible directory name."""
-    if not value.strip() or "/" in value or value.startswith("."):
+    if not value.strip() or "/" in value or value.startswith(".") or not value.isprintable():
         raise ValueError(f"bad model {what} {value!r}: it becomes a directory name")
+    if any(c.isdigit() for c in value) and not value.isascii():
+        raise ValueError(f"bad model {what} {value!r}: write numbers with ASCII digits")
 
 
 def next_version(repo: Path, name: str) -> str:
@@ -90,7 +99,7 @@ def next_version(repo: Path, name: str) -> str:
     if (repo / name).is_dir():
         for entry in (repo / name).iterdir():
             digits = entry.name.lstrip(".").split(".")[0]
-            if digits.isdigit():
+            if _number(digits):
                 numbers.append(int(digits))
     return str(max(numbers) + 1)
 
@@ -120,7 +129,12 @@ def publish(built: Path, repo: Path, name: str, version: str) -> Path:
     target = repo / name / version
     if target.exists():
         raise FileExistsError(f"{target} already exists: publish another version")
-    os.rename(built, target)  # a directory appears whole, or not at all
+    try:
+        os.rename(built, target)  # a directory appears whole, or not at all
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):  # another publisher got there first
+            raise FileExistsError(f"{target} already exists: publish another version") from e
+        raise
     fsync_directory(target.parent)
     return target
 
