@@ -561,11 +561,16 @@ def test_a_failed_persistent_backward(
     strict: str, modes: list, said: list, monkeypatch, recwarn
 ) -> None:
     """The forward pass ran on the kernels and the persistent backward launch fails: it
-    finishes on the barrier-free launches, or in strict mode raises."""
+    finishes on the barrier-free launches and the layer shape is not tried again (the next
+    step runs cuDNN, as after a failed forward launch), or in strict mode raises."""
     pytest.importorskip("triton")
     from echoic.model.nn.persistent import PersistentKernelError, launch
 
     tried = []
+    # Stand-ins for what backward reads of the layer (a GPU tensor's device, the weights'
+    # compute dtype): the seam is launch.backward, replaced below.
+    dirs = [SimpleNamespace(w=torch.zeros(3, 16, 16, dtype=torch.bfloat16)) for _ in range(2)]
+    douts = [SimpleNamespace(device=torch.device("cuda", 0))] * 2
 
     def backward(cell, clip, dirs, douts, states, mode, cfg):  # the seam: no GPU here
         tried.append(mode)
@@ -575,13 +580,20 @@ def test_a_failed_persistent_backward(
 
     monkeypatch.setattr(launch, "backward", backward)
     monkeypatch.setattr(function, "_warned", set())
+    monkeypatch.setattr(function, "_broken", set())
+    monkeypatch.setattr(function, "plan", lambda *key: KernelConfig(16, 8))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv(STRICT, strict)
-    spec = function._Spec("gru", float("inf"), "triton", KernelConfig(16, 8), (False,), True)
+    spec = function._Spec("gru", float("inf"), "triton", KernelConfig(16, 8), (False, True), True)
     if strict == "1":
         with pytest.raises(PersistentKernelError, match=r"barrier \(ECHOIC_PERSISTENT_STRICT=1"):
-            function._backward(spec, [], [], [])
+            function._backward(spec, dirs, douts, [])
+        assert function._broken == set()  # strict: every failure raises, none is remembered
     else:
-        assert function._backward(spec, [], [], []) == ["the per-step result"]
+        assert function._backward(spec, dirs, douts, []) == ["the per-step result"]
+        assert function._broken == {("gru", 16, torch.bfloat16, 2, 0)}
+        # the next step: `choose` runs this layer shape on the modules
+        assert function.choose("auto", "gru", 16, _on_gpu(torch.bfloat16), 2, 4) is None
     assert tried == modes
     assert [str(w.message) for w in recwarn] == said
 
