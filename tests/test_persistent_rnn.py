@@ -477,6 +477,122 @@ def test_a_failed_launch_falls_back_to_the_modules(failing_launch, recwarn) -> N
     ]
 
 
+class _RefusedKernel:
+    """A Triton kernel as `launch._launch` calls it, whose compile (`warmup`) or launch
+    raises what Triton and the driver raise; the seam: no GPU here."""
+
+    def __init__(self, compile_error: Exception | None, launch_error: Exception | None):
+        self.compile_error, self.launch_error, self.launches = compile_error, launch_error, 0
+
+    def warmup(self, *args, grid, **options):
+        if self.compile_error is not None:
+            raise self.compile_error
+        return SimpleNamespace(hash="stand-in")
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.launches += 1
+            assert options["launch_cooperative_grid"] is True
+            if self.launch_error is not None:
+                raise self.launch_error
+
+        return run
+
+
+COOPERATIVE_REFUSED = RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+
+@pytest.mark.parametrize(
+    ("compile_error", "launch_error", "reason"),
+    [
+        pytest.param(
+            None,
+            COOPERATIVE_REFUSED,
+            "RuntimeError: Triton Error [CUDA]: too many blocks in cooperative launch",
+            id="cooperative-launch-refused",
+        ),
+        pytest.param(
+            ValueError("out of resource: shared memory, Required: 300000, Hardware limit: 232448"),
+            None,
+            "ValueError: out of resource: shared memory",
+            id="compile-fails",
+        ),
+        pytest.param(
+            None,
+            RuntimeError("CUDA error: an illegal memory access was encountered"),
+            "RuntimeError: CUDA error: an illegal memory access",
+            id="launch-fails",
+        ),
+    ],
+)
+def test_every_launch_failure_is_a_persistent_kernel_error(
+    compile_error, launch_error, reason: str, monkeypatch
+) -> None:
+    """What Triton or the driver raises when a persistent kernel cannot run becomes
+    PersistentKernelError with the reason, which `auto` falls back on; a plain
+    RuntimeError would end the training run instead."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch, "_check_resources", lambda compiled, programs, device: None)
+    kernel = _RefusedKernel(compile_error, launch_error)
+    with pytest.raises(PersistentKernelError) as raised:
+        launch._launch(kernel, 132, [torch.zeros(1)], {}, KernelConfig(8, 8), persistent=True)
+    assert str(raised.value).startswith(f"persistent launch of 132 programs failed: {reason}")
+    assert raised.value.__cause__ is (compile_error or launch_error)
+
+
+def test_a_resource_refusal_keeps_its_own_words(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    def too_large(compiled, programs, device) -> None:
+        raise PersistentKernelError(f"{programs} programs but only 1 per SM x 132 SMs")
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch, "_check_resources", too_large)
+    kernel = _RefusedKernel(None, None)
+    with pytest.raises(PersistentKernelError, match="^133 programs but only 1 per SM x 132 SMs$"):
+        launch._launch(kernel, 133, [torch.zeros(1)], {}, KernelConfig(8, 8), persistent=True)
+    assert kernel.launches == 0
+
+
+def test_auto_falls_back_when_the_driver_refuses_a_cooperative_launch(monkeypatch, recwarn) -> None:
+    """rnn_impl=auto through the real autograd function and launch code, with only the
+    kernel object standing in (the driver refuses its cooperative launch): the model
+    gives the modules' result, says why once, and does not try the shape again."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import kernels, launch
+
+    torch.manual_seed(0)
+    model = DeepSpeech2(dataclasses.replace(TINY, chunk_frames=4, context_frames=2)).eval()
+    feats, lengths = torch.randn(2, 30, 20), torch.tensor([30, 22])
+    with torch.no_grad():
+        expected, _ = model(feats, lengths)
+    kernel = _RefusedKernel(None, COOPERATIVE_REFUSED)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "recurrence_forward_kernel", kernel)
+    monkeypatch.setattr(launch, "_check_resources", lambda compiled, programs, device: None)
+    chosen = []
+    monkeypatch.setattr(
+        function, "choose", lambda *args: chosen.append(args) or ("triton", KernelConfig(16, 8))
+    )
+    monkeypatch.setattr(function, "_key", lambda cell, hidden, x, directions: (cell, hidden))
+    monkeypatch.setattr(function, "_broken", set())
+    monkeypatch.setattr(function, "_warned", set())
+    model.set_rnn_impl("auto")
+    with torch.no_grad():
+        got, _ = model(feats, lengths)
+    assert torch.equal(got, expected)
+    assert kernel.launches == TINY.rnn_layers
+    assert function._broken == {("gru", TINY.rnn_hidden)}
+    assert [str(w.message) for w in recwarn] == [
+        "persistent launch of 2 programs failed: RuntimeError: Triton Error [CUDA]: too many"
+        " blocks in cooperative launch; this layer shape uses cuDNN from now on"
+    ]
+
+
 def test_strict_mode_raises_where_a_failed_launch_would_fall_back(
     failing_launch, monkeypatch, recwarn
 ) -> None:

@@ -74,18 +74,32 @@ _checked: set[tuple[str, int]] = set()  # (compiled kernel, grid) pairs known to
 
 
 def _launch(kernel, programs: int, args: list, consts: dict, cfg: KernelConfig, persistent: bool):
-    """Launch `kernel`; a persistent launch first proves that its grid can be co-resident."""
+    """Launch `kernel`; a persistent launch first proves that its grid can be co-resident.
+
+    Whatever stops the kernel from running (a compile error, too few resources, a
+    cooperative launch that the driver refuses because the grid cannot be co-resident
+    now: another process on the SMs, MPS limits) raises PersistentKernelError with the
+    reason, which the callers turn into a fallback to cuDNN.
+    """
     options = _options(cfg, consts)
     if interpreted():
         kernel[(programs,)](*args, **options)
         return
-    if persistent:
-        options["launch_cooperative_grid"] = True  # the driver refuses a grid too large
-        compiled = kernel.warmup(*args, grid=(programs,), **options)
-        if (compiled.hash, programs) not in _checked:
-            _check_resources(compiled, programs, args[0].device)
-            _checked.add((compiled.hash, programs))
-    kernel[(programs,)](*args, **options)
+    try:
+        if persistent:
+            options["launch_cooperative_grid"] = True  # the driver refuses a grid too large
+            compiled = kernel.warmup(*args, grid=(programs,), **options)
+            if (compiled.hash, programs) not in _checked:
+                _check_resources(compiled, programs, args[0].device)
+                _checked.add((compiled.hash, programs))
+        kernel[(programs,)](*args, **options)
+    except PersistentKernelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any compile, load or launch failure: cuDNN
+        what = "persistent" if persistent else "per-step"
+        raise PersistentKernelError(
+            f"{what} launch of {programs} programs failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _options(cfg: KernelConfig, consts: dict) -> dict:
