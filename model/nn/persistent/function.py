@@ -282,9 +282,11 @@ def _fall_back(key, problem: str, fallback: str) -> None:
 
 @functools.cache
 def plan(
-    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: int
-) -> KernelConfig | str:
-    """The kernel configuration for this GPU, or why there is none (a sentence)."""
+    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: int,
+    tiles_first: bool = False,
+) -> KernelConfig | str:  # fmt: skip
+    """The kernel configuration for this GPU, or why there is none (a sentence);
+    `tiles_first` for a batch that one tensor-core tile holds (capacity.candidates)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"{dtype} is not a kernel dtype"
     if hidden > capacity.MAX_HIDDEN:
@@ -294,7 +296,7 @@ def plan(
     except ImportError:
         return "triton is not installed (pip install triton)"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype))
+    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype), tiles_first)
     return first_fit(cell, hidden, dtype, directions, device, configs)
 
 
@@ -348,7 +350,7 @@ def choose(
     if impl == "auto":
         if torch.cuda.get_device_capability(key[-1]) != (9, 0) or rows > AUTO_MAX_ROWS[cell]:
             return None
-    found = plan(*key)
+    found = plan(*key, rows <= capacity.TILES_FIRST_ROWS)
     if isinstance(found, str):
         if impl == "persistent":
             shape = f"{cell} H={hidden} {key[2]} x{directions}"
