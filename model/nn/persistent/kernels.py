@@ -5,7 +5,7 @@ slice of the recurrent weights once, before the time loop, and keeps it in
 registers for every step; per step it reads the whole previous state of its
 direction (from L2), computes its units, writes them, and waits at a grid-wide
 barrier of its direction. Both directions of a bidirectional layer run in one
-launch, each with its own barrier counter and its own number of rows and steps.
+launch, each with its own barrier flags and its own number of rows and steps.
 
 Forward weights are W_hh viewed as (G, H, H) (gate, unit, input unit); backward
 weights are the same matrices transposed, so both kernels hold rows of a

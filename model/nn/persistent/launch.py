@@ -140,7 +140,7 @@ def _exchanged(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if dtype == torch.float32 else torch.empty_like(t, dtype=dtype)
 
 
-def _counters(device: torch.device, programs: int) -> tuple[Tensor, Tensor]:
+def _barrier_flags(device: torch.device, programs: int) -> tuple[Tensor, Tensor]:
     flags = torch.zeros(programs, dtype=torch.int32, device=device)  # one a program
     return flags, torch.zeros(1, dtype=torch.int32, device=device)  # the abort flag
 
@@ -158,7 +158,7 @@ def _forward_args(
     o = _pair([(hs, hs if sv is None else sv) for hs, sv in outs])
     x0 = _pair([d.h0.to(kind) for d in dirs])  # the initial states, as the exchange holds them
     xs = _pair([_exchanged(hs, kind) for hs, _ in outs])
-    flags, status = _counters(dirs[0].gi.device, programs)
+    flags, status = _barrier_flags(dirs[0].gi.device, programs)
     args = [
         p[0].gi, p[1].gi, p[0].h0, p[1].h0, x0[0], x0[1], p[0].lengths, p[1].lengths,
         p[0].w, p[1].w, p[0].b_hn, p[1].b_hn, o[0][0], o[1][0], xs[0], xs[1], o[0][1], o[1][1],
@@ -182,7 +182,7 @@ def _backward_args(
     p, g, b = _pair(dirs), _pair(douts), _pair(bufs)
     st = _pair([(hs, hs if sv is None else sv) for hs, sv in states])
     dgx = _pair([_exchanged(dgh, kind) for dgh, _, _, _ in bufs])
-    flags, status = _counters(douts[0].device, programs)
+    flags, status = _barrier_flags(douts[0].device, programs)
     args = [
         g[0], g[1], st[0][0], st[1][0], st[0][1], st[1][1], p[0].h0, p[1].h0,
         p[0].lengths, p[1].lengths, p[0].w, p[1].w,
@@ -286,7 +286,7 @@ def barrier_oracle(
     slots = torch.full((2 * slices,), -1, dtype=torch.int32, device=device)
     missing = torch.zeros(programs, dtype=torch.int32, device=device)
     polls = torch.zeros(programs, dtype=torch.int32, device=device)
-    flags, status = _counters(torch.device(device), programs)
+    flags, status = _barrier_flags(torch.device(device), programs)
     args = [slots, missing, polls, flags, status, rounds, _timeout_ns(cfg), delay_ns]
     _launch(kernels.barrier_oracle_kernel, programs, args, dict(SLICES=slices), cfg, True)
     return {"missing": missing.tolist(), "polls": polls.tolist(), "aborted": int(status.item())}
@@ -298,7 +298,7 @@ def barrier_abort(programs: int, device, timeout_s: float = 1.0) -> dict:
     end at its first look (0 polls); an abort that added to the flag would wrap to 0
     with 4 programs x 2 x 2**30 and leave each wait to its full timeout."""
     cfg = KernelConfig(block_h=1, num_warps=4, timeout_s=timeout_s)
-    flags, status = _counters(torch.device(device), programs)
+    flags, status = _barrier_flags(torch.device(device), programs)
     polls = torch.zeros(programs, dtype=torch.int32, device=device)
     args = [status, flags, polls, _timeout_ns(cfg)]
     slices = dict(SLICES=next_power_of_2(programs))
