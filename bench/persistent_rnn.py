@@ -5,12 +5,13 @@
 Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
 
 1. One recurrent layer (input size = H, as in every DS2 layer but the first), one
-   or both directions, B in {1, 4, 16, 64}, H in {1024, 2048}: the persistent
+   or both directions, B in {1, 4, 16, 64}, H in {512, 1024, 2048}: the persistent
    kernels (one launch a pass, both directions in it) against nn.RNN(relu) /
    nn.GRU on cuDNN, under autocast in --dtype as in training. Two variants of the
    kernels, a line each: "rows" (one batch row at a time, matrix-vector products
-   on the CUDA cores; what `plan` picks first) and "tiles" (16 rows at a time on
-   the tensor cores; 16-bit dtypes). Times are medians of --repeats runs (CUDA
+   on the CUDA cores; what `plan` picks first above 16 rows) and "tiles" (16 rows at
+   a time on the tensor cores; 16-bit dtypes; first up to 16 rows). Times are
+   medians of --repeats runs (CUDA
    events, after warm-up); TFLOP/s counts the input GEMM and the recurrence
    (backward = 2x forward). A shape a variant does not fit says why instead.
 2. fp16, one direction, one layer, B in {8, 16}, H in {512, 1024}: where PyTorch
@@ -19,6 +20,9 @@ Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
 3. One DS2 training step (the recipe's model, bf16 autocast, CTC, AdamW) with
    rnn_impl cudnn, persistent and auto: the first step's loss (must agree to
    float tolerance) and the median step time, as a ratio to cuDNN.
+
+--quick prints table 1 for the bidirectional GRU alone (the issue-20 target: B = 4,
+H = 1024, fwd+bwd, at least 3x cuDNN), in a few minutes, and skips tables 2 and 3.
 
 Use the ratios to set AUTO_MAX_ROWS in echoic/model/nn/persistent/function.py, and
 the order of rows and tiles in capacity.candidates.
@@ -246,9 +250,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="time steps per sequence")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per case (median)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="autocast dtype")
-    p.add_argument(
-        "--quick", action="store_true", help="B in {4, 16} only (the target's B = 4, one tile)"
-    )
+    p.add_argument("--quick", action="store_true", help="table 1 for the bidirectional GRU only")
     p.add_argument("--ds2-batch", type=int, default=16, help="utterances per DS2 step")
     args = p.parse_args()
     need_gpu()
@@ -258,17 +260,20 @@ def main() -> None:
         f" torch {torch.__version__}; {args.dtype}; T = {args.steps}; median of {args.repeats}"
     )
     dtype = DTYPES[args.dtype]
-    hiddens = (1024, 2048)
-    batches = (4, 16) if args.quick else (1, 4, 16, 64)
-    for cell in ("rnn", "gru"):
-        for directions in (1, 2):
-            print(f"\n{cell}, {directions} direction(s)")
-            print(HEADER.format(label=f"{'H':>5} {'B':>3}"))
-            for hidden in hiddens:
-                for batch in batches:
-                    r = layer_case(cell, hidden, batch, args.steps, directions, dtype, args.repeats)
-                    flops = layer_flops(cell, hidden, batch, args.steps, directions)
-                    print(*_rows(f"{hidden:>5} {batch:>3}", r, args.steps, flops), sep="\n")
+    hiddens = (512, 1024, 2048)
+    batches = (1, 4, 16, 64)
+    shapes = [("gru", 2)] if args.quick else [(c, d) for c in ("rnn", "gru") for d in (1, 2)]
+    for cell, directions in shapes:
+        print(f"\n{cell}, {directions} direction(s)", flush=True)
+        print(HEADER.format(label=f"{'H':>5} {'B':>3}"))
+        for hidden in hiddens:
+            for batch in batches:
+                r = layer_case(cell, hidden, batch, args.steps, directions, dtype, args.repeats)
+                flops = layer_flops(cell, hidden, batch, args.steps, directions)
+                lines = _rows(f"{hidden:>5} {batch:>3}", r, args.steps, flops)
+                print(*lines, sep="\n", flush=True)
+    if args.quick:
+        return
 
     print("\nfp16, one direction, one layer: where cuDNN may use its persistent algorithm")
     print(HEADER.format(label=f"{'cell':>4} {'H':>5} {'B':>3} persist"))

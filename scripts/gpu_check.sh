@@ -13,10 +13,13 @@
 #                                           the GPU is deterministic, persistent ~ cuDNN
 #   bash scripts/gpu_check.sh bench [NAME] [ARGS]   python bench/NAME.py ARGS
 #                                           (NAME: persistent_rnn, the default, or another)
-#   bash scripts/gpu_check.sh all           env, the GPU tests, bench persistent_rnn --quick
-#                                           and train in one call of at most 9.5 minutes
-#                                           (a lent GPU machine runs one command for 10),
-#                                           each part under its own time limit
+#   bash scripts/gpu_check.sh all           env, the barrier oracle (tests barrier), the GPU
+#                                           tests, bench persistent_rnn --quick (the table:
+#                                           bidirectional GRU, rows/tiles vs cuDNN per step,
+#                                           B 1-64, H 512-2048, fwd and fwd+bwd) and train in
+#                                           one call of at most 9.5 minutes (a lent GPU
+#                                           machine runs one command for 10), each part
+#                                           under its own time limit
 #
 # Each part writes its log (and the tests a JUnit XML) to $OUT when set, else .gpu-out/.
 # The tests and train parts run with ECHOIC_PERSISTENT_STRICT=1: where the persistent
@@ -122,13 +125,18 @@ tests)
     mkdir -p "$OUT"
     export ECHOIC_PERSISTENT_STRICT=1
     select="gpu or sm90"
-    [[ $# -gt 0 ]] && select="($select) and ($*)"
+    log=gpu_tests  # with EXPR, gpu_tests_EXPR (letters and digits), so parts keep their logs
+    if [[ $# -gt 0 ]]; then
+        select="($select) and ($*)"
+        log="gpu_tests_$(tr -c 'A-Za-z0-9\n' _ <<<"$*")"
+    fi
     # Each check is a subprocess that mostly compiles kernels on the CPU: with
     # pytest-xdist (in the CUDA image), four at a time.
     parallel=()
     "$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 4)
     "$PYTHON" -m pytest -p no:cacheprovider -rA "${parallel[@]}" -m "gpu or slow" -k "$select" \
-        tests/test_persistent_rnn.py -o junit_family=legacy --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+        tests/test_persistent_rnn.py -o junit_family=legacy --junitxml="$OUT/$log.xml" 2>&1 |
+        tee "$OUT/$log.log"
     ;;
 train)
     import_root
@@ -153,7 +161,11 @@ bench)
 all)
     # A part that runs over its limit is stopped (with its process group) and reported;
     # the parts after it still run, and every log written so far stays in $OUT.
-    for limit_and_part in "20 env" "240 tests gpu" "210 bench persistent_rnn --quick" "100 train"; do
+    # The oracle first (a broken barrier makes every other result meaningless), the table
+    # before the long GPU tests so that it is printed even if they run out of time.
+    parts=("20 env" "60 tests barrier" "200 bench persistent_rnn --quick" "200 tests gpu"
+        "90 train")
+    for limit_and_part in "${parts[@]}"; do
         read -r limit this <<<"$limit_and_part"
         status=0
         timeout --kill-after=5 "$limit" bash "$ROOT/scripts/gpu_check.sh" $this || status=$?

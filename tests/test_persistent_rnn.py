@@ -219,6 +219,8 @@ INTERPRETER = [
     pytest.param("gru", "triton-steps", 4, 1, 2, "float32", id="gru-steps-4-programs-fp32"),
     pytest.param("relu", "triton-steps", 4, 1, 2, "float32", id="rnn-steps-4-programs-fp32"),
     pytest.param("gru", "triton-steps", 8, 1, 2, "bfloat16", id="gru-steps-bf16"),
+    pytest.param("gru", "triton", 0, 1, 2, "bfloat16", id="gru-persistent-bf16-exchange"),
+    pytest.param("relu", "triton", 0, 1, 3, "bfloat16", id="rnn-persistent-bf16-exchange"),
     pytest.param("clipped", "triton-steps", 8, 1, 2, "float16", id="rnn-steps-fp16"),
     pytest.param("gru", "triton", 0, 16, 2, "float16", id="gru-persistent-tiles-fp16"),
     pytest.param("gru", "triton-steps", 16, 16, 20, "float16", id="gru-steps-2-tiles-fp16"),
@@ -247,10 +249,40 @@ def test_kernels_in_the_interpreter(
 @pytest.mark.slow
 def test_barrier_timeout_fails_cleanly_in_the_interpreter() -> None:
     """Several programs a direction cannot meet when the interpreter runs them in turn:
-    the first gives up after spin_limit polls, flags it and releases the rest."""
+    the first gives up after its timeout (20 polls there), flags it and releases the rest."""
     pytest.importorskip("triton")
     result = _run_check("timeout", {}, timeout=300, env={"TRITON_INTERPRET": "1"})
     assert result == {"error": "PersistentKernelError", "timed_out": True}
+
+
+@pytest.mark.slow
+def test_barrier_in_the_interpreter() -> None:
+    """The barrier's own kernels, in the interpreter (which runs programs one after
+    another, so only a one-program barrier can complete there; the oracle with many
+    programs runs on a GPU, test_gpu_barrier_oracle):
+
+    - one program, 3 rounds: it sees its own id after every barrier;
+    - 4 programs: the first waits its whole timeout (20 polls here), aborts the launch,
+      and the 3 after it stop at their first look instead of waiting out their own;
+    - 4 programs that each abort twice: the abort flag reads 1 and no wait polls (a flag
+      raised by adding 2**30 would have wrapped round to 0 and let them wait)."""
+    pytest.importorskip("triton")
+    result = _run_check("barrier", {"device": "cpu"}, timeout=300, env={"TRITON_INTERPRET": "1"})
+    assert result["one"] == {"missing": [0], "polls": [0], "aborted": 0}
+    assert result["four"] == {"missing": [0, 0, 0, 0], "polls": [20, 0, 0, 0], "aborted": 1}
+    assert result["abort"] == {"status": 1, "polls": [0, 0, 0, 0]}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "ns"),
+    [pytest.param(1.0, 1_000_000_000, id="1s"), pytest.param(20e-6, 20_000, id="20us")],
+)
+def test_barrier_timeout_is_wall_clock(seconds: float, ns: int) -> None:
+    """KernelConfig.timeout_s reaches the kernels as ns of the GPU's global timer."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import launch
+
+    assert launch._timeout_ns(KernelConfig(16, 8, timeout_s=seconds)) == ns
 
 
 @pytest.mark.parametrize("block_b", [pytest.param(8, id="8"), pytest.param(24, id="24")])
@@ -278,9 +310,12 @@ def test_tiles_are_candidates_only_for_16_bit_weights() -> None:
     rows_only = capacity.candidates(1024, 2, 132)
     with_tiles = capacity.candidates(1024, 2, 132, tiles=True)
     assert [c.block_b for c in rows_only] == [1, 1]
-    assert with_tiles[:2] == rows_only  # rows first: tiles are not yet measured faster
+    assert with_tiles[:2] == rows_only  # rows first for a large batch: one product a row
     assert [(c.block_h, c.block_b) for c in with_tiles[2:]] == [(16, 16), (16, 16)]
     assert capacity.candidates(512, 2, 132, tiles=True)[2].block_h == 16  # never below 16
+    small_batch = capacity.candidates(1024, 2, 132, tiles=True, tiles_first=True)
+    assert small_batch == with_tiles[2:] + rows_only  # one tile holds the whole batch
+    assert capacity.candidates(1024, 2, 132, tiles_first=True) == rows_only  # fp32: no tiles
 
 
 # ---- choosing a configuration and falling back (the host side, with a stand-in GPU) ----
@@ -371,6 +406,30 @@ def test_plan_takes_the_first_configuration_that_fits(stand_in_gpu) -> None:
     tried.clear()
     assert isinstance(function.plan("gru", 1024, torch.float32, 2, 0), str)
     assert tried == [rows_8, rows_16]  # float32: no tiles to try
+
+
+def test_plan_tries_tiles_first_for_a_batch_one_tile_holds(stand_in_gpu) -> None:
+    failing, tried = stand_in_gpu
+    rows_8, rows_16, tiles_8, tiles_16 = capacity.candidates(1024, 2, 132, tiles=True)
+    assert function.plan("gru", 1024, torch.bfloat16, 2, 0, True) == tiles_8
+    failing.update({tiles_8, tiles_16})
+    function.plan.cache_clear()
+    assert function.plan("gru", 1024, torch.bfloat16, 2, 0, True) == rows_8
+    assert tried == [tiles_8, tiles_8, tiles_16, rows_8]
+
+
+@pytest.mark.parametrize(
+    ("rows", "tiles_first"),
+    [pytest.param(1, True, id="B1"), pytest.param(16, True, id="B16"),
+     pytest.param(17, False, id="B17")],
+)  # fmt: skip
+def test_choose_asks_for_tiles_first_up_to_16_rows(rows: int, tiles_first: bool, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    asked = []
+    monkeypatch.setattr(function, "plan", lambda *key: asked.append(key) or KernelConfig(16, 8))
+    monkeypatch.setattr(function, "_broken", set())
+    function.choose("persistent", "gru", 1024, _on_gpu(), 2, rows)
+    assert asked == [("gru", 1024, torch.bfloat16, 2, 0, tiles_first)]
 
 
 def test_plan_says_why_nothing_fits(stand_in_gpu) -> None:
@@ -477,6 +536,122 @@ def test_a_failed_launch_falls_back_to_the_modules(failing_launch, recwarn) -> N
     ]
 
 
+class _RefusedKernel:
+    """A Triton kernel as `launch._launch` calls it, whose compile (`warmup`) or launch
+    raises what Triton and the driver raise; the seam: no GPU here."""
+
+    def __init__(self, compile_error: Exception | None, launch_error: Exception | None):
+        self.compile_error, self.launch_error, self.launches = compile_error, launch_error, 0
+
+    def warmup(self, *args, grid, **options):
+        if self.compile_error is not None:
+            raise self.compile_error
+        return SimpleNamespace(hash="stand-in")
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.launches += 1
+            assert options["launch_cooperative_grid"] is True
+            if self.launch_error is not None:
+                raise self.launch_error
+
+        return run
+
+
+COOPERATIVE_REFUSED = RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+
+@pytest.mark.parametrize(
+    ("compile_error", "launch_error", "reason"),
+    [
+        pytest.param(
+            None,
+            COOPERATIVE_REFUSED,
+            "RuntimeError: Triton Error [CUDA]: too many blocks in cooperative launch",
+            id="cooperative-launch-refused",
+        ),
+        pytest.param(
+            ValueError("out of resource: shared memory, Required: 300000, Hardware limit: 232448"),
+            None,
+            "ValueError: out of resource: shared memory",
+            id="compile-fails",
+        ),
+        pytest.param(
+            None,
+            RuntimeError("CUDA error: an illegal memory access was encountered"),
+            "RuntimeError: CUDA error: an illegal memory access",
+            id="launch-fails",
+        ),
+    ],
+)
+def test_every_launch_failure_is_a_persistent_kernel_error(
+    compile_error, launch_error, reason: str, monkeypatch
+) -> None:
+    """What Triton or the driver raises when a persistent kernel cannot run becomes
+    PersistentKernelError with the reason, which `auto` falls back on; a plain
+    RuntimeError would end the training run instead."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch, "_check_resources", lambda compiled, programs, device: None)
+    kernel = _RefusedKernel(compile_error, launch_error)
+    with pytest.raises(PersistentKernelError) as raised:
+        launch._launch(kernel, 132, [torch.zeros(1)], {}, KernelConfig(8, 8), persistent=True)
+    assert str(raised.value).startswith(f"persistent launch of 132 programs failed: {reason}")
+    assert raised.value.__cause__ is (compile_error or launch_error)
+
+
+def test_a_resource_refusal_keeps_its_own_words(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import PersistentKernelError, launch
+
+    def too_large(compiled, programs, device) -> None:
+        raise PersistentKernelError(f"{programs} programs but only 1 per SM x 132 SMs")
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(launch, "_check_resources", too_large)
+    kernel = _RefusedKernel(None, None)
+    with pytest.raises(PersistentKernelError, match="^133 programs but only 1 per SM x 132 SMs$"):
+        launch._launch(kernel, 133, [torch.zeros(1)], {}, KernelConfig(8, 8), persistent=True)
+    assert kernel.launches == 0
+
+
+def test_auto_falls_back_when_the_driver_refuses_a_cooperative_launch(monkeypatch, recwarn) -> None:
+    """rnn_impl=auto through the real autograd function and launch code, with only the
+    kernel object standing in (the driver refuses its cooperative launch): the model
+    gives the modules' result, says why once, and does not try the shape again."""
+    pytest.importorskip("triton")
+    from echoic.model.nn.persistent import kernels, launch
+
+    torch.manual_seed(0)
+    model = DeepSpeech2(dataclasses.replace(TINY, chunk_frames=4, context_frames=2)).eval()
+    feats, lengths = torch.randn(2, 30, 20), torch.tensor([30, 22])
+    with torch.no_grad():
+        expected, _ = model(feats, lengths)
+    kernel = _RefusedKernel(None, COOPERATIVE_REFUSED)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "recurrence_forward_kernel", kernel)
+    monkeypatch.setattr(launch, "_check_resources", lambda compiled, programs, device: None)
+    chosen = []
+    monkeypatch.setattr(
+        function, "choose", lambda *args: chosen.append(args) or ("triton", KernelConfig(16, 8))
+    )
+    monkeypatch.setattr(function, "_key", lambda cell, hidden, x, directions: (cell, hidden))
+    monkeypatch.setattr(function, "_broken", set())
+    monkeypatch.setattr(function, "_warned", set())
+    model.set_rnn_impl("auto")
+    with torch.no_grad():
+        got, _ = model(feats, lengths)
+    assert torch.equal(got, expected)
+    assert kernel.launches == TINY.rnn_layers
+    assert function._broken == {("gru", TINY.rnn_hidden)}
+    assert [str(w.message) for w in recwarn] == [
+        "persistent launch of 2 programs failed: RuntimeError: Triton Error [CUDA]: too many"
+        " blocks in cooperative launch; this layer shape uses cuDNN from now on"
+    ]
+
+
 def test_strict_mode_raises_where_a_failed_launch_would_fall_back(
     failing_launch, monkeypatch, recwarn
 ) -> None:
@@ -504,7 +679,7 @@ def test_strict_mode_raises_where_a_failed_launch_would_fall_back(
             True,
             False,
             "persistent kernels do not fit gru H=1024 torch.bfloat16"
-            " x2: 8 warps: PersistentKernelError: 64 register spills;",
+            " x2: 8 warps, 16-row tiles: PersistentKernelError: 64 register spills;",
             id="persistent-does-not-fit",
         ),
         pytest.param(
@@ -561,11 +736,16 @@ def test_a_failed_persistent_backward(
     strict: str, modes: list, said: list, monkeypatch, recwarn
 ) -> None:
     """The forward pass ran on the kernels and the persistent backward launch fails: it
-    finishes on the barrier-free launches, or in strict mode raises."""
+    finishes on the barrier-free launches and the layer shape is not tried again (the next
+    step runs cuDNN, as after a failed forward launch), or in strict mode raises."""
     pytest.importorskip("triton")
     from echoic.model.nn.persistent import PersistentKernelError, launch
 
     tried = []
+    # Stand-ins for what backward reads of the layer (a GPU tensor's device, the weights'
+    # compute dtype): the seam is launch.backward, replaced below.
+    dirs = [SimpleNamespace(w=torch.zeros(3, 16, 16, dtype=torch.bfloat16)) for _ in range(2)]
+    douts = [SimpleNamespace(device=torch.device("cuda", 0))] * 2
 
     def backward(cell, clip, dirs, douts, states, mode, cfg):  # the seam: no GPU here
         tried.append(mode)
@@ -575,13 +755,20 @@ def test_a_failed_persistent_backward(
 
     monkeypatch.setattr(launch, "backward", backward)
     monkeypatch.setattr(function, "_warned", set())
+    monkeypatch.setattr(function, "_broken", set())
+    monkeypatch.setattr(function, "plan", lambda *key: KernelConfig(16, 8))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv(STRICT, strict)
-    spec = function._Spec("gru", float("inf"), "triton", KernelConfig(16, 8), (False,), True)
+    spec = function._Spec("gru", float("inf"), "triton", KernelConfig(16, 8), (False, True), True)
     if strict == "1":
         with pytest.raises(PersistentKernelError, match=r"barrier \(ECHOIC_PERSISTENT_STRICT=1"):
-            function._backward(spec, [], [], [])
+            function._backward(spec, dirs, douts, [])
+        assert function._broken == set()  # strict: every failure raises, none is remembered
     else:
-        assert function._backward(spec, [], [], []) == ["the per-step result"]
+        assert function._backward(spec, dirs, douts, []) == ["the per-step result"]
+        assert function._broken == {("gru", 16, torch.bfloat16, 2, 0)}
+        # the next step: `choose` runs this layer shape on the modules
+        assert function.choose("auto", "gru", 16, _on_gpu(torch.bfloat16), 2, 4) is None
     assert tried == modes
     assert [str(w.message) for w in recwarn] == said
 
@@ -691,6 +878,7 @@ def test_sm90_fit_table(cell: str, dtype: str, directions: int, record_property)
         assert bool(clean) == fits, (hidden, usage)
         assert capacity.sm90_fits(cell, dtype, hidden, directions) == fits
         assert all(r.mma == 0 for res in usage.values() for r in res)  # CUDA cores only
+        assert all(r.clock_reads > 0 for res in usage.values() for r in res)  # timeouts: a clock
 
 
 @pytest.mark.parametrize(
@@ -746,6 +934,7 @@ def test_sm90_tile_table(cell: str, directions: int, record_property) -> None:
         assert bool(clean) == fits, (hidden, usage)
         assert capacity.sm90_fits(cell, "bf16", hidden, directions, tiles=True) == fits
         assert all(r.mma > 0 for res in usage.values() for r in res)  # on the tensor cores
+        assert all(r.clock_reads > 0 for res in usage.values() for r in res)
 
 
 # ---- on a GPU: against cuDNN -----------------------------------------------------------
@@ -902,7 +1091,7 @@ def test_gpu_tiles_as_close_to_fp32_as_cudnn(cell: str, hidden: int, directions:
 @pytest.mark.gpu
 def test_gpu_refuses_what_cannot_run() -> None:
     """A grid that cannot be co-resident is refused before launch; a barrier that
-    cannot complete (spin_limit 0) times out, flags it and raises."""
+    cannot complete (timeout 0) times out, flags it and raises."""
     _need_gpu()
     result = _run_check("gpu-refusals", {}, timeout=600)
     assert result["too_large"].startswith("PersistentKernelError: 8192 programs but only"), result
@@ -911,6 +1100,19 @@ def test_gpu_refuses_what_cannot_run() -> None:
         "PersistentKernelError: persistent forward launch timed out at its grid barrier"
         " (programs not co-resident?)"
     )
+
+
+@pytest.mark.gpu
+def test_gpu_barrier_oracle() -> None:
+    """One program per SM (co-resident, a cooperative launch), 200 rounds: after each
+    barrier every program reads every other program's id for the round, one program a
+    round arriving 2 us late; and 132 programs that all abort at once leave the flag at 1."""
+    _need_gpu()
+    result = _run_check("barrier", {"device": "cuda"}, timeout=300)
+    programs = result["sms"]
+    assert result["oracle"]["aborted"] == 0, result
+    assert result["oracle"]["missing"] == [0] * programs, result
+    assert result["abort"] == {"status": 1, "polls": [0] * programs}, result
 
 
 @pytest.mark.gpu
@@ -1013,10 +1215,28 @@ def _check_timeout(_: dict) -> dict:
 
     launch._raise_on_timeout = spy  # to read the flag the kernel wrote
     try:
-        recurrences("gru", problems, backend="triton", config=KernelConfig(4, 4, spin_limit=20))
+        recurrences("gru", problems, backend="triton", config=KernelConfig(4, 4, timeout_s=20e-6))
     except PersistentKernelError:
         return {"error": "PersistentKernelError", "timed_out": status.get("flag") == 1}
     return {"error": None, "timed_out": status.get("flag") == 1}
+
+
+def _check_barrier(args: dict) -> dict:
+    from echoic.model.nn.persistent import launch
+
+    device = args["device"]
+    if device == "cpu":  # the interpreter: programs run one after another
+        return {
+            "one": launch.barrier_oracle(1, 3, device),
+            "four": launch.barrier_oracle(4, 3, device, timeout_s=20e-6),
+            "abort": launch.barrier_abort(4, device, timeout_s=20e-6),
+        }
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {
+        "sms": sms,
+        "oracle": launch.barrier_oracle(sms, 200, device, delay_ns=2000),
+        "abort": launch.barrier_abort(sms, device),
+    }
 
 
 def _fp32_exact() -> None:
@@ -1115,7 +1335,7 @@ def _check_gpu_refusals(_: dict) -> dict:
         ("too_large", 4096, KernelConfig(block_h=1, num_warps=16)),
         # 32 programs that fit any chip (72 and 96 registers, no spills), which give up
         # at the first barrier that is not yet complete
-        ("timeout", 256, KernelConfig(block_h=16, num_warps=4, spin_limit=0)),
+        ("timeout", 256, KernelConfig(block_h=16, num_warps=4, timeout_s=0.0)),
     ]:
         problems, _ = _gpu_problems("relu", 16, hidden, batch=2, steps=9, directions=2)
         try:
@@ -1196,6 +1416,7 @@ CHECKS = {
     "no-triton": _check_no_triton,
     "interpreter": _check_interpreter,
     "timeout": _check_timeout,
+    "barrier": _check_barrier,
     "gpu": _check_gpu,
     "gpu-bf16": _check_gpu_bf16,
     "gpu-tiles": _check_gpu_tiles,

@@ -5,9 +5,10 @@ Modules, one concept each:
 - `reference`: the recurrences (clipped-ReLU RNN, PyTorch's GRU), forward and
   backward, as torch step loops: the specification and the CPU backend.
 - `kernels`: the Triton kernels; recurrent weights stay in registers for all
-  steps, a grid-wide barrier per step (release/acquire atomics, with a timeout).
-- `launch`: buffers, grid sizing, co-residency and timeout checks, offline
-  compilation for sm_90 (resources from ptxas).
+  steps, a grid-wide barrier per step (a flag per program, release/acquire, a
+  wall-clock timeout that aborts the launch), and the barrier's own test kernels.
+- `launch`: buffers, grid sizing, co-residency and timeout checks, launch failures
+  as PersistentKernelError, offline compilation for sm_90 (resources from ptxas).
 - `capacity`: which (cell, H, dtype, directions) fit on the chip.
 - `function`: the autograd function (nn.RNN / nn.GRU parameter names, so
   checkpoints are the same with either implementation), `--rnn-impl`'s choice,

@@ -22,10 +22,16 @@ largest H swept (512, 1024, 1536, 2048) whose kernels keep their weights in
 registers without spills, one direction / both directions in one launch:
 
     cell  dtype       1 direction  2 directions   weights per SM at the limit (2 dirs)
-    rnn   bf16, fp16  2048         2048           128 KB (block_h 32, 16 warps)
+    rnn   bf16, fp16  2048         1024            32 KB (block_h 16)
     rnn   fp32        2048         1024            64 KB
     gru   bf16, fp16  1024         1024            96 KB (block_h 16, 8 warps)
     gru   fp32        1024          512            48 KB
+
+Both directions of a 16-bit RNN at H = 1536 or 2048 (block_h 32, 16 warps: 128
+registers a thread) fitted with a single barrier counter; the flag barrier's wait
+(a vector of flags polled and reduced across the program) costs the backward
+kernel the last registers, and it spills about 1 KB, so those run as tiles (bf16)
+or on cuDNN.
 
 A GRU with H = 2048 in bf16 holds 24 MB of recurrent weights a direction: the
 whole register file of an H100 is 33 MB, and the kernels spill at the 192 KB a
@@ -38,9 +44,14 @@ step (still on chip, but not in registers), next to a (BLOCK_B, H) float32 tile 
 the rows' states. What bounds them is shared memory, at most 227 KB a program on
 sm_90; compiled the same way (no spills, shared memory within that):
 
-    cell  dtype       1 direction  2 directions   shared memory at the limit
-    rnn   bf16, fp16  2048         1024           192 KB / 96 KB (block_h 16, 8 warps)
-    gru   bf16, fp16  1024         1024           160 KB (block_h 16, 8 warps)
+    cell  dtype       1 direction  2 directions
+    rnn   bf16        2048         2048   (193 KB of shared memory at 2 x 2048, 8 warps)
+    rnn   fp16        2048         1024
+    gru   bf16, fp16  1024         1024
+
+bf16 reaches further than fp16 because it exchanges the state in bf16: the tile of
+the rows' states that Triton stages in shared memory is half the size (fp16 runs
+exchange float32, as its range is too narrow for dgh).
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ from dataclasses import dataclass
 from echoic.model.nn.persistent.reference import GATES
 
 SM90_SHARED_PER_PROGRAM = 232448  # bytes of shared memory one program may use on sm_90
-SPIN_LIMIT = 1 << 24  # barrier polls (L2 round trips: seconds in all) before a program gives up
+BARRIER_TIMEOUT_S = 1.0  # s a program waits at a grid barrier before it aborts the launch;
+# a step takes microseconds, so only a grid that is not co-resident waits that long
 REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256 (sm_70 to sm_90)
 MAX_HIDDEN = 4096  # the kernels hold a whole state vector in one block of registers
 
@@ -69,7 +81,7 @@ class KernelConfig:
     block_h: int  # hidden units per program (a power of two)
     num_warps: int  # warps per program
     block_b: int = 1  # batch rows per product: 1 (matrix-vector) or >= 16 (tensor-core tiles)
-    spin_limit: int = SPIN_LIMIT  # barrier polls before a timeout
+    timeout_s: float = BARRIER_TIMEOUT_S  # s at one barrier before the launch aborts (GPU clock)
 
     def __post_init__(self) -> None:
         if self.block_b != 1 and (self.block_b < MMA_MIN or self.block_b & (self.block_b - 1)):
@@ -94,15 +106,23 @@ def block_h_for(hidden: int, directions: int, sms: int) -> int:
     return next_power_of_2(math.ceil(directions * hidden / sms))
 
 
-def candidates(hidden: int, directions: int, sms: int, tiles: bool = False) -> list[KernelConfig]:
+TILES_FIRST_ROWS = MMA_MIN  # up to this many rows, one tile holds the whole batch
+
+
+def candidates(
+    hidden: int, directions: int, sms: int, tiles: bool = False, tiles_first: bool = False
+) -> list[KernelConfig]:
     """Configurations to try, in order: one program per SM, 8 warps, then 16 warps;
-    with `tiles` (16-bit weights), then the same with 16-row tensor-core tiles (at
-    least 16 units a program, so the grid may use fewer SMs)."""
+    with `tiles` (16-bit weights), the same with 16-row tensor-core tiles (at least 16
+    units a program, so the grid may use fewer SMs): after the rows, or with
+    `tiles_first` (a batch of at most TILES_FIRST_ROWS rows: one tile reads the state
+    and runs the product once a step for the whole batch, rows once a row) before them."""
     block_h = block_h_for(hidden, directions, sms)
-    configs = [KernelConfig(block_h, warps) for warps in (8, 16)]
-    if tiles:
-        configs += [KernelConfig(max(block_h, MMA_MIN), warps, MMA_MIN) for warps in (8, 16)]
-    return configs
+    rows = [KernelConfig(block_h, warps) for warps in (8, 16)]
+    if not tiles:
+        return rows
+    tile = [KernelConfig(max(block_h, MMA_MIN), warps, MMA_MIN) for warps in (8, 16)]
+    return tile + rows if tiles_first else rows + tile
 
 
 def weight_bytes(cell: str, hidden: int, block_h: int, itemsize: int) -> int:
@@ -132,15 +152,15 @@ def resident_blocks(n_regs: int, num_warps: int, shared: int, props) -> int:
 SM90_SMS = 132  # the SM count the tables were compiled for (H100 SXM, H200)
 SM90_SWEPT_HIDDEN = (512, 1024, 1536, 2048)
 SM90_MAX_HIDDEN: dict[tuple[str, str], tuple[int, int]] = {
-    ("rnn", "bf16"): (2048, 2048),
-    ("rnn", "fp16"): (2048, 2048),
+    ("rnn", "bf16"): (2048, 1024),
+    ("rnn", "fp16"): (2048, 1024),
     ("rnn", "fp32"): (2048, 1024),
     ("gru", "bf16"): (1024, 1024),
     ("gru", "fp16"): (1024, 1024),
     ("gru", "fp32"): (1024, 512),
 }
 SM90_MAX_HIDDEN_TILES: dict[tuple[str, str], tuple[int, int]] = {
-    ("rnn", "bf16"): (2048, 1024),
+    ("rnn", "bf16"): (2048, 2048),
     ("rnn", "fp16"): (2048, 1024),
     ("gru", "bf16"): (1024, 1024),
     ("gru", "fp16"): (1024, 1024),

@@ -19,7 +19,8 @@ Fallbacks: a layer that the kernels cannot run goes to the modules (cuDNN). With
 `persistent`: an input that is not on a CUDA GPU (silently: the CPU path), or kernels
 that do not fit this GPU (a RuntimeWarning, once); with `persistent` or `auto`: a
 launch that fails (a RuntimeWarning; the shape stays on cuDNN). A persistent backward
-launch that fails finishes one launch per step (a RuntimeWarning). With
+launch that fails finishes one launch per step (a RuntimeWarning), and the shape stays
+on cuDNN from the next step on, as after a failed forward launch. With
 ECHOIC_PERSISTENT_STRICT=1 each of these raises PersistentKernelError instead, so that
 `persistent` means the kernels or an error; the GPU tests run so, since a fallback's
 result is cuDNN's own and would pass them. What `auto` leaves to cuDNN by its policy
@@ -211,8 +212,12 @@ def _backward(spec: _Spec, dirs: list[Direction], douts: list[Tensor], states: l
         try:
             return launch.backward(spec.cell, spec.clip, dirs, douts, states, "persistent", cfg)
         except PersistentKernelError as e:
-            # The forward pass already ran on these kernels; finish on the barrier-free path.
+            # The forward pass already ran on these kernels; finish on the barrier-free path,
+            # and from the next step on run this layer shape on cuDNN, as after a failed
+            # forward launch (a grid that timed out once would time out every step).
             _fall_back(("backward", spec.cell, cfg), str(e), "backward runs one launch per step")
+            hidden = dirs[0].w.shape[-1]
+            _broken.add(_shape_key(spec.cell, hidden, dirs[0].w.dtype, len(dirs), douts[0].device))
     return launch.backward(spec.cell, spec.clip, dirs, douts, states, "steps", cfg)
 
 
@@ -277,9 +282,11 @@ def _fall_back(key, problem: str, fallback: str) -> None:
 
 @functools.cache
 def plan(
-    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: int
-) -> KernelConfig | str:
-    """The kernel configuration for this GPU, or why there is none (a sentence)."""
+    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: int,
+    tiles_first: bool = False,
+) -> KernelConfig | str:  # fmt: skip
+    """The kernel configuration for this GPU, or why there is none (a sentence);
+    `tiles_first` for a batch that one tensor-core tile holds (capacity.candidates)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"{dtype} is not a kernel dtype"
     if hidden > capacity.MAX_HIDDEN:
@@ -289,7 +296,7 @@ def plan(
     except ImportError:
         return "triton is not installed (pip install triton)"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype))
+    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype), tiles_first)
     return first_fit(cell, hidden, dtype, directions, device, configs)
 
 
@@ -311,9 +318,16 @@ def first_fit(
     return "; ".join(reasons)
 
 
+def _shape_key(
+    cell: Cell, hidden: int, dtype: torch.dtype, directions: int, device: torch.device
+) -> tuple:
+    """What `plan` and the broken set know a layer shape by."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (cell, hidden, dtype, directions, index)
+
+
 def _key(cell: Cell, hidden: int, x: Tensor, directions: int) -> tuple:
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return (cell, hidden, compute_dtype(x), directions, device)
+    return _shape_key(cell, hidden, compute_dtype(x), directions, x.device)
 
 
 def choose(
@@ -336,7 +350,7 @@ def choose(
     if impl == "auto":
         if torch.cuda.get_device_capability(key[-1]) != (9, 0) or rows > AUTO_MAX_ROWS[cell]:
             return None
-    found = plan(*key)
+    found = plan(*key, rows <= capacity.TILES_FIRST_ROWS)
     if isinstance(found, str):
         if impl == "persistent":
             shape = f"{cell} H={hidden} {key[2]} x{directions}"

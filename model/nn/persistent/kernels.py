@@ -5,12 +5,17 @@ slice of the recurrent weights once, before the time loop, and keeps it in
 registers for every step; per step it reads the whole previous state of its
 direction (from L2), computes its units, writes them, and waits at a grid-wide
 barrier of its direction. Both directions of a bidirectional layer run in one
-launch, each with its own barrier counter and its own number of rows and steps.
+launch, each with its own barrier flags and its own number of rows and steps.
 
 Forward weights are W_hh viewed as (G, H, H) (gate, unit, input unit); backward
 weights are the same matrices transposed, so both kernels hold rows of a
-(G, H, H) tensor and share one product helper. The state is exchanged in
-float32 whatever the compute dtype; products and sums are float32.
+(G, H, H) tensor and share one product helper. Products and sums are float32.
+What other programs read (the state forward, dgh backward) is exchanged in an
+"exchange" buffer: in bfloat16 when the layer computes in bfloat16 (half the
+bytes each program reads every step; the tiles round the state to bf16 for the
+tensor cores anyway), else the float32 output buffer itself (XCOPY False). The
+float32 states and dgh the host keeps are written as well; a program's own units
+(the GRU's z * h, its carried gradient) are read back in float32.
 
 A program computes its units for the batch rows in one of two ways (BLOCK_B):
 
@@ -31,16 +36,27 @@ Row n of a direction takes step s at time position `_position(s, L_n)`: s, or fo
 a reversed direction L_n - 1 - s while s < L_n (positions past the length stay
 put), which is `flip, run, flip back` within each row's length in one pass.
 
-The barrier (`_grid_barrier`) is a monotonic per-direction counter: each program
-adds 1 with release semantics after a CTA barrier, then polls (atomic add of 0,
-acquire, gpu scope; Triton issues it from one thread and broadcasts the value, so
-the whole program takes the same branch) until the counter reaches (steps done) *
-(programs of the direction). A wait that runs past `spin_limit` polls sets
-`status[0] = 1` and adds POISON to the counter,
-which releases every other program of that direction at once; all of them stop,
-and the host sees the flag. Co-residency of the grid is the host's job (grid no
-larger than SMs * resident blocks per SM, cooperative launch); the timeout makes
-a mistake there a clean error instead of a hang.
+The barrier is split in two, after Diamos et al.: `_arrive` as soon as a
+program's part of the exchanged data for the step is written (inside the loop
+over row tiles, after the last tile's exchange stores and before the stores that
+no other program reads: the GRU's saved gates, backward's dgi), and `_wait` after
+the rest of the step. Each program has its own flag (int32, one per program of a
+direction, side by side in one small buffer) that it sets to the number of steps
+it has finished, with release semantics, by an atomic exchange: no two programs
+write one address and nothing is added up, so nothing can overflow. A wait polls
+the flags of its direction with one thread per program (a vector atomic load,
+acquire, gpu scope) until every one has reached the step, then a CTA barrier
+passes the result to the whole program.
+
+A wait that has not completed `timeout_ns` after it began (the GPU's global
+timer, %globaltimer) aborts: `status[0]` is set to 1 by an atomic max, which
+stays 1 however many programs time out at once, and every wait polls that flag
+too, so all other programs of the launch stop at their next poll instead of
+running into their own timeouts; the host sees the flag. The Triton interpreter
+runs no inline asm and has no clock: there each poll counts as
+INTERPRETER_POLL_NS. Co-residency of the grid is the host's job (grid no larger
+than SMs * resident blocks per SM, cooperative launch); the timeout makes a
+mistake there a clean error instead of a hang.
 
 `BARRIER=False` runs the steps [s_begin, s_end) without any barrier: the host
 launches once per step and the launch boundary is the barrier. That mode holds
@@ -55,7 +71,7 @@ import triton.language as tl
 
 RNN = tl.constexpr(0)  # CELL values
 GRU = tl.constexpr(1)
-POISON = tl.constexpr(1 << 30)  # added to a barrier counter when a program gives up waiting
+INTERPRETER_POLL_NS = tl.constexpr(1000)  # what one barrier poll counts as without a clock
 
 
 @triton.jit
@@ -111,21 +127,112 @@ def _shared(ptr, mask):
 
 
 @triton.jit
-def _grid_barrier(counter, status, target, spin_limit):
-    """Wait until `target` arrivals at `counter`; returns 1 if the wait failed, else 0."""
-    tl.debug_barrier()  # all threads' stores of this step come before the release
-    tl.atomic_add(counter, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")  # a poll that any Triton has
-    spins = 0
-    while (seen < target) & (spins < spin_limit):
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        spins += 1
-    timed_out = seen < target
-    if timed_out:
-        tl.atomic_xchg(status, 1, sem="relaxed", scope="gpu")
-        tl.atomic_add(counter, POISON, sem="relaxed", scope="gpu")
+def _now(polls, ASM: tl.constexpr):
+    """ns on the GPU's global timer; in the interpreter, `polls` * INTERPRETER_POLL_NS."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        out = polls.to(tl.int64) * INTERPRETER_POLL_NS
+    return out
+
+
+@triton.jit
+def _arrive(flag, step):
+    """This program has finished `step` steps (1, 2, ...): its flag says so, after every
+    thread's stores of the step (the CTA barrier) and with release semantics."""
     tl.debug_barrier()
-    return ((seen >= POISON) | timed_out).to(tl.int32)
+    tl.atomic_xchg(flag, step, sem="release", scope="gpu")
+
+
+@triton.jit
+def _abort(status):
+    """Flag a failed wait: an atomic max to 1, the same whether one or every program
+    calls it (never an addition that can wrap round)."""
+    tl.atomic_max(status, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _wait(flags, count, status, step, timeout_ns, SLICES: tl.constexpr, ASM: tl.constexpr):
+    """Wait until all `count` flags from `flags` on have reached `step` (one thread a
+    flag), the launch is aborted, or `timeout_ns` have passed (then abort it).
+    Returns (failed: 1 or 0, polls after the first look)."""
+    lanes = tl.arange(0, SLICES)
+    mask = lanes < count
+    seen = tl.atomic_add(flags + lanes, 0, mask=mask, sem="acquire", scope="gpu")
+    done = (tl.min(tl.where(mask, seen, step), axis=0) >= step).to(tl.int32)
+    aborted = tl.atomic_add(status, 0, sem="relaxed", scope="gpu")
+    polls = tl.zeros((), tl.int32)
+    start = _now(polls, ASM)
+    waited = _now(polls, ASM) - start
+    while (done == 0) & (aborted == 0) & (waited < timeout_ns):
+        seen = tl.atomic_add(flags + lanes, 0, mask=mask, sem="acquire", scope="gpu")
+        done = (tl.min(tl.where(mask, seen, step), axis=0) >= step).to(tl.int32)
+        aborted = tl.atomic_add(status, 0, sem="relaxed", scope="gpu")
+        polls += 1
+        waited = _now(polls, ASM) - start
+    if (done == 0) & (aborted == 0):
+        _abort(status)
+    tl.debug_barrier()  # no thread reads the step's data before the whole wait is over
+    return 1 - done, polls
+
+
+@triton.jit
+def _spin(ns, ASM: tl.constexpr):
+    """Busy-wait about `ns` on the GPU (nothing in the interpreter)."""
+    if ASM:
+        start = _now(0, ASM)
+        while _now(0, ASM) - start < ns:
+            pass
+
+
+@triton.jit
+def barrier_oracle_kernel(
+    slots,  # int32 (2, SLICES) scratch: each program's id, a row per round parity
+    missing,  # int32 (programs,) out: ids this program did not see after the barrier
+    polls,  # int32 (programs,) out: polls the last wait took (0: it passed at once)
+    flags, status,  # int32 (programs,) zeroed, int32 (1,) zeroed: as in the kernels
+    rounds, timeout_ns, delay_ns,
+    SLICES: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """The barrier's test: each round, each program writes its id (and the round) into
+    its slot, meets the others at the barrier, and reads every slot; a slot without the
+    id it should hold is a program the barrier did not wait for. One program a round
+    (round % programs) sleeps `delay_ns` first, so a barrier that does not wait loses."""
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    lanes = tl.arange(0, SLICES)
+    mask = lanes < n
+    lost = tl.zeros((), tl.int32)
+    failed = tl.zeros((), tl.int32)
+    waits = tl.zeros((), tl.int32)
+    r = 0
+    while (r < rounds) & (failed == 0):
+        if r % n == pid:
+            _spin(delay_ns, ASM)
+        row = slots + (r % 2) * SLICES
+        tl.store(row + pid, r * n + pid)
+        _arrive(flags + pid, r + 1)
+        failed, waits = _wait(flags, n, status, r + 1, timeout_ns, SLICES, ASM)
+        got = tl.load(row + lanes, mask=mask, other=-1, cache_modifier=".cg")
+        lost += tl.sum(((got != r * n + lanes) & mask & (failed == 0)).to(tl.int32), axis=0)
+        r += 1
+    tl.store(missing + pid, lost)
+    tl.store(polls + pid, waits)
+
+
+@triton.jit
+def barrier_abort_kernel(status, flags, polls, timeout_ns, SLICES: tl.constexpr,
+                         ASM: tl.constexpr):  # fmt: skip
+    """Every program aborts the launch, then waits at a barrier that nobody else reaches:
+    with the launch aborted, each wait must end at its first look (0 polls)."""
+    pid = tl.program_id(0)
+    _abort(status)
+    _abort(status)
+    _arrive(flags + pid, 1)
+    failed, waits = _wait(flags, tl.num_programs(0), status, 2, timeout_ns, SLICES, ASM)
+    tl.store(polls + pid, waits * failed)
 
 
 @triton.jit
@@ -190,11 +297,12 @@ def _tile_mask(valid, umask, BLOCK_B: tl.constexpr):
 
 @triton.jit
 def _source(base, valid, H, w, BLOCK_K: tl.constexpr, KS: tl.constexpr, BLOCK_B: tl.constexpr):
-    """A whole H-vector per row that other programs wrote (from L2), as the product
-    with w needs it: (BLOCK_K,) float32, or (KS, BLOCK_B, BLOCK_K / KS) in w's dtype."""
+    """A whole H-vector per row that other programs wrote (from L2, the exchange buffer),
+    as the product with w needs it: (BLOCK_K,) float32, or (KS, BLOCK_B, BLOCK_K / KS)
+    in w's dtype."""
     if BLOCK_B == 1:
         cols = tl.arange(0, BLOCK_K)
-        out = _shared(base + cols, cols < H)
+        out = _shared(base + cols, cols < H).to(tl.float32)
     else:
         k = tl.arange(0, KS)[:, None, None] * (BLOCK_K // KS)
         k += tl.arange(0, BLOCK_K // KS)[None, None, :]  # (KS, 1, KC)
@@ -225,20 +333,37 @@ def _gates_product(g, valid, w_a, w_b, w_c, H, BLOCK_K: tl.constexpr, KS: tl.con
 
 
 @triton.jit
+def _store_gates(out_h, out_x, g_a, g_b, g_c, H, mask, CELL: tl.constexpr, XCOPY: tl.constexpr):
+    """One step's dgh (one gate, or three) in float32 and, with XCOPY, in the exchange dtype."""
+    tl.store(out_h, g_a, mask=mask)
+    if CELL == GRU:
+        tl.store(out_h + H, g_b, mask=mask)
+        tl.store(out_h + 2 * H, g_c, mask=mask)
+    if XCOPY:
+        kind = out_x.dtype.element_ty
+        tl.store(out_x, g_a.to(kind), mask=mask)
+        if CELL == GRU:
+            tl.store(out_x + H, g_b.to(kind), mask=mask)
+            tl.store(out_x + 2 * H, g_c.to(kind), mask=mask)
+
+
+@triton.jit
 def recurrence_forward_kernel(
     gi0, gi1,  # (N, T, G*H) input projections incl. the folded biases, compute dtype
     h00, h01,  # (N, H) float32 initial states
+    x00, x01,  # (N, H) initial states in the exchange dtype (h00, h01 without XCOPY)
     len0, len1,  # (N,) int32 valid steps per row
     w0, w1,  # (G, H, H) recurrent weights, compute dtype
     bn0, bn1,  # (H,) float32 b_hn (GRU only)
     hs0, hs1,  # (N, T, H) float32 out: the state after each position
+    xs0, xs1,  # (N, T, H) out: the same states in the exchange dtype (hs0, hs1 without XCOPY)
     sv0, sv1,  # (N, T, 4H) float32 out: r, z, n, W_hn h + b_hn (GRU, SAVE only)
     n_rows0, n_rows1, steps0, steps1, reverse0, reverse1,
-    sync, status,  # int32 (2,) barrier counters (zeroed), int32 (1,) timeout flag
-    H, clip, s_begin, s_end, spin_limit,
+    flags, status,  # int32 (programs,) barrier flags (zeroed), int32 (1,) abort flag
+    H, clip, s_begin, s_end, timeout_ns,
     CELL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, KS: tl.constexpr,
-    SAVE: tl.constexpr, BARRIER: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_B: tl.constexpr, KS: tl.constexpr, SLICES: tl.constexpr,
+    SAVE: tl.constexpr, BARRIER: tl.constexpr, XCOPY: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Steps s_begin to min(s_end, T) - 1 of each direction."""
     slices = tl.cdiv(H, BLOCK_H)
@@ -247,9 +372,11 @@ def recurrence_forward_kernel(
     units = (pid % slices) * BLOCK_H + tl.arange(0, BLOCK_H)
     umask = units < H
     gi, h0, lens = _pick(d, gi0, gi1), _pick(d, h00, h01), _pick(d, len0, len1)
+    x0, xs = _pick(d, x00, x01), _pick(d, xs0, xs1)
     hs, sv, bn = _pick(d, hs0, hs1), _pick(d, sv0, sv1), _pick(d, bn0, bn1)
     n_rows, steps = _pick(d, n_rows0, n_rows1), _pick(d, steps0, steps1)
     reverse = _pick(d, reverse0, reverse1)
+    mine = flags + d * slices  # this direction's flags
     G = 1 + 2 * CELL
     # Loaded once: the weight slice stays in registers for every step below.
     w = _pick(d, w0, w1)
@@ -265,9 +392,12 @@ def recurrence_forward_kernel(
             at = row * steps + _position(s, length, reverse)
             if s == 0:
                 prev = h0 + row * H
+                prev_x = x0 + row * H
             else:
-                prev = hs + (row * steps + _position(s - 1, length, reverse)) * H
-            src = _source(prev, valid, H, w_a, BLOCK_K, KS, BLOCK_B)  # the previous states
+                before = (row * steps + _position(s - 1, length, reverse)) * H
+                prev = hs + before
+                prev_x = xs + before
+            src = _source(prev_x, valid, H, w_a, BLOCK_K, KS, BLOCK_B)  # the previous states
             mask = _tile_mask(valid, umask, BLOCK_B)
             at_u = _by_unit(at, BLOCK_B)
             x = gi + at_u * (G * H) + units
@@ -280,17 +410,23 @@ def recurrence_forward_kernel(
                 a_n = tl.load(x + 2 * H, mask=mask, other=0.0).to(tl.float32) + r * hn
                 n = 2.0 * tl.sigmoid(2.0 * a_n) - 1.0  # tanh
                 h = (1.0 - z) * n + z * _shared(_by_unit(prev, BLOCK_B) + units, mask)
-                if SAVE:
+            else:
+                h = tl.minimum(tl.maximum(a, 0.0), clip)
+            tl.store(hs + at_u * H + units, h, mask=mask)
+            if XCOPY:
+                tl.store(xs + at_u * H + units, h.to(xs.dtype.element_ty), mask=mask)
+            if BARRIER:
+                if first + BLOCK_B >= n_rows:  # the program's last rows: its part is out
+                    _arrive(mine + pid % slices, s - s_begin + 1)
+            if CELL == GRU:
+                if SAVE:  # read by backward only, so after the arrival
                     keep = sv + at_u * (4 * H) + units
                     tl.store(keep, r, mask=mask)
                     tl.store(keep + H, z, mask=mask)
                     tl.store(keep + 2 * H, n, mask=mask)
                     tl.store(keep + 3 * H, hn, mask=mask)
-            else:
-                h = tl.minimum(tl.maximum(a, 0.0), clip)
-            tl.store(hs + at_u * H + units, h, mask=mask)
         if BARRIER:
-            failed = _grid_barrier(sync + d, status, (s - s_begin + 1) * slices, spin_limit)
+            failed, _ = _wait(mine, slices, status, s - s_begin + 1, timeout_ns, SLICES, ASM)
         s += 1
 
 
@@ -303,15 +439,16 @@ def recurrence_backward_kernel(
     len0, len1,  # (N,) int32
     wt0, wt1,  # (G, H, H) transposed recurrent weights, compute dtype
     dgh0, dgh1,  # (N, T, G*H) float32 out: gradient of W_hh h + b_hh
+    dgx0, dgx1,  # (N, T, G*H) out: dgh in the exchange dtype (dgh0, dgh1 without XCOPY)
     dgi0, dgi1,  # (N, T, G*H) float32 out: gradient of the input projections (GRU)
     carry0, carry1,  # (N, H) float32 scratch: dL/dh after the step just done (GRU)
     dh00, dh01,  # (N, H) float32 out: gradient of the initial states (FINAL)
     n_rows0, n_rows1, steps0, steps1, reverse0, reverse1,
-    sync, status,
-    H, clip, s_hi, s_lo, spin_limit,
+    flags, status,
+    H, clip, s_hi, s_lo, timeout_ns,
     CELL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, KS: tl.constexpr,
-    BARRIER: tl.constexpr, FINAL: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_B: tl.constexpr, KS: tl.constexpr, SLICES: tl.constexpr,
+    BARRIER: tl.constexpr, FINAL: tl.constexpr, XCOPY: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Steps min(s_hi, T) - 1 down to s_lo; with FINAL, then the gradient of h0.
 
@@ -326,9 +463,11 @@ def recurrence_backward_kernel(
     dout, hs, sv = _pick(d, dout0, dout1), _pick(d, hs0, hs1), _pick(d, sv0, sv1)
     h0, lens = _pick(d, h00, h01), _pick(d, len0, len1)
     dgh, dgi, carry = _pick(d, dgh0, dgh1), _pick(d, dgi0, dgi1), _pick(d, carry0, carry1)
+    dgx = _pick(d, dgx0, dgx1)
     dh0 = _pick(d, dh00, dh01)
     n_rows, steps = _pick(d, n_rows0, n_rows1), _pick(d, steps0, steps1)
     reverse = _pick(d, reverse0, reverse1)
+    mine = flags + d * slices
     G = 1 + 2 * CELL
     wt = _pick(d, wt0, wt1)
     w_a, w_b, w_c = _load_weights(wt, H, units, umask, BLOCK_K, KS, BLOCK_B, CELL)
@@ -347,13 +486,15 @@ def recurrence_backward_kernel(
             if s + 1 < steps:  # the recurrent gradient from the step after
                 nxt = row * steps + _position(s + 1, length, reverse)
                 dh += _gates_product(
-                    dgh + nxt * (G * H), valid, w_a, w_b, w_c, H, BLOCK_K, KS, CELL, ASM, BLOCK_B
+                    dgx + nxt * (G * H), valid, w_a, w_b, w_c, H, BLOCK_K, KS, CELL, ASM, BLOCK_B
                 )
                 if CELL == GRU:
                     z_next = tl.load(
                         sv + _by_unit(nxt, BLOCK_B) * (4 * H) + H + units, mask=mask, other=0.0
                     )
                     dh += z_next * tl.load(carry + row_u, mask=mask, other=0.0)
+            out_h = dgh + at_u * (G * H) + units
+            out_x = dgx + at_u * (G * H) + units
             if CELL == GRU:
                 tl.store(carry + row_u, dh, mask=mask)
                 if s == 0:
@@ -369,21 +510,22 @@ def recurrence_backward_kernel(
                 d_an = dh * (1.0 - z) * (1.0 - n * n)
                 d_ar = d_an * hn * r * (1.0 - r)
                 d_az = dh * (h_prev - n) * z * (1.0 - z)
-                out_h = dgh + at_u * (3 * H) + units
-                tl.store(out_h, d_ar, mask=mask)
-                tl.store(out_h + H, d_az, mask=mask)
-                tl.store(out_h + 2 * H, d_an * r, mask=mask)
+                _store_gates(out_h, out_x, d_ar, d_az, d_an * r, H, mask, CELL, XCOPY)
+            else:
+                h = tl.load(hs + at_u * H + units, mask=mask, other=0.0)
+                d_a = tl.where((h > 0.0) & (h < clip), dh, 0.0)
+                _store_gates(out_h, out_x, d_a, d_a, d_a, H, mask, CELL, XCOPY)
+            if BARRIER:
+                if first + BLOCK_B >= n_rows:  # the program's last rows: its part is out
+                    _arrive(mine + pid % slices, done + 1)
+            if CELL == GRU:  # dgi: read by the host's GEMMs only, so after the arrival
                 out_i = dgi + at_u * (3 * H) + units
                 tl.store(out_i, d_ar, mask=mask)
                 tl.store(out_i + H, d_az, mask=mask)
                 tl.store(out_i + 2 * H, d_an, mask=mask)
-            else:
-                h = tl.load(hs + at_u * H + units, mask=mask, other=0.0)
-                d_a = tl.where((h > 0.0) & (h < clip), dh, 0.0)
-                tl.store(dgh + at_u * H + units, d_a, mask=mask)
         if BARRIER:
             done += 1
-            failed = _grid_barrier(sync + d, status, done * slices, spin_limit)
+            failed, _ = _wait(mine, slices, status, done, timeout_ns, SLICES, ASM)
         s -= 1
 
     if FINAL:  # dL/dh0 = W^T dgh(step 0) (+ z * dh for the GRU); skipped after a timeout
@@ -393,7 +535,7 @@ def recurrence_backward_kernel(
             row_u = _by_unit(row, BLOCK_B) * H + units
             at = row * steps + _position(0, length, reverse)
             acc = _gates_product(
-                dgh + at * (G * H), valid, w_a, w_b, w_c, H, BLOCK_K, KS, CELL, ASM, BLOCK_B
+                dgx + at * (G * H), valid, w_a, w_b, w_c, H, BLOCK_K, KS, CELL, ASM, BLOCK_B
             )
             if CELL == GRU:
                 z0 = tl.load(sv + _by_unit(at, BLOCK_B) * (4 * H) + H + units, mask=mask, other=0.0)

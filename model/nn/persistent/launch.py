@@ -74,18 +74,32 @@ _checked: set[tuple[str, int]] = set()  # (compiled kernel, grid) pairs known to
 
 
 def _launch(kernel, programs: int, args: list, consts: dict, cfg: KernelConfig, persistent: bool):
-    """Launch `kernel`; a persistent launch first proves that its grid can be co-resident."""
+    """Launch `kernel`; a persistent launch first proves that its grid can be co-resident.
+
+    Whatever stops the kernel from running (a compile error, too few resources, a
+    cooperative launch that the driver refuses because the grid cannot be co-resident
+    now: another process on the SMs, MPS limits) raises PersistentKernelError with the
+    reason, which the callers turn into a fallback to cuDNN.
+    """
     options = _options(cfg, consts)
     if interpreted():
         kernel[(programs,)](*args, **options)
         return
-    if persistent:
-        options["launch_cooperative_grid"] = True  # the driver refuses a grid too large
-        compiled = kernel.warmup(*args, grid=(programs,), **options)
-        if (compiled.hash, programs) not in _checked:
-            _check_resources(compiled, programs, args[0].device)
-            _checked.add((compiled.hash, programs))
-    kernel[(programs,)](*args, **options)
+    try:
+        if persistent:
+            options["launch_cooperative_grid"] = True  # the driver refuses a grid too large
+            compiled = kernel.warmup(*args, grid=(programs,), **options)
+            if (compiled.hash, programs) not in _checked:
+                _check_resources(compiled, programs, args[0].device)
+                _checked.add((compiled.hash, programs))
+        kernel[(programs,)](*args, **options)
+    except PersistentKernelError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any compile, load or launch failure: cuDNN
+        what = "persistent" if persistent else "per-step"
+        raise PersistentKernelError(
+            f"{what} launch of {programs} programs failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _options(cfg: KernelConfig, consts: dict) -> dict:
@@ -111,46 +125,72 @@ def _tiling(cfg: KernelConfig, hidden: int, dtype: torch.dtype) -> dict:
     if cfg.tiles and cfg.block_h < MMA_MIN:
         raise PersistentKernelError(f"tensor-core tiles need block_h >= {MMA_MIN}")
     chunks = min(cfg.num_warps, max(next_power_of_2(hidden) // MMA_MIN, 1)) if cfg.tiles else 1
-    return dict(BLOCK_H=cfg.block_h, BLOCK_B=cfg.block_b, KS=chunks)
+    slices = next_power_of_2(-(-hidden // cfg.block_h))  # a barrier's flags, one lane each
+    return dict(BLOCK_H=cfg.block_h, BLOCK_B=cfg.block_b, KS=chunks, SLICES=slices)
 
 
-def _counters(device: torch.device) -> tuple[Tensor, Tensor]:
-    sync = torch.zeros(2, dtype=torch.int32, device=device)  # one barrier counter a direction
-    return sync, torch.zeros(1, dtype=torch.int32, device=device)  # the timeout flag
+def exchange_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What programs exchange the state (forward) and dgh (backward) in: bf16 when the
+    layer computes in bf16, float32 otherwise (fp16's range is too narrow for dgh)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def _forward_args(cell: Cell, clip: float, dirs: list[Direction], outs: list, save: bool):
+def _exchanged(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A buffer like `t` (float32) in the exchange dtype: `t` itself when that is float32."""
+    return t if dtype == torch.float32 else torch.empty_like(t, dtype=dtype)
+
+
+def _barrier_flags(device: torch.device, programs: int) -> tuple[Tensor, Tensor]:
+    flags = torch.zeros(programs, dtype=torch.int32, device=device)  # one a program
+    return flags, torch.zeros(1, dtype=torch.int32, device=device)  # the abort flag
+
+
+def _timeout_ns(cfg: KernelConfig) -> int:
+    return round(cfg.timeout_s * 1e9)
+
+
+def _forward_args(
+    cell: Cell, clip: float, dirs: list[Direction], outs: list, save: bool, programs: int
+):
     hidden = dirs[0].w.shape[-1]
+    kind = exchange_dtype(dirs[0].w.dtype)
     p = _pair(dirs)
     o = _pair([(hs, hs if sv is None else sv) for hs, sv in outs])
-    sync, status = _counters(dirs[0].gi.device)
+    x0 = _pair([d.h0.to(kind) for d in dirs])  # the initial states, as the exchange holds them
+    xs = _pair([_exchanged(hs, kind) for hs, _ in outs])
+    flags, status = _barrier_flags(dirs[0].gi.device, programs)
     args = [
-        p[0].gi, p[1].gi, p[0].h0, p[1].h0, p[0].lengths, p[1].lengths, p[0].w, p[1].w,
-        p[0].b_hn, p[1].b_hn, o[0][0], o[1][0], o[0][1], o[1][1],
+        p[0].gi, p[1].gi, p[0].h0, p[1].h0, x0[0], x0[1], p[0].lengths, p[1].lengths,
+        p[0].w, p[1].w, p[0].b_hn, p[1].b_hn, o[0][0], o[1][0], xs[0], xs[1], o[0][1], o[1][1],
         p[0].gi.shape[0], p[1].gi.shape[0], p[0].gi.shape[1], p[1].gi.shape[1],
-        int(p[0].reverse), int(p[1].reverse), sync, status, hidden, float(clip),
+        int(p[0].reverse), int(p[1].reverse), flags, status, hidden, float(clip),
     ]  # fmt: skip
     consts = dict(
         CELL=_cell_id(cell),
         BLOCK_K=next_power_of_2(hidden),
         SAVE=bool(cell == "gru" and save),
+        XCOPY=kind != torch.float32,
     )
     return args, consts, status
 
 
-def _backward_args(cell: Cell, clip: float, dirs: list[Direction], douts: list, states, bufs):
+def _backward_args(
+    cell: Cell, clip: float, dirs: list[Direction], douts: list, states, bufs, programs: int
+):
     hidden = dirs[0].w.shape[-1]
+    kind = exchange_dtype(dirs[0].w.dtype)
     p, g, b = _pair(dirs), _pair(douts), _pair(bufs)
     st = _pair([(hs, hs if sv is None else sv) for hs, sv in states])
-    sync, status = _counters(douts[0].device)
+    dgx = _pair([_exchanged(dgh, kind) for dgh, _, _, _ in bufs])
+    flags, status = _barrier_flags(douts[0].device, programs)
     args = [
         g[0], g[1], st[0][0], st[1][0], st[0][1], st[1][1], p[0].h0, p[1].h0,
         p[0].lengths, p[1].lengths, p[0].w, p[1].w,
-        b[0][0], b[1][0], b[0][1], b[1][1], b[0][2], b[1][2], b[0][3], b[1][3],
+        b[0][0], b[1][0], dgx[0], dgx[1], b[0][1], b[1][1], b[0][2], b[1][2], b[0][3], b[1][3],
         g[0].shape[0], g[1].shape[0], g[0].shape[1], g[1].shape[1],
-        int(p[0].reverse), int(p[1].reverse), sync, status, hidden, float(clip),
+        int(p[0].reverse), int(p[1].reverse), flags, status, hidden, float(clip),
     ]  # fmt: skip
-    consts = dict(CELL=_cell_id(cell), BLOCK_K=next_power_of_2(hidden))
+    consts = dict(CELL=_cell_id(cell), BLOCK_K=next_power_of_2(hidden), XCOPY=kind != torch.float32)
     return args, consts, status
 
 
@@ -180,20 +220,20 @@ def forward(
 ) -> list[tuple[Tensor, Tensor | None]]:
     """States (N, T, H) float32 and, with `save`, the GRU gates (N, T, 4H) per direction."""
     outs = _forward_buffers(cell, dirs, save)
-    args, consts, status = _forward_args(cell, clip, dirs, outs, save)
     hidden = dirs[0].w.shape[-1]
-    consts.update(_tiling(cfg, hidden, dirs[0].w.dtype))
     programs = cfg.programs(hidden, len(dirs))
+    args, consts, status = _forward_args(cell, clip, dirs, outs, save, programs)
+    consts.update(_tiling(cfg, hidden, dirs[0].w.dtype))
     steps = max(d.gi.shape[1] for d in dirs)
     kernel = kernels.recurrence_forward_kernel
+    timeout = _timeout_ns(cfg)
     if mode == "persistent":
-        _check_steps(steps, programs)
-        run = [*args, 0, steps, cfg.spin_limit]
+        run = [*args, 0, steps, timeout]
         _launch(kernel, programs, run, dict(consts, BARRIER=True), cfg, True)
         _raise_on_timeout(status, "forward")
     else:
         for s in range(steps):
-            run = [*args, s, s + 1, cfg.spin_limit]
+            run = [*args, s, s + 1, timeout]
             _launch(kernel, programs, run, dict(consts, BARRIER=False), cfg, False)
     return outs
 
@@ -205,29 +245,24 @@ def backward(
     """dgi, dgh (N, T, G*H) and dL/dh0 (N, H), float32, per direction (douts contiguous)."""
     bufs = _backward_buffers(cell, states)
     dirs = [dataclasses.replace(d, w=d.w.transpose(1, 2).contiguous()) for d in dirs]  # W_hh^T
-    args, consts, status = _backward_args(cell, clip, dirs, douts, states, bufs)
     hidden = dirs[0].w.shape[-1]
-    consts.update(_tiling(cfg, hidden, dirs[0].w.dtype))
     programs = cfg.programs(hidden, len(dirs))
+    args, consts, status = _backward_args(cell, clip, dirs, douts, states, bufs, programs)
+    consts.update(_tiling(cfg, hidden, dirs[0].w.dtype))
     steps = max(d.shape[1] for d in douts)
     kernel = kernels.recurrence_backward_kernel
+    timeout = _timeout_ns(cfg)
     if mode == "persistent":
-        _check_steps(steps, programs)
-        run = [*args, steps, 0, cfg.spin_limit]
+        run = [*args, steps, 0, timeout]
         _launch(kernel, programs, run, dict(consts, BARRIER=True, FINAL=True), cfg, True)
         _raise_on_timeout(status, "backward")
     else:
         for s in reversed(range(steps)):
-            run = [*args, s + 1, s, cfg.spin_limit]
+            run = [*args, s + 1, s, timeout]
             _launch(kernel, programs, run, dict(consts, BARRIER=False, FINAL=False), cfg, False)
-        run = [*args, 0, 0, cfg.spin_limit]
+        run = [*args, 0, 0, timeout]
         _launch(kernel, programs, run, dict(consts, BARRIER=False, FINAL=True), cfg, False)
     return [(dgi, dgh, dh0) for dgh, dgi, _, dh0 in bufs]
-
-
-def _check_steps(steps: int, programs: int) -> None:
-    if steps * programs >= kernels.POISON.value // 2:
-        raise PersistentKernelError(f"{steps} steps x {programs} programs overflow the barrier")
 
 
 def _raise_on_timeout(status: Tensor, what: str) -> None:
@@ -237,10 +272,46 @@ def _raise_on_timeout(status: Tensor, what: str) -> None:
         )
 
 
+# ---- the barrier on its own (tests, scripts/gpu_check.sh) ------------------------------
+
+
+def barrier_oracle(
+    programs: int, rounds: int, device, timeout_s: float = 1.0, delay_ns: int = 0
+) -> dict:
+    """Run kernels.barrier_oracle_kernel with `programs` co-resident programs: what each
+    program missed (a list, all 0 for a barrier that works), the polls of each one's
+    last wait, and whether the launch aborted."""
+    cfg = KernelConfig(block_h=1, num_warps=4, timeout_s=timeout_s)
+    slices = next_power_of_2(programs)
+    slots = torch.full((2 * slices,), -1, dtype=torch.int32, device=device)
+    missing = torch.zeros(programs, dtype=torch.int32, device=device)
+    polls = torch.zeros(programs, dtype=torch.int32, device=device)
+    flags, status = _barrier_flags(torch.device(device), programs)
+    args = [slots, missing, polls, flags, status, rounds, _timeout_ns(cfg), delay_ns]
+    _launch(kernels.barrier_oracle_kernel, programs, args, dict(SLICES=slices), cfg, True)
+    return {"missing": missing.tolist(), "polls": polls.tolist(), "aborted": int(status.item())}
+
+
+def barrier_abort(programs: int, device, timeout_s: float = 1.0) -> dict:
+    """Run kernels.barrier_abort_kernel: every program aborts the launch (twice), then
+    waits at a barrier that cannot complete. The abort flag must read 1 and every wait
+    end at its first look (0 polls); an abort that added to the flag would wrap to 0
+    with 4 programs x 2 x 2**30 and leave each wait to its full timeout."""
+    cfg = KernelConfig(block_h=1, num_warps=4, timeout_s=timeout_s)
+    flags, status = _barrier_flags(torch.device(device), programs)
+    polls = torch.zeros(programs, dtype=torch.int32, device=device)
+    args = [status, flags, polls, _timeout_ns(cfg)]
+    slices = dict(SLICES=next_power_of_2(programs))
+    _launch(kernels.barrier_abort_kernel, programs, args, slices, cfg, True)
+    return {"status": int(status.item()), "polls": polls.tolist()}
+
+
 # ---- resources: on the GPU before a launch, or offline for a target --------------
 
 
-def _placeholders(cell: Cell, dtype: torch.dtype, hidden: int, directions: int, device, n=2):
+def _placeholders(
+    cell: Cell, dtype: torch.dtype, hidden: int, directions: int, device, programs: int, n=2
+):
     """Small inputs of the right dtypes for compiling both kernels of one configuration."""
     g = GATES[cell]
     f32 = dict(dtype=torch.float32, device=device)
@@ -257,8 +328,9 @@ def _placeholders(cell: Cell, dtype: torch.dtype, hidden: int, directions: int, 
     ]
     states = _forward_buffers(cell, dirs, True)
     douts = [torch.zeros(n, n, hidden, dtype=dtype, device=device) for _ in dirs]
-    fwd, fc, _ = _forward_args(cell, 20.0, dirs, states, True)
-    bwd, bc, _ = _backward_args(cell, 20.0, dirs, douts, states, _backward_buffers(cell, states))
+    fwd, fc, _ = _forward_args(cell, 20.0, dirs, states, True, programs)
+    bufs = _backward_buffers(cell, states)
+    bwd, bc, _ = _backward_args(cell, 20.0, dirs, douts, states, bufs, programs)
     return [
         (kernels.recurrence_forward_kernel, [*fwd, 0, n, 1], dict(fc, BARRIER=True)),
         (kernels.recurrence_backward_kernel, [*bwd, n, 0, 1], dict(bc, BARRIER=True, FINAL=True)),
@@ -269,7 +341,7 @@ def check(cell: Cell, dtype: torch.dtype, hidden: int, directions: int, cfg: Ker
           device: torch.device) -> None:  # fmt: skip
     """Compile both kernels for this GPU and raise PersistentKernelError unless they fit."""
     programs = cfg.programs(hidden, directions)
-    for kernel, args, consts in _placeholders(cell, dtype, hidden, directions, device):
+    for kernel, args, consts in _placeholders(cell, dtype, hidden, directions, device, programs):
         options = _options(cfg, dict(consts, **_tiling(cfg, hidden, dtype)))
         compiled = kernel.warmup(*args, grid=(programs,), launch_cooperative_grid=True, **options)
         _check_resources(compiled, programs, device)
@@ -283,6 +355,7 @@ class Resources:
     stack_bytes: int  # stack frame per thread, bytes
     shared: int  # shared memory per program, bytes
     mma: int  # tensor-core instructions in the PTX (mma.sync, wgmma)
+    clock_reads: int  # reads of the GPU's global timer in the PTX (the barrier's timeout)
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -300,7 +373,8 @@ def compile_for_target(cell: Cell, dtype: torch.dtype, hidden: int, directions: 
     from triton.compiler import ASTSource
 
     out = []
-    for kernel, args, consts in _placeholders(cell, dtype, hidden, directions, "cpu"):
+    programs = cfg.programs(hidden, directions)
+    for kernel, args, consts in _placeholders(cell, dtype, hidden, directions, "cpu", programs):
         consts = dict(consts, ASM=True, **_tiling(cfg, hidden, dtype))
         runtime = dict(zip(kernel.arg_names, args, strict=False))  # the rest are constexprs
         signature, attrs = {}, {}
@@ -339,6 +413,7 @@ def compile_for_target(cell: Cell, dtype: torch.dtype, hidden: int, directions: 
                 stack_bytes=int(stack.group(1)) if stack else 0,
                 shared=compiled.metadata.shared,
                 mma=len(re.findall(r"\b(?:mma\.sync|wgmma\.mma_async)\.", compiled.asm["ptx"])),
+                clock_reads=compiled.asm["ptx"].count("%globaltimer"),
             )
         )
     return out
