@@ -196,7 +196,7 @@ def _kaldi(root: Path, speech: list[np.ndarray], command: str = "sox {} -t wav -
         f"A-{i} A {start:.6f} {start + len(speech[i]) / RATE:.6f}" for i, start in enumerate(starts)
     ]
     length = len(recording) / RATE
-    segments += [f"A-9 A {length - 0.5:.3f} {length + 3:.3f}", "B-0 B 0 -1", "A-7 A 1.0 oops"]
+    segments += [f"A-9 A {length - 0.5:.3f} {length + 3:.3f}", "B-0 B 0 -1", "A-7 A 1.0 nan"]
     texts = [f"A-{i} {LINES[i].upper()}" for i in range(3)]
     texts += ["A-9 PAST THE END", "B-0 GOOD THINGS COME TO THOSE WHO WAIT", "A-7 BAD TIMES"]
     texts += ["C-0 NO SEGMENT FOR THIS ONE", "A-1 A DUPLICATE"]
@@ -259,16 +259,26 @@ def test_kaldi_whole_recordings_without_segments(tmp_path: Path, speech: list[np
     data.mkdir()
     sf.write(tmp_path / "u1.wav", speech[0], RATE)
     (data / "wav.scp").write_text(
-        f"u1 {tmp_path / 'u1.wav'}\nu2 {tmp_path / 'gone.wav'}\nu3 raw/feats.ark:1234\n"
+        f"u1 {tmp_path / 'u1.wav'}\nu2 {tmp_path / 'gone.wav'}\nu3 raw/feats.ark:1234\nu5\n"
     )
-    (data / "text").write_text("u1 THE CAT SAT ON THE MAT\nu2 GONE\nu3 AN ARCHIVE\nu4 NO WAV\n")
+    (data / "text").write_text(
+        "u1 THE CAT SAT ON THE MAT\nu2 GONE\nu3 AN ARCHIVE\nu4 NO WAV\nu5 NO PATH\n"
+    )
     summary = import_corpus("kaldi", data, tmp_path / "k.jsonl")
     rows = _manifest(tmp_path / "k.jsonl")
     assert [(r["id"], r["audio_filepath"]) for r in rows] == [("u1", str(tmp_path / "u1.wav"))]
-    assert dict(summary.skipped) == {"missing_file": 1, "unsupported_audio": 1, "no_audio": 1}
+    assert dict(summary.skipped) == {
+        "missing_file": 1,
+        "unsupported_audio": 1,
+        "no_audio": 1,
+        "malformed_line": 1,
+    }
     assert "wav.scp:3 gives u3 as an archive offset" in summary.problems[1]
     wav_scp = data / "wav.scp"
     assert summary.problems[2] == f"{data / 'text'}:4: u4: recording u4 is not in {wav_scp}"
+    assert (
+        summary.problems[3] == f"{data / 'text'}:5: u5: {wav_scp}:4 gives no file or command for u5"
+    )
     assert not (tmp_path / "k.audio").exists()  # nothing needed writing
 
 

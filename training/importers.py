@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -202,8 +203,8 @@ def commonvoice_sources(src: Path, cfg: ImportConfig) -> Iterator[Source | Probl
 
 
 def _kaldi_table(path: Path) -> dict[str, tuple[str, int]]:
-    """id -> (rest of the line, line number) of a Kaldi table; an error names the line
-    of a duplicate or id-only line."""
+    """id -> (rest of the line, line number) of a Kaldi table; CorpusError names the
+    line of a duplicate id."""
     table: dict[str, tuple[str, int]] = {}
     for number, line in enumerate(_lines(path), start=1):
         if not line.strip():
@@ -250,6 +251,8 @@ def kaldi_sources(src: Path, cfg: ImportConfig) -> Iterator[Source | Problem]:
             try:
                 rec, start_s, end_s = fields.split()
                 start, end = float(start_s), float(end_s)
+                if not (math.isfinite(start) and math.isfinite(end)):
+                    raise ValueError("not a time")
             except ValueError:
                 expected = "expected 'RECORDING START END' after the id"
                 message = f"{seg_where}: {utt}: {expected}, got {fields!r}"
@@ -263,6 +266,10 @@ def kaldi_sources(src: Path, cfg: ImportConfig) -> Iterator[Source | Problem]:
             yield Problem("no_audio", f"{where}: {utt}: recording {rec} is not in {wav_scp}")
             continue
         audio, scp_line = recordings[rec]
+        if not audio:
+            message = f"{wav_scp}:{scp_line} gives no file or command for {rec}"
+            yield Problem("malformed_line", f"{where}: {utt}: {message}")
+            continue
         if re.search(r"\.ark:\d+$", audio):
             message = (
                 f"{wav_scp}:{scp_line} gives {rec} as an archive offset ({audio}), which echoic"
