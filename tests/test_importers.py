@@ -24,7 +24,7 @@ from echoic.cli.main import main
 from echoic.model.core.audio import load_audio
 from echoic.model.core.text import Vocabulary
 from echoic.training.data import DataConfig, read_manifest
-from echoic.training.importers import CorpusError, ImportConfig, import_corpus
+from echoic.training.importers import CORPORA, CorpusError, ImportConfig, import_corpus
 from echoic.training.transcripts import check_transcript, normalize_transcript, year_words
 from tests.conftest import TINY_RECIPE
 
@@ -364,6 +364,13 @@ def test_cli_json_summary_and_one_line_errors(
         captured.out,
     )
     assert captured.err.count("skipped ") == 2 and ".trans.txt:2: 174-50561-0001" in captured.err
+
+    # the command offers every layout (its choices are spelled out: `echoic --help` must
+    # not import the importers)
+    with pytest.raises(SystemExit):
+        main(["import", "timit", str(src), str(out)])
+    offered = capsys.readouterr().err.split("choose from", 1)[1]
+    assert re.findall(r"\w+", offered) == list(CORPORA)
 
     assert main(["import", "kaldi", str(tmp_path / "nowhere"), str(out)]) == 1
     err = capsys.readouterr().err
