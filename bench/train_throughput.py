@@ -8,7 +8,9 @@ model on batches shaped like the recipe's (batch_seconds of audio, transcripts a
 once for the recipe's chunked model and once with full context, side by side.
 It adds the achieved TFLOP/s (analytic count, training = 3x forward) as a fraction
 of the device's dense bf16 peak on a GPU, and on a CPU of its float32 peak measured
-first as a large matrix product on the same threads.
+first as a large matrix product on the same threads. On a GPU it also gives the
+peak memory the steps held (weights, optimizer state, activations): what a
+recipe's batch_seconds must fit.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def measure(
     targets = torch.randint(1, len(cfg.vocabulary), (b * chars,))
     target_len = torch.full((b,), chars)
     times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(steps + 2):
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -77,6 +81,8 @@ def measure(
         "step_s": step,
         "audio_s_per_s": b * utt_seconds / step,
         "tflops": 3 * b * forward_flops(cfg, frames) / step / 1e12,
+        # GB the caching allocator held at most (weights, AdamW state, activations)
+        "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0,
     }
 
 
@@ -104,13 +110,14 @@ def main() -> None:
     print(f"device: {name}; {'bf16 autocast' if bf16 else 'fp32'}; {args.config}"
           + (f"; {peak_name} {peak:.3g} TFLOP/s" if peak else ""))  # fmt: skip
     header = f"{'model':<18} {'params':>7} {'batch':>5} {'step s':>7}"
-    header += f" {'audio s/s':>10} {'TFLOP/s':>8}"
+    header += f" {'audio s/s':>10} {'TFLOP/s':>8} {'peak GB':>8}"
     print(header + (f" {'% of ' + peak_name:>14}" if peak else ""))
     for label, cfg in variants:
         r = measure(cfg, rc.data.batch_seconds, rc.data.max_batch, args.utt_seconds,
                     args.steps, device, bf16)  # fmt: skip
+        peak_gb = f"{r['peak_gb']:.1f}" if r["peak_gb"] else "-"
         line = (f"{label:<18} {r['params_m']:>6.2f}M {r['batch']:>5d} {r['step_s']:>7.3f}"
-                f" {r['audio_s_per_s']:>10.1f} {r['tflops']:>8.3f}")  # fmt: skip
+                f" {r['audio_s_per_s']:>10.1f} {r['tflops']:>8.3f} {peak_gb:>8}")  # fmt: skip
         if peak:
             line += f" {100 * r['tflops'] / peak:>13.2f}%"
         print(line, flush=True)

@@ -16,10 +16,12 @@ import sys
 
 from echoic.cli.errors import UserError, missing_extra
 
-# Subcommands in the order `echoic --help` lists them.
+# The modules of the subcommands, in the order `echoic --help` lists them (a module
+# registers its command's name: import_corpus registers `import`, a Python keyword).
 COMMANDS = (
     "synth",
     "degrade",
+    "import_corpus",
     "train",
     "export",
     "deploy",
@@ -72,6 +74,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.model.core.text", "TextError"),
         ("echoic.training.data", "ManifestError"),
         ("echoic.training.synth", "SynthError"),
+        ("echoic.training.importers", "CorpusError"),
         ("echoic.training.distributed", "DistributedError"),
         ("echoic.model.nn.checkpoint", "CheckpointError"),
         ("echoic.model.runtime.card", "ModelError"),

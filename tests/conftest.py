@@ -56,6 +56,7 @@ SYSTEM_TOOLS = {
     "flite": "flite",
     "text2wave": "festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts",
     "mpirun": "openmpi-bin",
+    "sox": "sox",
 }
 
 

@@ -19,7 +19,8 @@ NEEDS_MPIRUN = "tests/test_distributed.py::test_mpirun_two_ranks_all_reduce_over
     ("ci", "returncode", "output"),
     [
         pytest.param(
-            "1", 4, "CI is set and not installed: espeak-ng, flite, text2wave, mpirun", id="ci"
+            "1", 4, "CI is set and not installed: espeak-ng, flite, text2wave, mpirun, sox",
+            id="ci",
         ),
         pytest.param("true", 4, "Install: bash scripts/bootstrap.sh", id="ci-true"),
         pytest.param("", 0, "mpirun is not installed", id="not-ci-skips"),
@@ -27,7 +28,7 @@ NEEDS_MPIRUN = "tests/test_distributed.py::test_mpirun_two_ranks_all_reduce_over
 )
 def test_missing_system_tools(ci: str, returncode: int, output: str, tmp_path: Path) -> None:
     nothing = tmp_path / "empty-bin"
-    nothing.mkdir()  # PATH with no programs: espeak-ng, flite and mpirun are all missing
+    nothing.mkdir()  # PATH with no programs: espeak-ng, flite, mpirun and sox are all missing
     env = {**os.environ, "PATH": str(nothing), "CI": ci}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
