@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from echoic.model.core.audio import load_audio
     from echoic.model.core.text import normalize_text
 
-    items = [i for i in collect_inputs([args.manifest]) if i.reference is not None]
+    items = [i for i in collect_inputs([args.manifest]).items if i.reference is not None]
     if args.limit:
         items = items[: args.limit]
     if not items:

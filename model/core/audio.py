@@ -282,6 +282,38 @@ def audio_duration(path: str | os.PathLike[str]) -> float:
     return info.frames / info.samplerate
 
 
+def truncation(path: str | os.PathLike[str]) -> str | None:
+    """A warning when a WAV file holds less audio than its header says (a copy or a
+    recording cut short); None when it is whole or not a WAV. libsndfile reads such a
+    file without complaint, as the shorter audio it holds."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+                return None
+            size, rate, block = os.fstat(f.fileno()).st_size, 0, 0
+            while len(chunk := f.read(8)) == 8:
+                name, length = chunk[:4], int.from_bytes(chunk[4:], "little")
+                if name == b"fmt ":
+                    fmt = f.read(length + (length & 1))
+                    rate = int.from_bytes(fmt[4:8], "little")  # Hz
+                    block = int.from_bytes(fmt[12:14], "little")  # bytes per frame
+                elif name == b"data":
+                    held = size - f.tell()
+                    if length >= 0x7FFF0000 or held >= length or not rate or not block:
+                        return None  # whole, or a live writer's "unknown length"
+                    said, has = length / block / rate, held / block / rate
+                    return (
+                        f"{path}: the file ends early: its header says {said:.2f} s of audio,"
+                        f" it holds {has:.2f} s (transcribed as it is)"
+                    )
+                else:
+                    f.seek(length + (length & 1), os.SEEK_CUR)
+    except OSError:
+        return None
+    return None
+
+
 def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:
     """Write float samples in [-1, 1] (or int16) as a PCM16 WAV; (N,) or (N, C)."""
     check_rate(rate, str(path))
