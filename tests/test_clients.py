@@ -126,6 +126,35 @@ def test_every_way_in_gives_the_same_text(
     assert got.text == expected
 
 
+@pytest.mark.parametrize(
+    ("fmt", "subtype"),
+    [
+        pytest.param("WAV", "PCM_16", id="wav"),
+        pytest.param("FLAC", "PCM_16", id="flac"),
+        pytest.param("OGG", "VORBIS", id="ogg"),
+        pytest.param("MP3", "MPEG_LAYER_III", id="mp3"),
+    ],
+)
+def test_every_format_gives_the_local_transcript(
+    client, recognizer, corpus_audio, tmp_path: Path, fmt: str, subtype: str
+) -> None:
+    """The same file transcribed here and through the server, word for word and frame
+    for frame. A lossy file used to reach the server as PCM16 (rounded), so its
+    transcript could differ ("one too three" against "one to three")."""
+    from echoic.model.core.audio import load_audio
+
+    path = tmp_path / f"talk.{fmt.lower()}"
+    hi = soxr.resample(np.concatenate([a for _, a in corpus_audio[:3]]), 16000, 44100)
+    sf.write(path, np.stack([hi, 0.6 * hi], axis=1), 44100, format=fmt, subtype=subtype)
+    local = recognizer.transcribe([load_audio(path, 16000)])[0]
+    served = client.recognize(path, words=True)
+    assert served.text == local.text
+    assert [(w.text, round(w.start, 3)) for w in served.words] == [
+        (w.text, round(w.start, 3)) for w in local.words
+    ]
+    assert served.confidence == pytest.approx(local.confidence, abs=1e-5)
+
+
 def test_stream_file_final_equals_recognize(client, wavs) -> None:
     responses = list(client.stream_file(wavs[1], realtime=False, chunk_ms=80))
     finals = [r for resp in responses for r in resp.results if r.is_final]
