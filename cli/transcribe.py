@@ -33,6 +33,10 @@ from echoic.cli.batch_io import (
 from echoic.cli.errors import JobError, UserError
 from echoic.cli.stream import add_tls_options
 
+# Files longer than this (s) go one at a time through the streaming graph, a block at a
+# time, so memory does not grow with their length (issue 22: 20 min took 1.24 GB whole).
+LONG_FILE_SECONDS = 120.0
+
 EXAMPLES = """\
 examples:
   echoic transcribe talk.wav                                  # bundled default model
@@ -337,9 +341,8 @@ class LocalBackend:
                 "lm_weight": a.lm_weight, "word_bonus": a.word_bonus}  # fmt: skip
 
     def transcribe(self, todo: list[Item], writer: InInputOrder, stats: Stats) -> None:
-        from echoic.model.core.audio import AudioError, audio_duration, load_audio, truncation
+        from echoic.model.core.audio import AudioError, audio_duration, truncation
 
-        rec = self.recognizer
         durations, readable = {}, []
         for item in todo:
             try:
@@ -351,29 +354,62 @@ class LocalBackend:
             if warning := truncation(item.path):
                 stats.warnings.append(warning)
                 writer.say(f"echoic: warning: {warning}")
+        # Long files one at a time through the streaming graph (memory bounded by a block,
+        # not the file); the rest batched by length through model.onnx.
+        chunked = self.recognizer.engine.streamable
+        long = [i for i in readable if chunked and durations[i.key] > LONG_FILE_SECONDS]
+        short = [i for i in readable if i not in set(long)]
         bar = _progress_bar(self.args, sum(durations.values()), "audio s", writer)
         done = 0.0
         try:
-            for batch in batches(readable, durations, self.args.batch_size):
-                audios, ok = [], []
-                for item in batch:
-                    try:
-                        audios.append(load_audio(item.path, rec.sample_rate))
-                        ok.append(item)
-                    except AudioError as e:
-                        writer.write_error(item, str(e))
-                for item, audio, transcript in zip(ok, audios, rec.transcribe(audios),
-                                                   strict=True):  # fmt: skip
-                    duration = len(audio) / rec.sample_rate
-                    writer.write(item, transcript_record(item, transcript, duration, self.model))
-                    stats.audio_seconds += duration
-                done += sum(durations[i.key] for i in batch)
+            for group in [*batches(short, durations, self.args.batch_size), *([i] for i in long)]:
+                self._transcribe_group(group, len(group) == 1 and group[0] in long, writer,
+                                       stats)  # fmt: skip
+                done += sum(durations[i.key] for i in group)
                 if bar is not None:
                     bar.update(round(done) - bar.n)  # whole seconds: no float noise
         finally:
             if bar is not None:
                 bar.close()
                 writer.writer.bar = None
+
+    def _transcribe_group(self, group: list[Item], chunked: bool, writer: InInputOrder,
+                          stats: Stats) -> None:  # fmt: skip
+        from echoic.model.core.audio import AudioError, audio_blocks, load_audio
+
+        rec = self.recognizer
+        if chunked:
+            (item,) = group
+            samples = 0
+
+            def counted(blocks):
+                nonlocal samples
+                for block in blocks:
+                    samples += len(block)
+                    yield block
+
+            try:
+                transcript = rec.transcribe_blocks(
+                    counted(audio_blocks(item.path, rec.sample_rate))
+                )
+            except AudioError as e:
+                writer.write_error(item, str(e))
+                return
+            results = [(item, samples / rec.sample_rate, transcript)]
+        else:
+            audios, ok = [], []
+            for item in group:
+                try:
+                    audios.append(load_audio(item.path, rec.sample_rate))
+                    ok.append(item)
+                except AudioError as e:
+                    writer.write_error(item, str(e))
+            transcripts = rec.transcribe(audios)
+            results = [(i, len(a) / rec.sample_rate, t)
+                       for i, a, t in zip(ok, audios, transcripts, strict=True)]  # fmt: skip
+        for item, duration, transcript in results:
+            writer.write(item, transcript_record(item, transcript, duration, self.model))
+            stats.audio_seconds += duration
 
     def close(self) -> None:
         pass
