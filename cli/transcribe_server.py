@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -58,13 +57,23 @@ class AdaptiveLimit:
         self.in_flight = 0
         self.lowest = ceiling  # the lowest the limit went, for the summary
         self._successes = 0
+        self._closed = False
         self._cond = threading.Condition()
 
     def acquire(self) -> None:
+        """Wait for a slot; Stopped once `close` was called."""
         with self._cond:
-            while self.in_flight >= self.limit:
+            while self.in_flight >= self.limit and not self._closed:
                 self._cond.wait()
+            if self._closed:
+                raise Stopped
             self.in_flight += 1
+
+    def close(self) -> None:
+        """No more slots: whoever waits for one, or calls `acquire` later, gets Stopped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def release(self, *, refused: bool) -> None:
         with self._cond:
@@ -79,6 +88,10 @@ class AdaptiveLimit:
                     self.limit += 1
                     self._successes = 0
             self._cond.notify_all()
+
+
+class Stopped(Exception):
+    """The job is stopping (interrupted, or the server is gone): no more tries."""
 
 
 def _error_message(path: str, error: Exception) -> str:
@@ -96,6 +109,7 @@ class ServerTranscriber:
         self.args = args
         self.retries = 0
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set when the job stops: waits and retries end
         self._check_decoder_options()
         try:
             self.client = Client(
@@ -148,7 +162,8 @@ class ServerTranscriber:
             finally:
                 if paced:
                     self.limit.release(refused=refused)
-            time.sleep(pause)
+            if self._stop.wait(pause):  # a worker must not hold an interrupted job's exit
+                raise Stopped
 
     def _model_options(self) -> tuple[dict[str, str], str]:
         """--model as a served model NAME or NAME/VERSION, checked against ListModels;
@@ -202,6 +217,8 @@ class ServerTranscriber:
         finally:
             stats.retries += self.retries
             self.retries = 0
+            self._stop.set()
+            self.limit.close()
             pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod

@@ -474,6 +474,47 @@ def test_a_busy_server_is_waited_for_not_failed(
     assert all(r["text"] == want[Path(r["audio_filepath"]).name] for r in rows)
 
 
+@pytest.mark.slow
+def test_an_interrupted_server_job_exits_130_and_resumes(
+    tiny_model_dir: Path, wavs: list[Path], tmp_path: Path
+) -> None:
+    """SIGINT while the job waits for a full server (its one slot held by a stream):
+    exit 130 at once (the retrying workers stop), the summary says so, the lock goes
+    with the process, and the rerun transcribes every file once."""
+    import signal
+
+    from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+    from tests.test_server import _held_stream, channel_to, running, wait_until
+
+    out = tmp_path / "out.jsonl"
+    job = [*ECHOIC, "transcribe", *map(str, wavs), "--output", str(out), "--no-progress"]
+    with running(tiny_model_dir, max_streams=1) as srv, channel_to(srv) as channel:
+        release, responses, errors = threading.Event(), [], []
+        held = _held_stream(pb_grpc.TranscriberStub(channel), release, responses, errors)
+        wait_until(lambda: srv.server.service.active == 1, what="the held stream")
+        registry = srv.server.metrics.registry
+        labels = {"method": "Recognize", "code": "RESOURCE_EXHAUSTED"}
+        process = subprocess.Popen([*job, "--server", srv.address], stderr=subprocess.PIPE,
+                                   text=True)  # fmt: skip
+        try:
+            wait_until(lambda: (registry.get_sample_value("echoic_requests_total", labels)
+                                or 0) >= 2, timeout=60, what="refused calls")  # fmt: skip
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            release.set()
+            held.join(30)
+        assert process.returncode == 130, err
+        assert "interrupted (rerun to go on)" in err and "Traceback" not in err
+        rerun = _run(*job[3:], "--server", srv.address, "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout)["transcribed"] == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["audio_filepath"] for r in rows] == [str(p) for p in wavs]
+
+
 def test_adaptive_limit_follows_what_the_server_admits() -> None:
     """A refusal lowers the limit to the calls the server still holds; a window of
     successes raises it by one, never above the ceiling."""
