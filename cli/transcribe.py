@@ -356,15 +356,18 @@ class LocalBackend:
                 writer.say(f"echoic: warning: {warning}")
         # Long files one at a time through the streaming graph (memory bounded by a block,
         # not the file); the rest batched by length through model.onnx.
-        chunked = self.recognizer.engine.streamable
-        long = [i for i in readable if chunked and durations[i.key] > LONG_FILE_SECONDS]
-        short = [i for i in readable if i not in set(long)]
+        streamable = self.recognizer.engine.streamable
+        is_long = {i.key: streamable and durations[i.key] > LONG_FILE_SECONDS for i in readable}
+        short = [i for i in readable if not is_long[i.key]]
+        groups = [
+            *((batch, False) for batch in batches(short, durations, self.args.batch_size)),
+            *(([i], True) for i in readable if is_long[i.key]),
+        ]
         bar = _progress_bar(self.args, sum(durations.values()), "audio s", writer)
         done = 0.0
         try:
-            for group in [*batches(short, durations, self.args.batch_size), *([i] for i in long)]:
-                self._transcribe_group(group, len(group) == 1 and group[0] in long, writer,
-                                       stats)  # fmt: skip
+            for group, chunked in groups:
+                self._transcribe_group(group, chunked, writer, stats)
                 done += sum(durations[i.key] for i in group)
                 if bar is not None:
                     bar.update(round(done) - bar.n)  # whole seconds: no float noise
