@@ -6,14 +6,16 @@ Beside the output (`OUT.job` for `--output OUT`, `DIR/.echoic-job` for
 finished, keyed on its resolved path with its size and mtime:
 
     {"echoic_job": 1, "settings": {"format": "jsonl", "model": "echoic-tiny/1", ...}}
-    {"key": "/data/a/utt_001.wav", "size": 153644, "mtime_ns": 1700000000, "error": null}
+    {"key": "/data/a/utt_001.wav", "size": 153644, "mtime_ns": 17000, "error": null, "end": 912}
 
 A rerun skips what the record says is done (the same file, unchanged) and what
 failed (unless --retry-failed); it refuses other settings unless --overwrite. The
 record is locked (flock) while a job runs, so two jobs cannot write one output; a
-lock dies with its process, so a killed job leaves none behind. A line cut short
-(power loss, a full disk) at the end of the output is moved to `OUT.torn` and cut
-off, so the next line starts clean.
+lock dies with its process, so a killed job leaves none behind. Each line says where
+its result ends in the output; whatever follows the last one on resume (a line cut
+short by power loss or a full disk, or a line written just before a kill that the
+record never heard of) is moved to `OUT.torn` and cut off, so the next line starts
+clean and no input is written twice.
 """
 
 from __future__ import annotations
@@ -39,21 +41,20 @@ def stat_key(item: Item) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-def repair_torn_tail(path: Path) -> str | None:
-    """Cut a last line without its newline off `path`, appending it to `path`.torn;
-    returns what was cut (None when the file ends clean)."""
-    if not path.exists() or path.stat().st_size == 0:
+def set_aside_unrecorded(path: Path, end: int) -> str | None:
+    """Move what `path` holds past byte `end` (the end of the last result the record
+    noted) to `path`.torn and cut it off; returns what was moved (None when nothing).
+    That is a line cut short by a kill or a full disk, or whole lines written just
+    before a kill that the record never heard of: their inputs are done again, once."""
+    if not path.exists() or path.stat().st_size <= end:
         return None
     with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return None
-        cut = data.rfind(b"\n") + 1
-        torn = data[cut:]
+        f.seek(end)
+        tail = f.read()
         with open(path.with_name(path.name + ".torn"), "ab") as aside:
-            aside.write(torn + b"\n")
-        f.truncate(cut)
-    return torn.decode(errors="replace")
+            aside.write(tail if tail.endswith(b"\n") else tail + b"\n")
+        f.truncate(end)
+    return tail.decode(errors="replace")
 
 
 class JobRecord:
@@ -64,6 +65,7 @@ class JobRecord:
         self.path, self.output, self.settings = path, output, settings
         self.done: dict[str, tuple[int, int]] = {}  # key -> (size, mtime ns)
         self.failed: dict[str, str] = {}  # key -> error
+        self.end = 0  # bytes of the output that the noted results fill
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO = open(path, "a+")  # noqa: SIM115 - closed in close()
         try:
@@ -97,6 +99,7 @@ class JobRecord:
                     key, size, mtime = row["key"], row["size"], row["mtime_ns"]
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a line cut by a kill: that input is done again
+                self.end = max(self.end, row.get("end") or 0)
                 if row.get("error") is None:
                     self.done[key] = (size, mtime)
                     self.failed.pop(key, None)
@@ -137,10 +140,11 @@ class JobRecord:
     def failed_before(self, item: Item) -> str | None:
         return self.failed.get(item.key)
 
-    def note(self, item: Item, error: str | None) -> None:
-        """`item` is finished (its result is written): done, or failed with `error`."""
+    def note(self, item: Item, error: str | None, end: int | None = None) -> None:
+        """`item` is finished (its result is written): done, or failed with `error`;
+        `end`: the output's length once its line was written (one file for the job)."""
         size, mtime = stat_key(item) or (None, None)
-        row = {"key": item.key, "size": size, "mtime_ns": mtime, "error": error}
+        row = {"key": item.key, "size": size, "mtime_ns": mtime, "error": error, "end": end}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 

@@ -220,7 +220,7 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, items: list[Item], fmt: str, backend,
                  stats: Stats) -> None:  # fmt: skip
-        from echoic.cli.batch_job import JobRecord, repair_torn_tail
+        from echoic.cli.batch_job import JobRecord, set_aside_unrecorded
 
         self.args, self.items, self.fmt, self.backend, self.stats = (
             args, items, fmt, backend, stats,
@@ -232,24 +232,22 @@ class Job:
         settings = {"format": fmt, "model": backend.model, **backend.decoder_settings()}
         if args.output:
             out = Path(args.output)
-            self.record = JobRecord(
-                out.with_name(out.name + ".job"), out, settings,
-                overwrite=args.overwrite or not out.exists() or out.stat().st_size == 0,
-            )  # fmt: skip
-            fresh_record = self.record.done == {} and self.record.failed == {}
-            if out.exists() and out.stat().st_size and fresh_record and not args.overwrite:
-                self.record.close()
+            record = out.with_name(out.name + ".job")
+            written = out.exists() and out.stat().st_size > 0
+            if written and not record.exists() and not args.overwrite:
                 raise UserError(
                     f"{out} exists and no job record says what wrote it: pass --overwrite to"
                     " replace it, or write to a new --output"
                 )
+            self.record = JobRecord(record, out, settings, overwrite=args.overwrite or not written)
             if args.overwrite and out.exists():
                 out.write_text("")
-            elif torn := repair_torn_tail(out):
-                stats.warnings.append(f"{out}: a cut last line set aside in {out}.torn")
+            elif moved := set_aside_unrecorded(out, self.record.end):
+                stats.warnings.append(f"{out}: {len(moved)} bytes set aside in {out}.torn")
                 print(
-                    f"echoic: {out} ended in a cut line ({torn[:60]!r}...): moved to"
-                    f" {out.name}.torn; that input is transcribed again",
+                    f"echoic: {out} ended in {moved.count(chr(10)) or 'a cut'} line(s) no job"
+                    f" record speaks for ({moved[:60]!r}...): moved to {out.name}.torn;"
+                    " their inputs are transcribed again",
                     file=sys.stderr,
                 )
             self._out = open(out, "a")  # noqa: SIM115 - closed in close()
@@ -285,7 +283,7 @@ class Job:
         else:
             self.stats.failed.append({"path": item.path, "error": error})
         if self.record is not None and not transient:
-            self.record.note(item, error)
+            self.record.note(item, error, self._out.tell() if self._out is not None else None)
 
     def close(self) -> None:
         if self._out is not None:

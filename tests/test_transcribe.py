@@ -447,6 +447,24 @@ def test_a_torn_last_line_is_set_aside(
     assert (tmp_path / "out.jsonl.torn").read_text() == fragment + "\n"
 
 
+def test_a_line_the_record_never_heard_of_is_not_written_twice(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """Killed after a file's line was written and before the record noted it: the
+    rerun sets that line aside and writes the file once (not a second row)."""
+    out = tmp_path / "out.jsonl"
+    files = [str(p) for p in sorted(two_folders.rglob("*.wav"))]
+    base = ["--model", str(tiny_model_dir), "--output", str(out), "--no-progress"]
+    assert _job(*files, *base).returncode == 0
+    lines = out.read_text().splitlines(keepends=True)
+    record = (tmp_path / "out.jsonl.job").read_text().splitlines(keepends=True)
+    (tmp_path / "out.jsonl.job").write_text("".join(record[:-1]))  # the last note, lost
+    run = _job(*files, *base)
+    assert run.returncode == 0 and "2 already done" in run.stderr, run.stderr
+    assert out.read_text() == "".join(lines)  # the same three rows, none twice
+    assert (tmp_path / "out.jsonl.torn").read_text() == lines[-1]
+
+
 def test_exit_codes_and_json_summary(
     tiny_model_dir: Path, two_folders: Path, mixed_folder: Path, tmp_path: Path
 ) -> None:
