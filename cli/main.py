@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
+def known_errors() -> tuple[type[BaseException], ...]:
     from echoic.model.core.configs import ConfigError
 
     known: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError]
@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - the one place errors become exit codes
         hint = isinstance(e, ImportError) and "pip install" in str(e)
-        if os.environ.get("ECHOIC_DEBUG") == "1" or not (hint or isinstance(e, _known_errors())):
+        if os.environ.get("ECHOIC_DEBUG") == "1" or not (hint or isinstance(e, known_errors())):
             raise
         print(f"echoic {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return getattr(e, "exit_code", 1)
     return int(result or 0)
 
 

@@ -1,28 +1,37 @@
 """`echoic transcribe --server`: many files through a server, a few requests in flight.
 
 The caller (cli/transcribe.py) has already dropped what an earlier run finished
-and owns the OutputWriter; this writes one record per file in the same shape as
-in-process transcription, or an error line for a file the server (or the client)
-cannot decode. Server-wide trouble (unreachable after retries, refused
-credentials) stops the run instead of failing every remaining file; rerunning
-resumes it.
+and owns the writer; this writes one record per file in the same shape as
+in-process transcription, or an error for a file the server (or the client)
+cannot decode.
+
+A busy server is waited for, not failed: a call refused with RESOURCE_EXHAUSTED
+(the server is at `--max-streams`) or UNAVAILABLE (restarting, draining) is tried
+again after a jittered exponential backoff (`RETRY`, bounded), each retry counted
+in the summary; and a refusal for being full lowers how many calls this client
+keeps in flight (`AdaptiveLimit`: down to what was open when the server said no,
+then up by one after a window of successes, never above --concurrency), so a job
+at --concurrency 16 against --max-streams 4 settles at about 4. A file still
+refused after its retries fails this run without being recorded as failed (a rerun
+tries it); a server still unavailable stops the job (exit 2), resumable.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import grpc
 
-from echoic.cli.batch_io import Item, OutputWriter, transcript_record
-from echoic.cli.errors import UserError
+from echoic.cli.batch_io import InInputOrder, Item, transcript_record
+from echoic.cli.errors import JobError, UserError
 from echoic.clients.audio import AudioFileError
-from echoic.clients.client import Client, ClientError
+from echoic.clients.client import Client, ClientError, RetryPolicy, Tries
 from echoic.clients.messages import Recognition
 
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 # Statuses that say nothing about one file: the run cannot go on.
 FATAL = {
     grpc.StatusCode.UNAVAILABLE,
@@ -31,38 +40,58 @@ FATAL = {
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.CANCELLED,
 }
+# Each call's tries: about 50 s of backoff in all before a file counts as refused.
+RETRY = RetryPolicy(
+    attempts=15, initial_backoff=0.1, max_backoff=5.0, codes=(BUSY, grpc.StatusCode.UNAVAILABLE)
+)
 REQUEST_TIMEOUT = 600.0  # s per file, retries included
 
 
-def _model_options(args: argparse.Namespace, client: Client) -> dict[str, str]:
-    """--model as a served model NAME or NAME/VERSION, checked against ListModels."""
-    try:
-        served = client.list_models()
-    except ClientError as e:
-        raise UserError(str(e)) from e
-    names = sorted({f"{m.name}/{m.version}" for m in served})
-    if not args.model:
-        return {}
-    name, _, version = args.model.partition("/")
-    if not any(m.name == name and (not version or m.version == version) for m in served):
-        raise UserError(
-            f"the server at {args.server} does not serve model {args.model!r}"
-            f" (it serves: {', '.join(names) or 'nothing'}); with --server, --model is"
-            " a served NAME or NAME/VERSION"
-        )
-    return {"model": name, "model_version": version}
+class AdaptiveLimit:
+    """At most `limit` calls in flight, the limit following what the server admits:
+    a refusal for being full lowers it to the calls still open then (the server held
+    those), and `limit` successes in a row raise it by one, up to `ceiling`."""
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = self.limit = ceiling
+        self.in_flight = 0
+        self.lowest = ceiling  # the lowest the limit went, for the summary
+        self._successes = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def acquire(self) -> None:
+        """Wait for a slot; Stopped once `close` was called."""
+        with self._cond:
+            while self.in_flight >= self.limit and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise Stopped
+            self.in_flight += 1
+
+    def close(self) -> None:
+        """No more slots: whoever waits for one, or calls `acquire` later, gets Stopped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def release(self, *, refused: bool) -> None:
+        with self._cond:
+            self.in_flight -= 1
+            if refused:
+                self.limit = max(1, min(self.limit, self.in_flight))
+                self.lowest = min(self.lowest, self.limit)
+                self._successes = 0
+            else:
+                self._successes += 1
+                if self._successes >= self.limit and self.limit < self.ceiling:
+                    self.limit += 1
+                    self._successes = 0
+            self._cond.notify_all()
 
 
-def _decoder_options(args: argparse.Namespace) -> dict[str, object]:
-    from echoic.model.core.decoding import DecoderConfig
-
-    here = DecoderConfig()  # what the server's settings are compared with
-    if args.lm or args.lm_weight != here.lm_weight or args.word_bonus != here.word_bonus:
-        raise UserError(
-            "--lm, --lm-weight and --word-bonus are set on the server (echoic serve);"
-            " with --server only --decoder, --beam-size and --no-lm apply"
-        )
-    return {"decoder": args.decoder, "beam_size": args.beam_size, "disable_lm": args.no_lm}
+class Stopped(Exception):
+    """The job is stopping (interrupted, or the server is gone): no more tries."""
 
 
 def _error_message(path: str, error: Exception) -> str:
@@ -70,69 +99,143 @@ def _error_message(path: str, error: Exception) -> str:
     return message if path in message else f"{path}: {message}"
 
 
-def transcribe_with_server(
-    args: argparse.Namespace, items: list[Item], writer: OutputWriter
-) -> tuple[int, float, float]:
-    """Transcribe `items` through args.server -> (failed files, audio s, elapsed s)."""
-    started = time.perf_counter()
-    if args.concurrency < 1:
-        raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
-    try:
-        client = Client(
-            args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_server_name=args.tls_server_name, timeout=REQUEST_TIMEOUT,
-        )  # fmt: skip
-    except ClientError as e:
-        raise UserError(str(e)) from e
-    bar = None
-    failed, seconds = 0, 0.0
-    pool = ThreadPoolExecutor(max_workers=args.concurrency, thread_name_prefix="echoic-batch")
-    try:
-        options = {**_model_options(args, client), **_decoder_options(args)}
-        if not args.no_progress and items:
-            from tqdm import tqdm
+class ServerTranscriber:
+    """A connection to args.server, checked (the model served, the decoder options
+    that apply there), then `transcribe` for a job's files."""
 
-            bar = tqdm(total=len(items), unit="file", file=sys.stderr, dynamic_ncols=True)
+    def __init__(self, args: argparse.Namespace) -> None:
+        if args.concurrency < 1:
+            raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
+        self.args = args
+        self.retries = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()  # set when the job stops: waits and retries end
+        self._check_decoder_options()
+        try:
+            self.client = Client(
+                args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                tls_server_name=args.tls_server_name, timeout=REQUEST_TIMEOUT,
+                retry=RetryPolicy(attempts=1),  # retried here, counted and paced
+            )  # fmt: skip
+        except ClientError as e:
+            raise UserError(str(e)) from e
+        try:
+            self.options, self.model = self._model_options()
+        except BaseException:
+            self.client.close()
+            raise
+        self.limit = AdaptiveLimit(args.concurrency)
+
+    def _check_decoder_options(self) -> None:
+        from echoic.model.core.decoding import DecoderConfig
+
+        a, here = self.args, DecoderConfig()  # what the server's settings are compared with
+        if a.lm or a.lm_weight != here.lm_weight or a.word_bonus != here.word_bonus:
+            raise UserError(
+                "--lm, --lm-weight and --word-bonus are set on the server (echoic serve);"
+                " with --server only --decoder, --beam-size and --no-lm apply"
+            )
+
+    def decoder_settings(self) -> dict[str, object]:
+        a = self.args
+        if a.decoder != "beam":
+            return {"decoder": a.decoder}
+        return {"decoder": a.decoder, "beam_size": a.beam_size, "lm": "off" if a.no_lm else
+                "the server's"}  # fmt: skip
+
+    def _call(self, fn, *, paced: bool = False, policy: RetryPolicy = RETRY) -> Any:
+        """fn() with retries on a busy or unavailable server; with `paced`, in a slot of
+        the adaptive limit."""
+        tries = Tries(policy, REQUEST_TIMEOUT)
+        while True:
+            if paced:
+                self.limit.acquire()
+            refused = False
+            try:
+                return fn()
+            except ClientError as e:
+                refused = e.code == BUSY
+                if (pause := tries.wait_after(e.code)) is None:
+                    raise
+                with self._lock:
+                    self.retries += 1
+            finally:
+                if paced:
+                    self.limit.release(refused=refused)
+            if self._stop.wait(pause):  # a worker must not hold an interrupted job's exit
+                raise Stopped
+
+    def _model_options(self) -> tuple[dict[str, str], str]:
+        """--model as a served model NAME or NAME/VERSION, checked against ListModels;
+        and the "name/version" the job's record is keyed on."""
+        a = self.args
+        try:
+            # The client's own policy: a server that is not there is said so within seconds.
+            served = self._call(self.client.list_models, policy=RetryPolicy())
+        except ClientError as e:
+            raise JobError(str(e)) from e
+        names = sorted({f"{m.name}/{m.version}" for m in served})
+        if not a.model:
+            return {}, names[0] if len(names) == 1 else "the server's default"
+        name, _, version = a.model.partition("/")
+        if not any(m.name == name and (not version or m.version == version) for m in served):
+            raise UserError(
+                f"the server at {a.server} does not serve model {a.model!r}"
+                f" (it serves: {', '.join(names) or 'nothing'}); with --server, --model is"
+                " a served NAME or NAME/VERSION"
+            )
+        return {"model": name, "model_version": version}, a.model
+
+    def transcribe(self, items: list[Item], writer: InInputOrder, stats: Any, bar: Any) -> None:
+        """Transcribe `items`; stats gains audio seconds and retries."""
+        options = {**self.options, "decoder": self.args.decoder,
+                   "beam_size": self.args.beam_size, "disable_lm": self.args.no_lm}  # fmt: skip
+        concurrency = self.args.concurrency
+        pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="echoic-batch")
 
         def one(item: Item) -> Recognition:
-            return client.recognize(item.path, words=True, **options)
+            return self._call(lambda: self.client.recognize(item.path, words=True, **options),
+                              paced=True)  # fmt: skip
 
-        # At most 2 x concurrency submitted at a time: a huge folder queues no futures.
-        queue = iter(items)
-        pending: dict[Future[Recognition], Item] = {}
-        while True:
-            while len(pending) < 2 * args.concurrency:
-                item = next(queue, None)
-                if item is None:
+        try:
+            # At most 2 x concurrency submitted at a time: a huge folder queues no futures.
+            queue = iter(items)
+            pending: dict[Future[Recognition], Item] = {}
+            while True:
+                while len(pending) < 2 * concurrency:
+                    item = next(queue, None)
+                    if item is None:
+                        break
+                    pending[pool.submit(one, item)] = item
+                if not pending:
                     break
-                pending[pool.submit(one, item)] = item
-            if not pending:
-                break
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                item = pending.pop(future)
-                try:
-                    recognition = future.result()
-                except ClientError as e:
-                    if e.code in FATAL:
-                        raise UserError(str(e)) from e
-                    writer.write_error(item.path, _error_message(item.path, e))
-                    failed += 1
-                except (AudioFileError, OSError, ValueError) as e:
-                    writer.write_error(item.path, _error_message(item.path, e))
-                    failed += 1
-                else:
-                    seconds += recognition.audio_seconds
-                    writer.write(
-                        transcript_record(
-                            item.path, recognition, recognition.audio_seconds, recognition.model
-                        )
-                    )
-                if bar is not None:
-                    bar.update(1)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        client.close()  # cancels what is still in flight
-        if bar is not None:
-            bar.close()
-    return failed, seconds, time.perf_counter() - started
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    self._finish(pending.pop(future), future, writer, stats)
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            stats.retries += self.retries
+            self.retries = 0
+            self._stop.set()
+            self.limit.close()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _finish(item: Item, future: Future, writer: InInputOrder, stats: Any) -> None:
+        try:
+            recognition = future.result()
+        except ClientError as e:
+            if e.code in FATAL:
+                raise UserError(str(e)) from e
+            writer.write_error(item, _error_message(item.path, e), transient=e.code == BUSY)
+        except (AudioFileError, OSError, ValueError) as e:
+            writer.write_error(item, _error_message(item.path, e))
+        else:
+            stats.audio_seconds += recognition.audio_seconds
+            record = transcript_record(item, recognition, recognition.audio_seconds,
+                                       recognition.model)  # fmt: skip
+            writer.write(item, record)
+
+    def close(self) -> None:
+        self.client.close()  # cancels what is still in flight

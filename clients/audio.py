@@ -2,13 +2,15 @@
 
 The server decodes WAV and FLAC itself and resamples whatever rate it gets, so
 the client does as little as it can: WAV and FLAC files travel as they are;
-anything else libsndfile can read (OGG, AIFF, ...) is decoded here into raw
-PCM16 (`LINEAR16`) at the file's own rate and channel count. Streams are sent as
+anything else libsndfile can read (OGG, MP3, AIFF, ...) is decoded here into a
+32-bit float WAV at the file's own rate and channel count, the samples the server
+would decode, so a transcript is the same here and there. Streams are sent as
 PCM16 chunks of `chunk_ms` each, optionally paced at real time like a microphone.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import time
@@ -97,17 +99,23 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
 
 
 def file_payload(path: str | os.PathLike[str]) -> Payload:
-    """A whole file as one request's audio: WAV/FLAC as they are, the rest as PCM16."""
+    """A whole file as one request's audio: WAV/FLAC as they are; the rest (OGG, MP3,
+    AIFF, ...) decoded here into a 32-bit float WAV at the file's own rate and channels:
+    the samples the server would have decoded itself, so the transcript is the one
+    `echoic transcribe` gives locally (PCM16 would round them, and a lossy file's
+    transcript could change)."""
     data = read_file(path)
     container = sniff_container(data[:12])
     if container is not None:
         return Payload(data, container)
     with _open(path) as f:
-        pcm = f.read(dtype="int16", always_2d=True)  # (N, C)
-        rate, channels = f.samplerate, f.channels
-    if not len(pcm):
+        samples = f.read(dtype="float32", always_2d=True)  # (N, C), as the server reads
+        rate = f.samplerate
+    if not len(samples):
         raise AudioFileError(f"{path}: the audio has no samples (0 s long)")
-    return Payload(pcm.tobytes(), Encoding.LINEAR16, rate, channels)
+    wav = io.BytesIO()
+    sf.write(wav, samples, rate, format="WAV", subtype="FLOAT")
+    return Payload(wav.getvalue(), Encoding.WAV)
 
 
 def samples_payload(samples: np.ndarray, sample_rate: int) -> Payload:

@@ -126,6 +126,35 @@ def test_every_way_in_gives_the_same_text(
     assert got.text == expected
 
 
+@pytest.mark.parametrize(
+    ("fmt", "subtype"),
+    [
+        pytest.param("WAV", "PCM_16", id="wav"),
+        pytest.param("FLAC", "PCM_16", id="flac"),
+        pytest.param("OGG", "VORBIS", id="ogg"),
+        pytest.param("MP3", "MPEG_LAYER_III", id="mp3"),
+    ],
+)
+def test_every_format_gives_the_local_transcript(
+    client, recognizer, corpus_audio, tmp_path: Path, fmt: str, subtype: str
+) -> None:
+    """The same file transcribed here and through the server, word for word and frame
+    for frame. A lossy file used to reach the server as PCM16 (rounded), so its
+    transcript could differ ("one too three" against "one to three")."""
+    from echoic.model.core.audio import load_audio
+
+    path = tmp_path / f"talk.{fmt.lower()}"
+    hi = soxr.resample(np.concatenate([a for _, a in corpus_audio[:3]]), 16000, 44100)
+    sf.write(path, np.stack([hi, 0.6 * hi], axis=1), 44100, format=fmt, subtype=subtype)
+    local = recognizer.transcribe([load_audio(path, 16000)])[0]
+    served = client.recognize(path, words=True)
+    assert served.text == local.text
+    assert [(w.text, round(w.start, 3)) for w in served.words] == [
+        (w.text, round(w.start, 3)) for w in local.words
+    ]
+    assert served.confidence == pytest.approx(local.confidence, abs=1e-5)
+
+
 def test_stream_file_final_equals_recognize(client, wavs) -> None:
     responses = list(client.stream_file(wavs[1], realtime=False, chunk_ms=80))
     finals = [r for resp in responses for r in resp.results if r.is_final]
@@ -353,7 +382,7 @@ def mixed_folder(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> Path
 def test_transcribe_through_the_server(
     server: BackgroundServer, recognizer, mixed_folder: Path, tmp_path: Path
 ) -> None:
-    from echoic.cli.batch_io import transcript_record
+    from echoic.cli.batch_io import Item, transcript_record
     from echoic.model.core.audio import load_audio
 
     out = tmp_path / "out.jsonl"
@@ -373,17 +402,18 @@ def test_transcribe_through_the_server(
         path = mixed_folder / name
         audio = load_audio(path, 16000)
         transcript = recognizer.transcribe([audio])[0]
-        here = transcript_record(str(path), transcript, len(audio) / 16000, "echoic-tiny/1")
+        item = Item(str(path), str(path))
+        here = transcript_record(item, transcript, len(audio) / 16000, "echoic-tiny/1")
         got = rows[name]
         assert got.keys() == here.keys() and got["text"] == here["text"]
         assert got["model"] == here["model"]  # the version that answered
         assert got["duration"] == pytest.approx(here["duration"], abs=0.002)
         assert [w.keys() for w in got["words"]] == [w.keys() for w in here["words"]]
         assert [w["word"] for w in got["words"]] == [w["word"] for w in here["words"]]
-    # Resumable: a second run sends only the files that failed (and fail again).
+    # Resumable: a second run sends nothing (the bad files failed once, recorded).
     again = _run(*args)
-    assert "4 already done" in again.stderr and again.returncode == 1
-    assert len(out.read_text().splitlines()) == 10
+    assert "4 already done" in again.stderr and "3 failed before" in again.stderr
+    assert again.returncode == 1 and len(out.read_text().splitlines()) == 7
 
 
 @pytest.mark.parametrize(
@@ -397,12 +427,113 @@ def test_transcribe_through_the_server_refuses_what_it_cannot_do(
     server: BackgroundServer, wavs, args: list[str], message: str
 ) -> None:
     run = _run("transcribe", str(wavs[0]), "--server", server.address, "--no-progress", *args)
-    assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
 
 
 def test_transcribe_stops_when_the_server_is_unreachable(wavs) -> None:
     run = _run("transcribe", str(wavs[0]), "--server", f"127.0.0.1:{free_port()}", "--no-progress")
-    assert run.returncode == 1 and "unavailable" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "unavailable" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.fixture(scope="module")
+def many_files(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """48 WAVs in 8 folders: 6 utterances, each in every folder under the same names."""
+    root = tmp_path_factory.mktemp("many")
+    paths = []
+    for folder in range(8):
+        (root / f"f{folder}").mkdir()
+        for i, (_, audio) in enumerate(corpus_audio[:6]):
+            path = root / f"f{folder}" / f"utt{i}.wav"
+            sf.write(path, audio, 16000, subtype="PCM_16")
+            paths.append(path)
+    return paths
+
+
+@pytest.mark.slow
+def test_a_busy_server_is_waited_for_not_failed(
+    tiny_model_dir: Path, recognizer, many_files: list[Path], tmp_path: Path
+) -> None:
+    """`echoic serve --max-streams 4` and `transcribe --server --concurrency 16`: calls
+    over the limit get RESOURCE_EXHAUSTED, which used to fail their files (297 of 308);
+    now they are retried with backoff while the client settles to what the server admits,
+    and the job ends with every file transcribed, in input order, counted retries."""
+    from tests.test_server import serve_process
+
+    want = {p.name: _in_process_text(recognizer, p) for p in many_files[:6]}
+    out = tmp_path / "out.jsonl"
+    with serve_process("--model", str(tiny_model_dir), "--max-streams", "4") as (_, port, _):
+        run = _run("transcribe", str(many_files[0].parent.parent), "--server",
+                   f"127.0.0.1:{port}", "--concurrency", "16", "--output", str(out),
+                   "--no-progress", "--json", timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert (summary["transcribed"], summary["failed"]) == (48, 0), summary
+    assert (f"; {summary['retries']} retries" in run.stderr) == (summary["retries"] > 0)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["audio_filepath"] for r in rows] == [str(p) for p in many_files]
+    assert all(r["text"] == want[Path(r["audio_filepath"]).name] for r in rows)
+
+
+@pytest.mark.slow
+def test_an_interrupted_server_job_exits_130_and_resumes(
+    tiny_model_dir: Path, wavs: list[Path], tmp_path: Path
+) -> None:
+    """SIGINT while the job waits for a full server (its one slot held by a stream):
+    exit 130 at once (the retrying workers stop), the summary says so, the lock goes
+    with the process, and the rerun transcribes every file once."""
+    import signal
+
+    from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+    from tests.test_server import _held_stream, channel_to, running, wait_until
+
+    out = tmp_path / "out.jsonl"
+    job = [*ECHOIC, "transcribe", *map(str, wavs), "--output", str(out), "--no-progress"]
+    with running(tiny_model_dir, max_streams=1) as srv, channel_to(srv) as channel:
+        release, responses, errors = threading.Event(), [], []
+        held = _held_stream(pb_grpc.TranscriberStub(channel), release, responses, errors)
+        wait_until(lambda: srv.server.service.active == 1, what="the held stream")
+        registry = srv.server.metrics.registry
+        labels = {"method": "Recognize", "code": "RESOURCE_EXHAUSTED"}
+        process = subprocess.Popen([*job, "--server", srv.address], stderr=subprocess.PIPE,
+                                   text=True)  # fmt: skip
+        try:
+            wait_until(lambda: (registry.get_sample_value("echoic_requests_total", labels)
+                                or 0) >= 2, timeout=60, what="refused calls")  # fmt: skip
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            release.set()
+            held.join(30)
+        assert process.returncode == 130, err
+        assert "interrupted (rerun to go on)" in err and "Traceback" not in err
+        rerun = _run(*job[3:], "--server", srv.address, "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads(rerun.stdout)["transcribed"] == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["audio_filepath"] for r in rows] == [str(p) for p in wavs]
+
+
+def test_adaptive_limit_follows_what_the_server_admits() -> None:
+    """A refusal lowers the limit to the calls the server still holds; a window of
+    successes raises it by one, never above the ceiling."""
+    from echoic.cli.transcribe_server import AdaptiveLimit
+
+    limit = AdaptiveLimit(16)
+    for _ in range(16):
+        limit.acquire()  # 16 in flight: the ceiling, nothing blocks
+    limit.release(refused=True)  # the server held the 15 others? fewer: 4 answered first
+    for _ in range(11):
+        limit.release(refused=True)
+    assert (limit.in_flight, limit.limit) == (4, 4)
+    for _ in range(4):
+        limit.release(refused=False)
+    assert limit.limit == 5 and limit.lowest == 4
+    for _ in range(200):
+        limit.acquire()
+        limit.release(refused=False)
+    assert limit.limit == 16  # back up, and no further
 
 
 # ------------------------------------------------------------------ boundaries

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +55,15 @@ def test_bad_files_are_reported_and_the_rest_transcribed(
     for name in ("corrupt.wav", "empty.wav", "noise.flac"):
         assert name in run.stderr
     assert "4 of 7 files" in run.stderr and "3 failed" in run.stderr
-    # Resumable: a second run transcribes only the files that failed (and fail again).
+    # Resumable: a second run has nothing to do; the bad files were recorded once and are
+    # tried again only when asked (and fail again: one more error row each).
     again = _run(*args, "--output", str(out), "--no-progress")
-    assert "4 already done" in again.stderr
+    assert again.returncode == 1, again.stderr  # not every input is done
+    assert "4 already done" in again.stderr and "3 failed before" in again.stderr
+    assert "--retry-failed" in again.stderr
+    assert len(out.read_text().splitlines()) == 7
+    retried = _run(*args, "--output", str(out), "--no-progress", "--retry-failed")
+    assert retried.returncode == 1 and "3 failed;" in retried.stderr
     assert len(out.read_text().splitlines()) == 10
 
 
@@ -119,12 +128,12 @@ def test_srt_cues_carry_the_words_and_their_times(
 
 def test_srt_needs_an_output_dir(tiny_model_dir: Path, mixed_folder: Path) -> None:
     run = _run("transcribe", str(mixed_folder / "good0.wav"), "--format", "srt")
-    assert run.returncode == 1 and "--output-dir" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "--output-dir" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_missing_model_directory_is_one_line(tmp_path: Path, mixed_folder: Path) -> None:
     run = _run("transcribe", str(mixed_folder / "good0.wav"), "--model", str(tmp_path / "nope"))
-    assert run.returncode == 1 and "nope" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "nope" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_eval_reports_error_rates(tiny_model_dir: Path, speech_corpus: Path) -> None:
@@ -218,7 +227,7 @@ def lengths_folder(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @pytest.mark.parametrize("batch_size", [pytest.param("1", id="a-file-a-batch"),
                                         pytest.param("16", id="one-batch")])  # fmt: skip
-@pytest.mark.parametrize("fmt", ["text", "jsonl"])
+@pytest.mark.parametrize("fmt", ["tsv", "jsonl"])
 def test_output_follows_input_order(
     tiny_model_dir: Path, lengths_folder: Path, tmp_path: Path, fmt: str, batch_size: str
 ) -> None:
@@ -235,7 +244,402 @@ def test_output_follows_input_order(
     if fmt == "jsonl":
         written = [Path(json.loads(line)["audio_filepath"]).name for line in lines]
         assert written == names
-    else:  # text has no line for a file that failed
+    else:  # tsv has no line for a file that failed
         assert [Path(line.split("\t")[0]).name for line in lines] == [
             n for n in names if n != "corrupt.wav"
         ]
+
+
+# ---------------------------------------------------------------- jobs (issue 22)
+
+
+def _job(*args: str, cwd: Path | None = None, stdin: str | None = None):
+    return subprocess.run(
+        [*ECHOIC, "transcribe", *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+        input=stdin,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_folders(corpus_audio, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """data/a/utt_001.wav and data/b/utt_001.wav (other audio, the same name), and
+    data/a/utt_002.wav."""
+    root = tmp_path_factory.mktemp("two-folders") / "data"
+    for folder, n, utterance in (("a", 1, 0), ("b", 1, 1), ("a", 2, 2)):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        sf.write(root / folder / f"utt_00{n}.wav", corpus_audio[utterance][1], 16000)
+    return root
+
+
+def _texts(tiny_model_dir: Path, root: Path) -> dict[str, str]:
+    """In-process transcripts of every WAV under root, by path relative to it."""
+    return {
+        str(p.relative_to(root)): _in_process(tiny_model_dir, p).text
+        for p in sorted(root.rglob("*.wav"))
+    }
+
+
+@pytest.mark.parametrize("fmt", ["json", "txt", "srt", "vtt"])
+def test_per_file_outputs_mirror_the_tree(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path, fmt: str
+) -> None:
+    """a/utt_001.wav and b/utt_001.wav each get their own output (they used to collide on
+    the bare name: one lost), and a rerun finds both done."""
+    want = _texts(tiny_model_dir, two_folders)
+    assert want["a/utt_001.wav"] != want["b/utt_001.wav"], "the test needs different audio"
+    subs = tmp_path / "subs"
+    args = [str(two_folders), "--model", str(tiny_model_dir), "--format", fmt,
+            "--output-dir", str(subs), "--no-progress"]  # fmt: skip
+    run = _job(*args)
+    assert run.returncode == 0, run.stderr
+    written = sorted(str(p.relative_to(subs)) for p in subs.rglob(f"*.{fmt}"))
+    assert written == [f"a/utt_001.{fmt}", f"a/utt_002.{fmt}", f"b/utt_001.{fmt}"]
+    for rel, text in want.items():
+        content = (subs / rel).with_suffix(f".{fmt}").read_text()
+        if fmt == "json":
+            assert json.loads(content)["text"] == text
+        elif fmt == "txt":
+            assert content == text + "\n"
+        else:
+            cue_lines = [ln for ln in content.splitlines() if ln and "-->" not in ln]
+            cue_lines = [ln for ln in cue_lines if not ln.isdigit() and ln != "WEBVTT"]
+            assert " ".join(cue_lines) == text
+            assert content.startswith("WEBVTT\n") == (fmt == "vtt")
+            assert (" --> " in content) == bool(text)
+    again = _job(*args)
+    assert again.returncode == 0 and "3 already done" in again.stderr, again.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        pytest.param(["--output", "OUT.jsonl"], "jsonl", id="jsonl-from-the-name"),
+        pytest.param(["--output", "OUT.tsv"], "tsv", id="tsv-from-the-name"),
+        pytest.param(["--output", "OUT", "--format", "jsonl"], "jsonl", id="no-extension"),
+        pytest.param(
+            ["--output", "OUT.jsonl", "--format", "tsv"],
+            "contradicts",
+            id="format-against-the-name",
+        ),  # fmt: skip
+        pytest.param(["--output", "OUT.txt"], "--output-dir", id="per-file-format-one-file"),
+        pytest.param(["--output", "OUT.out"], "cannot tell the format", id="unknown-extension"),
+        pytest.param(
+            ["--output-dir", "OUT", "--format", "jsonl"],
+            "--output FILE",
+            id="one-file-format-in-a-dir",
+        ),  # fmt: skip
+    ],
+)
+def test_the_format_follows_the_output_name(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path, flags: list[str], want: str
+) -> None:
+    """`--output out.jsonl` writes JSON lines (it used to write path<TAB>text lines);
+    a format that contradicts the name, or one that cannot go there, is refused."""
+    flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
+    run = _job(str(two_folders / "a" / "utt_001.wav"), "--model", str(tiny_model_dir),
+               "--no-progress", *flags)  # fmt: skip
+    out = Path(flags[1])
+    if want in ("jsonl", "tsv"):
+        assert run.returncode == 0, run.stderr
+        line = out.read_text()
+        assert line.endswith("\n") and line.count("\n") == 1
+        if want == "jsonl":
+            text = _in_process(tiny_model_dir, out_audio(two_folders)).text
+            assert json.loads(line)["text"] == text
+        else:
+            assert line.split("\t")[0] == str(out_audio(two_folders))
+    else:
+        assert run.returncode == 2 and want in run.stderr and "Traceback" not in run.stderr
+        assert not out.exists() or out.is_dir()
+
+
+def out_audio(two_folders: Path) -> Path:
+    return two_folders / "a" / "utt_001.wav"
+
+
+def test_resume_goes_by_the_resolved_file(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """The same folder given relative, then absolute, then through a symlink is one job
+    (it used to be transcribed again, duplicated); a file that changed is done again."""
+    out = tmp_path / "out.jsonl"
+    base = ["--model", str(tiny_model_dir), "--output", str(out), "--no-progress"]
+    first = _job("data", *base, cwd=two_folders.parent)
+    assert first.returncode == 0, first.stderr
+    again = _job(str(two_folders), *base)
+    assert again.returncode == 0 and "3 already done" in again.stderr, again.stderr
+    (tmp_path / "link").symlink_to(two_folders)
+    linked = _job(str(tmp_path / "link"), *base)
+    assert "3 already done" in linked.stderr, linked.stderr
+    assert len(out.read_text().splitlines()) == 3
+    copy = tmp_path / "copy"
+    shutil.copytree(two_folders, copy)
+    changed = _job(str(copy / "a" / "utt_002.wav"), *base)
+    assert "transcribed 1 of 1" in changed.stderr
+    sf.write(copy / "a" / "utt_002.wav", np.zeros(8000, np.float32), 16000)  # edited
+    edited = _job(str(copy / "a" / "utt_002.wav"), *base)
+    assert "transcribed 1 of 1" in edited.stderr, edited.stderr
+
+
+def test_other_settings_are_refused_unless_overwrite(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """A rerun with --decoder beam used to keep the greedy results without a word."""
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    out = tmp_path / "out.jsonl"
+    base = [str(two_folders), "--model", str(tiny_model_dir), "--output", str(out),
+            "--no-progress"]  # fmt: skip
+    assert _job(*base).returncode == 0
+    before = out.read_text()
+    beam = _job(*base, "--decoder", "beam", "--no-lm")
+    assert beam.returncode == 2, beam.stderr
+    assert "--overwrite" in beam.stderr and "'greedy' -> 'beam'" in beam.stderr
+    assert out.read_text() == before
+    redo = _job(*base, "--decoder", "beam", "--no-lm", "--overwrite")
+    assert redo.returncode == 0 and "transcribed 3 of 3" in redo.stderr, redo.stderr
+    assert len(out.read_text().splitlines()) == 3  # replaced, not appended
+    # An output no job record speaks for is not appended to either.
+    stray = tmp_path / "stray.jsonl"
+    stray.write_text('{"audio_filepath": "x.wav", "text": "mine"}\n')
+    refused = _job(*base[:-3], "--output", str(stray), "--no-progress")
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    assert stray.read_text() == '{"audio_filepath": "x.wav", "text": "mine"}\n'
+
+
+def test_two_jobs_cannot_write_one_output(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """The job record is locked while a job runs (here held by this test process, as a
+    running job holds it); a second job on the same output stops before writing."""
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    base = [str(two_folders), "--model", str(tiny_model_dir), "--output", str(out),
+            "--no-progress"]  # fmt: skip
+    assert _job(*base).returncode == 0
+    before = out.read_text()
+    with open(tmp_path / "out.jsonl.job") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        second = _job(*base, "--overwrite")
+    assert second.returncode == 2 and "another echoic transcribe" in second.stderr
+    assert out.read_text() == before
+    assert _job(*base).returncode == 0  # the lock went with its holder
+
+
+def test_a_torn_last_line_is_set_aside(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """Killed mid-write (power loss, a full disk): the output ends in half a line and the
+    record never heard of that file. The rerun moves the fragment to OUT.torn and writes
+    the file's line whole (it used to append after the fragment, for good)."""
+    out = tmp_path / "out.jsonl"
+    files = [str(p) for p in sorted(two_folders.rglob("*.wav"))]
+    base = ["--model", str(tiny_model_dir), "--output", str(out), "--no-progress"]
+    assert _job(*files[:2], *base).returncode == 0
+    fragment = '{"audio_filepath": "' + files[2][:10]
+    with open(out, "a") as f:
+        f.write(fragment)
+    run = _job(*files, *base)
+    assert run.returncode == 0, run.stderr
+    assert "out.jsonl.torn" in run.stderr and "2 already done" in run.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["audio_filepath"] for r in rows] == files
+    assert (tmp_path / "out.jsonl.torn").read_text() == fragment + "\n"
+
+
+def test_a_line_the_record_never_heard_of_is_not_written_twice(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """Killed after a file's line was written and before the record noted it: the
+    rerun sets that line aside and writes the file once (not a second row)."""
+    out = tmp_path / "out.jsonl"
+    files = [str(p) for p in sorted(two_folders.rglob("*.wav"))]
+    base = ["--model", str(tiny_model_dir), "--output", str(out), "--no-progress"]
+    assert _job(*files, *base).returncode == 0
+    lines = out.read_text().splitlines(keepends=True)
+    record = (tmp_path / "out.jsonl.job").read_text().splitlines(keepends=True)
+    (tmp_path / "out.jsonl.job").write_text("".join(record[:-1]))  # the last note, lost
+    run = _job(*files, *base)
+    assert run.returncode == 0 and "2 already done" in run.stderr, run.stderr
+    assert out.read_text() == "".join(lines)  # the same three rows, none twice
+    assert (tmp_path / "out.jsonl.torn").read_text() == lines[-1]
+
+
+def test_exit_codes_and_json_summary(
+    tiny_model_dir: Path, two_folders: Path, mixed_folder: Path, tmp_path: Path
+) -> None:
+    """0 all done, 1 some inputs failed (listed), 2 the job could not run."""
+    model = ["--model", str(tiny_model_dir), "--no-progress", "--json"]
+    ok = _job(str(two_folders), *model, "--output", str(tmp_path / "ok.jsonl"))
+    assert ok.returncode == 0, ok.stderr
+    summary = json.loads(ok.stdout)
+    assert (summary["inputs"], summary["transcribed"], summary["failed"]) == (3, 3, 0)
+    assert summary["outputs"] == [str(tmp_path / "ok.jsonl")]
+    assert summary["audio_seconds"] > 1 and summary["wall_seconds"] > 0
+
+    some = _job(str(mixed_folder), *model, "--output-dir", str(tmp_path / "subs"),
+                "--format", "txt")  # fmt: skip
+    assert some.returncode == 1, some.stderr
+    summary = json.loads(some.stdout)
+    assert summary["failed"] == 3 and summary["transcribed"] == 4
+    assert sorted(Path(f["path"]).name for f in summary["failed_files"]) == [
+        "corrupt.wav", "empty.wav", "noise.flac",
+    ]  # fmt: skip
+    assert "failed: " in some.stderr and "corrupt.wav" in some.stderr.splitlines()[-3]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = _job(str(empty), "--model", str(tiny_model_dir))
+    assert nothing.returncode == 2 and "no audio files in" in nothing.stderr
+    bad_args = _job(str(two_folders), "--shard", "3/2")
+    assert bad_args.returncode == 2 and "--shard" in bad_args.stderr
+
+
+def test_interrupted_job_exits_130_and_resumes(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """SIGINT while the job waits for its inputs (a file list on a pipe that stays open):
+    exit 130 and no traceback; the rerun does the whole job."""
+    import signal
+
+    out = tmp_path / "out.jsonl"
+    job = subprocess.Popen(
+        [*ECHOIC, "transcribe", "--files-from", "-", "--model", str(tiny_model_dir),
+         "--output", str(out), "--no-progress"],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job.stdin.write(str(out_audio(two_folders)) + "\n")
+    job.stdin.flush()
+    time.sleep(1.0)  # the signal may come before or after the interpreter is up: both 130
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 130 and "Traceback" not in err, err
+    rerun = _job("--files-from", "-", "--model", str(tiny_model_dir), "--output", str(out),
+                 "--no-progress", stdin=str(out_audio(two_folders)) + "\n")  # fmt: skip
+    assert rerun.returncode == 0 and "transcribed 1 of 1" in rerun.stderr, rerun.stderr
+
+
+def test_manifest_keeps_every_field_and_adds_pred_text(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """NeMo's convention: the manifest's line as it was, plus pred_text (the reference
+    `text` used to be overwritten and audio_filepath rewritten); in manifest order."""
+    files = sorted(two_folders.rglob("*.wav"), reverse=True)
+    rows = [{"audio_filepath": str(p.relative_to(two_folders)), "text": f"reference {n}",
+             "duration": 9.5, "speaker": n} for n, p in enumerate(files)]  # fmt: skip
+    (two_folders / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    run = _job(str(two_folders / "manifest.jsonl"), "--model", str(tiny_model_dir),
+               "--output", str(out), "--no-progress", "--batch-size", "2")  # fmt: skip
+    (two_folders / "manifest.jsonl").unlink()
+    assert run.returncode == 0, run.stderr
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{k: g[k] for k in r} for g, r in zip(got, rows, strict=True)] == rows
+    assert [g["pred_text"] for g in got] == [_in_process(tiny_model_dir, p).text for p in files]
+    assert all(g["model"] == "echoic-tiny/1" and "words" in g for g in got)
+
+
+def test_inputs_globs_shards_and_file_lists(
+    tiny_model_dir: Path, two_folders: Path, tmp_path: Path
+) -> None:
+    """A quoted glob is expanded; --shard I/N splits the inputs into disjoint parts that
+    together are all of them; a file list comes from a file or stdin."""
+    model = ["--model", str(tiny_model_dir), "--no-progress"]
+    every = sorted(str(p) for p in two_folders.rglob("*.wav"))
+
+    def paths(run: subprocess.CompletedProcess) -> list[str]:
+        assert run.returncode == 0, run.stderr
+        return [line.split("\t")[0] for line in run.stdout.splitlines()]
+
+    assert sorted(paths(_job(f"{two_folders}/**/*.wav", *model))) == every
+    shards = [paths(_job(str(two_folders), "--shard", f"{i}/2", *model)) for i in (1, 2)]
+    assert not set(shards[0]) & set(shards[1]) and sorted(shards[0] + shards[1]) == every
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(every[:2]) + "\n\n")
+    assert paths(_job("--files-from", str(listing), *model)) == every[:2]
+    assert paths(_job("--files-from", "-", *model, stdin="\n".join(every))) == every
+    nothing = _job(f"{two_folders}/*.mp3", *model)
+    assert nothing.returncode == 2 and "no file matches" in nothing.stderr
+
+
+def test_unsupported_and_truncated_files_are_reported(
+    tiny_model_dir: Path, corpus_audio, tmp_path: Path
+) -> None:
+    """An .m4a in a folder is listed in the summary (it used to vanish) and the job exits
+    1; a WAV whose data stops before its header says is transcribed with a warning."""
+    root = tmp_path / "odd"
+    root.mkdir()
+    sf.write(root / "whole.wav", corpus_audio[0][1], 16000, subtype="PCM_16")
+    (root / "phone.m4a").write_bytes(b"\x00\x00\x00\x20ftypM4A " + bytes(64))
+    data = (root / "whole.wav").read_bytes()
+    (root / "cut.wav").write_bytes(data[: 44 + (len(data) - 44) // 4 // 2 * 2])
+    run = _job(str(root), "--model", str(tiny_model_dir), "--no-progress")
+    assert run.returncode == 1, run.stderr
+    assert "1 unsupported" in run.stderr and "unsupported (not read): " in run.stderr
+    assert str(root / "phone.m4a") in run.stderr
+    header = len(corpus_audio[0][1]) / 16000
+    warning = next(line for line in run.stderr.splitlines() if "ends early" in line)
+    assert "cut.wav" in warning and f"{header:.2f} s" in warning
+    assert len(run.stdout.splitlines()) == 2  # both WAVs transcribed
+
+
+def test_progress_bar_counts_whole_seconds_and_errors_get_their_own_line(
+    tiny_model_dir: Path, mixed_folder: Path
+) -> None:
+    """The bar used to show float noise (60.400000000000006/932.6), and errors were
+    printed onto the bar's line."""
+    run = _job(str(mixed_folder), "--model", str(tiny_model_dir), "--batch-size", "1")
+    assert run.returncode == 1
+    counts = re.findall(r"\| ([\d.]+)/([\d.]+) \[", run.stderr)
+    assert counts, run.stderr
+    assert all(a.isdigit() and b.isdigit() for a, b in counts), counts
+    for line in run.stderr.split("\n"):
+        shown = line.split("\r")[-1]  # what a terminal shows once the line is done
+        if "corrupt.wav" in shown and "failed:" not in shown:
+            assert shown.startswith("echoic: "), repr(line)
+
+
+PEAK_RSS = """\
+import resource, subprocess, sys
+run = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+sys.stderr.write(run.stderr)
+sys.stdout.write(run.stdout)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)  # KiB
+sys.exit(run.returncode)
+"""
+
+
+@pytest.mark.slow
+def test_a_long_file_is_transcribed_in_bounded_memory(
+    tiny_model_dir: Path, corpus_audio, tmp_path: Path
+) -> None:
+    """30 minutes of speech in one file: decoded and recognized a block at a time through
+    the streaming graph, in under 300 MB (the whole file at once took 1.1 GB here with
+    this tiny model, 1.2 GB for 20 minutes with the bundled one), and the transcript is
+    the whole-file one, word for word and time for time."""
+    from echoic.model.core.audio import load_audio
+    from echoic.model.runtime.recognizer import Recognizer
+
+    gap = np.zeros(4000, np.float32)
+    speech = np.concatenate([x for _, a in corpus_audio for x in (a, gap)])
+    talk = np.tile(speech, int(np.ceil(30 * 60 * 16000 / len(speech))))[: 30 * 60 * 16000]
+    path = tmp_path / "talk.wav"
+    sf.write(path, talk, 16000, subtype="PCM_16")
+    del talk
+    out = tmp_path / "out.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *ECHOIC, "transcribe", str(path), "--model",
+         str(tiny_model_dir), "--output", str(out), "--no-progress", "--threads", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    peak_mb = int(run.stderr.split()[-1]) / 1024
+    assert peak_mb < 300, f"peak RSS {peak_mb:.0f} MB"
+    got = json.loads(out.read_text())
+    assert got["duration"] == 1800.0
+    whole = Recognizer(tiny_model_dir, intra_op_threads=1).transcribe([load_audio(path, 16000)])[0]
+    assert len(whole.words) > 1000
+    assert got["text"] == whole.text
+    assert [(w["word"], w["start"], w["end"]) for w in got["words"]] == [
+        (w.text, round(w.start, 3), round(w.end, 3)) for w in whole.words
+    ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,21 @@ def _decode_container(
         f = sf.SoundFile(io.BytesIO(data))
     except (sf.SoundFileError, RuntimeError) as e:
         raise _undecodable(e, encoding, name) from e
+    return np.concatenate(list(_container_blocks(f, encoding, sample_rate, target_rate,
+                                                 max_seconds, name)))  # fmt: skip
+
+
+def _container_blocks(
+    f: sf.SoundFile,
+    encoding: str,
+    sample_rate: int | None,
+    target_rate: int,
+    max_seconds: float,
+    name: str,
+) -> Iterator[np.ndarray]:
+    """An open container's audio as float32 mono blocks at `target_rate` (closed at the
+    end): the same blocks, so the same samples, whether they are joined or used one by
+    one."""
     with f:
         allowed = _CONTAINER_FORMATS.get(encoding)
         if allowed is not None and f.format not in allowed:
@@ -145,7 +161,6 @@ def _decode_container(
             raise unknown_length(name)
         check_length(f.frames, rate, max_seconds, name, exact=True)
         to_model = MonoResampler(rate, target_rate)
-        out: list[np.ndarray] = []
         frames = 0
         while True:
             try:
@@ -158,11 +173,24 @@ def _decode_container(
             check_length(frames, rate, max_seconds, name, exact=False)
             if not np.isfinite(block).all():
                 raise AudioError(f"{name}: the audio contains NaN or infinite samples")
-            out.append(to_model(block))
+            yield to_model(block)
     if frames == 0:
         raise AudioError(f"{name}: the audio has no samples (0 s long)")
-    out.append(to_model(np.zeros((0, 1), np.float32), last=True))
-    return np.concatenate(out)
+    yield to_model(np.zeros((0, 1), np.float32), last=True)
+
+
+def audio_blocks(path: str | os.PathLike[str], target_rate: int) -> Iterator[np.ndarray]:
+    """A file's audio as float32 mono blocks at `target_rate`, read from disk a block at
+    a time (memory does not grow with the file's length); joined, the blocks are
+    `load_audio(path, target_rate)`. Errors name the path, as `load_audio`'s do."""
+    check_rate(target_rate, str(path), "target sample rate")
+    if not Path(path).is_file():
+        raise AudioError(f"{path}: no such audio file")
+    try:
+        f = sf.SoundFile(os.fspath(path))
+    except (sf.SoundFileError, RuntimeError) as e:
+        raise _undecodable(e, "auto", str(path)) from e
+    yield from _container_blocks(f, "auto", None, target_rate, 0.0, str(path))
 
 
 def unknown_length(name: str) -> AudioError:
@@ -318,6 +346,38 @@ def audio_duration(path: str | os.PathLike[str]) -> float:
     if info.samplerate <= 0:
         raise AudioError(f"{path}: the header gives no sample rate")
     return info.frames / info.samplerate
+
+
+def truncation(path: str | os.PathLike[str]) -> str | None:
+    """A warning when a WAV file holds less audio than its header says (a copy or a
+    recording cut short); None when it is whole or not a WAV. libsndfile reads such a
+    file without complaint, as the shorter audio it holds."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+                return None
+            size, rate, block = os.fstat(f.fileno()).st_size, 0, 0
+            while len(chunk := f.read(8)) == 8:
+                name, length = chunk[:4], int.from_bytes(chunk[4:], "little")
+                if name == b"fmt ":
+                    fmt = f.read(length + (length & 1))
+                    rate = int.from_bytes(fmt[4:8], "little")  # Hz
+                    block = int.from_bytes(fmt[12:14], "little")  # bytes per frame
+                elif name == b"data":
+                    held = size - f.tell()
+                    if length >= 0x7FFF0000 or held >= length or not rate or not block:
+                        return None  # whole, or a live writer's "unknown length"
+                    said, has = length / block / rate, held / block / rate
+                    return (
+                        f"{path}: the file ends early: its header says {said:.2f} s of audio,"
+                        f" it holds {has:.2f} s (transcribed as it is)"
+                    )
+                else:
+                    f.seek(length + (length & 1), os.SEEK_CUR)
+    except OSError:
+        return None
+    return None
 
 
 def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> None:

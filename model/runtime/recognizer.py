@@ -19,7 +19,7 @@ trained chunked; `Engine` and `WindowFeeder` pad exactly as the network does).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -113,6 +113,29 @@ class Recognizer:
     def transcribe(self, audios: Sequence[np.ndarray], n_best: int = 1) -> list[Transcript]:
         """Transcripts of whole utterances, run through the model as one batch."""
         return [self.decode(lp, n_best) for lp in self.log_probs(audios)]
+
+    def transcribe_blocks(self, blocks: Iterable[np.ndarray], n_best: int = 1) -> Transcript:
+        """One utterance given a block at a time (float32 mono at `sample_rate`), through
+        the streaming graph: memory holds a block, the recurrent state and the transcript,
+        whatever the length (`transcribe` holds the whole utterance's features and
+        log-probs). The transcript equals `transcribe`'s up to export's parity tolerance."""
+        stream = self.stream()
+        stream.n_best = n_best
+        # Rows decoded a minute of audio at a time: a decoder's partial transcript is
+        # rebuilt at every call, which done per window costs time quadratic in the length.
+        stream.deferred_decoding = True
+        decoded = 0  # output frames decoded so far
+        for block in blocks:
+            stream.accept_audio(block)
+            while self.step([stream]):
+                pass
+            if (stream.frames_decoded - decoded) * self.frame_seconds >= 60.0:
+                stream.decode_pending()
+                decoded = stream.frames_decoded
+        stream.finish()
+        while self.step([stream]):
+            pass
+        return stream.result()
 
     # ---- streaming -----------------------------------------------------------------
 
@@ -252,8 +275,8 @@ class Stream:
     def decode_pending(self) -> Transcript:
         """Decode the rows the steps queued (deferred decoding); the transcript so far."""
         rows, self._undecoded = self._undecoded, []
-        for log_probs in rows:
-            self._result = self._decoder.accept(log_probs)
+        if rows:  # one call: the decoder rebuilds its partial transcript once, not per step
+            self._result = self._decoder.accept(np.concatenate(rows))
         return self._result
 
     def restart_decoder(self) -> Transcript:

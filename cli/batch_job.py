@@ -1,0 +1,153 @@
+"""The job record of a batch transcription: what a rerun may skip, and who is writing.
+
+Beside the output (`OUT.job` for `--output OUT`, `DIR/.echoic-job` for
+`--output-dir DIR`) a JSON-lines file: first the settings that change results
+(format, model name/version, decoder, beam size, LM), then one line per input
+finished, keyed on its resolved path with its size and mtime:
+
+    {"echoic_job": 1, "settings": {"format": "jsonl", "model": "echoic-tiny/1", ...}}
+    {"key": "/data/a/utt_001.wav", "size": 153644, "mtime_ns": 17000, "error": null, "end": 912}
+
+A rerun skips what the record says is done (the same file, unchanged) and what
+failed (unless --retry-failed); it refuses other settings unless --overwrite. The
+record is locked (flock) while a job runs, so two jobs cannot write one output; a
+lock dies with its process, so a killed job leaves none behind. Each line says where
+its result ends in the output; whatever follows the last one on resume (a line cut
+short by power loss or a full disk, or a line written just before a kill that the
+record never heard of) is moved to `OUT.torn` and cut off, so the next line starts
+clean and no input is written twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+from echoic.cli.batch_io import Item
+from echoic.cli.errors import UserError
+
+VERSION = 1
+
+
+def stat_key(item: Item) -> tuple[int, int] | None:
+    """(size, mtime ns) of an input, None when it cannot be read."""
+    try:
+        st = os.stat(item.key)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def set_aside_unrecorded(path: Path, end: int) -> str | None:
+    """Move what `path` holds past byte `end` (the end of the last result the record
+    noted) to `path`.torn and cut it off; returns what was moved (None when nothing).
+    That is a line cut short by a kill or a full disk, or whole lines written just
+    before a kill that the record never heard of: their inputs are done again, once."""
+    if not path.exists() or path.stat().st_size <= end:
+        return None
+    with open(path, "rb+") as f:
+        f.seek(end)
+        tail = f.read()
+        with open(path.with_name(path.name + ".torn"), "ab") as aside:
+            aside.write(tail if tail.endswith(b"\n") else tail + b"\n")
+        f.truncate(end)
+    return tail.decode(errors="replace")
+
+
+class JobRecord:
+    """The record beside one output, opened and locked for the length of a job."""
+
+    def __init__(self, path: Path, output: Path, settings: dict[str, Any], *,
+                 overwrite: bool) -> None:  # fmt: skip
+        self.path, self.output, self.settings = path, output, settings
+        self.done: dict[str, tuple[int, int]] = {}  # key -> (size, mtime ns)
+        self.failed: dict[str, str] = {}  # key -> error
+        self.end = 0  # bytes of the output that the noted results fill
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO = open(path, "a+")  # noqa: SIM115 - closed in close()
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise UserError(
+                f"another echoic transcribe is writing {output} (its job record {path} is"
+                " locked): wait for it, or write to a new --output"
+            ) from None
+        self._file.seek(0)
+        lines = self._file.read().splitlines()
+        header = self._header(lines[0]) if lines else None
+        if overwrite or header is None:
+            self._start_fresh(lines and header is None and not overwrite)
+        elif header != settings:
+            self.close()
+            changed = ", ".join(
+                f"{k} {header.get(k)!r} -> {settings.get(k)!r}"
+                for k in sorted(set(header) | set(settings))
+                if header.get(k) != settings.get(k)
+            )
+            raise UserError(
+                f"{output} was written with other settings ({changed}): pass --overwrite to"
+                " replace it, or write to a new output"
+            )
+        else:
+            for line in lines[1:]:
+                try:
+                    row = json.loads(line)
+                    key, size, mtime = row["key"], row["size"], row["mtime_ns"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut by a kill: that input is done again
+                self.end = max(self.end, row.get("end") or 0)
+                if row.get("error") is None:
+                    self.done[key] = (size, mtime)
+                    self.failed.pop(key, None)
+                else:
+                    self.failed[key] = row["error"]
+            if lines and not self._ends_clean():
+                self._file.write("\n")
+
+    @staticmethod
+    def _header(line: str) -> dict[str, Any] | None:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        return row.get("settings") if row.get("echoic_job") == VERSION else None
+
+    def _ends_clean(self) -> bool:
+        self._file.seek(0, os.SEEK_END)
+        if self._file.tell() == 0:
+            return True
+        self._file.seek(self._file.tell() - 1)
+        return self._file.read(1) == "\n"
+
+    def _start_fresh(self, unreadable: bool) -> None:
+        if unreadable:
+            self.close()
+            raise UserError(
+                f"{self.path} is not an echoic job record: pass --overwrite to replace it"
+            )
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps({"echoic_job": VERSION, "settings": self.settings}) + "\n")
+        self._file.flush()
+
+    def is_done(self, item: Item) -> bool:
+        return item.key in self.done and self.done[item.key] == stat_key(item)
+
+    def failed_before(self, item: Item) -> str | None:
+        return self.failed.get(item.key)
+
+    def note(self, item: Item, error: str | None, end: int | None = None) -> None:
+        """`item` is finished (its result is written): done, or failed with `error`;
+        `end`: the output's length once its line was written (one file for the job)."""
+        size, mtime = stat_key(item) or (None, None)
+        row = {"key": item.key, "size": size, "mtime_ns": mtime, "error": error, "end": end}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()  # and the lock with it
