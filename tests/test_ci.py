@@ -19,7 +19,9 @@ NEEDS_MPIRUN = "tests/test_distributed.py::test_mpirun_two_ranks_all_reduce_over
     ("ci", "returncode", "output"),
     [
         pytest.param(
-            "1", 4, "CI is set and not installed: espeak-ng, flite, text2wave, mpirun, sox",
+            "1",
+            4,
+            "CI is set and not installed: espeak-ng, flite, text2wave, mpirun, sox",
             id="ci",
         ),
         pytest.param("true", 4, "Install: bash scripts/bootstrap.sh", id="ci-true"),
