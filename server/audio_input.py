@@ -10,8 +10,8 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
 - WAV: the RIFF header is parsed once it has arrived; integer (8, 16, 24, 32 bit)
   and float (32, 64 bit) PCM then stream. Other WAV codecs (mu-law, ADPCM, ...)
   are buffered and decoded by `decode_audio` at the end.
-- FLAC (and containers detected by ENCODING_UNSPECIFIED other than WAV): buffered,
-  decoded by `decode_audio` when the audio ends.
+- FLAC (and the containers ENCODING_UNSPECIFIED detects besides WAV: OGG, MP3):
+  buffered, decoded by `decode_audio` when the audio ends.
 
 `max_seconds` holds for every encoding, as early as the audio allows: from the
 WAV or FLAC header when it gives the length, as PCM samples arrive, and for
@@ -58,6 +58,11 @@ def check_format(encoding: str, sample_rate: int | None, channels: int) -> None:
     if sample_rate is not None:
         check_rate(sample_rate, "sample_rate_hertz")
     check_channels(channels, "audio_channel_count", "the channel count")
+
+
+def _is_mp3(head: bytes) -> bool:
+    """An ID3 tag, or an MPEG audio frame's 11-bit sync word."""
+    return head[:3] == b"ID3" or (head[0] == 0xFF and head[1] & 0xE0 == 0xE0)
 
 
 class AudioInput:
@@ -158,7 +163,7 @@ class AudioInput:
             if self.encoding == "wav":
                 raise AudioError(f"{self.name}: encoding WAV was requested but the data is FLAC")
             self._mode = "flac-header"
-        elif self.encoding == "auto" and head == b"OggS":
+        elif self.encoding == "auto" and (head == b"OggS" or _is_mp3(head)):
             self._mode = "buffer"
         else:
             want = {"auto": "WAV or FLAC", "wav": "WAV", "flac": "FLAC"}[self.encoding]

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -30,11 +32,20 @@ from echoic.server.config import ServerConfig
 from echoic.server.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
 from echoic.server.models import LoadedModel, ModelLookupError, ModelRegistry
-from echoic.server.session import RequestError, Session, invalid, parse_config
+from echoic.server.session import Options, RequestError, Session, invalid, parse_config
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")
 _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
+
+
+@dataclass
+class Whole:
+    """What recognizing a whole file gives: final results, its length and who answered."""
+
+    results: list[pb.SpeechRecognitionResult]
+    seconds: float  # audio received, s
+    model: LoadedModel
 
 
 class ClientGone(Exception):
@@ -61,7 +72,7 @@ class Malformed:
         )
 
 
-class _RateLimitedWarning:
+class RateLimitedWarning:
     """At most one log line per `seconds`, saying how many were left out since."""
 
     def __init__(self, seconds: float) -> None:
@@ -130,7 +141,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self.active = 0  # admitted StreamingRecognize and Recognize calls, count
         self.draining = False  # shutting down: new calls get UNAVAILABLE
         self._ending = asyncio.Event()  # set: open streams end now, with their final results
-        self._warn_malformed = _RateLimitedWarning(10.0)
+        self._warn_malformed = RateLimitedWarning(10.0)
 
     def end_open_streams(self) -> None:
         """Every open stream stops reading, sends its final results for the audio it has,
@@ -162,21 +173,30 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         opts = parse_config(request.config, max_beam=self._config.max_beam_size)
         if not request.audio_content:
             raise invalid("audio_content is empty: send the whole audio in the request")
+        whole = await self.recognize_whole(opts, request.audio_content, "Recognize")
+        return pb.RecognizeResponse(
+            results=whole.results, audio_processed_seconds=whole.seconds, model=_ref(whole.model)
+        )
+
+    async def recognize_whole(
+        self, opts: Options, audio: bytes, method: str, *, name: str = "audio_content"
+    ) -> Whole:
+        """All of `audio` (a file's bytes) recognized as Recognize does, for any door:
+        the model resolved from `opts`, the final results, the audio's length.
+        `method` labels the final-result latency metric; `name` is the audio's name in
+        error messages."""
         model = self._registry.resolve(opts.model, opts.version)
         self._registry.acquire(model)
         try:
             recognizer = await model.recognizer(opts.decoder)
             session = Session(
-                model, recognizer, opts, name="audio_content",
-                max_seconds=self._config.max_audio_seconds,
-            )  # fmt: skip
-            await asyncio.to_thread(self._decode_whole, session, request.audio_content)
+                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds
+            )
+            await asyncio.to_thread(self._decode_whole, session, audio)
             ended = time.perf_counter()
             results = await session.advance()
-            self._metrics.final_latency.labels("Recognize").observe(time.perf_counter() - ended)
-            return pb.RecognizeResponse(
-                results=results, audio_processed_seconds=session.seconds, model=_ref(model)
-            )
+            self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
+            return Whole(results, session.seconds, model)
         finally:
             self._registry.release(model)
 
@@ -357,24 +377,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         admit: bool = True,
     ) -> T:
         code = grpc.StatusCode.OK
-        admitted = False
         try:
-            if self.draining:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the server is shutting down: retry the call on another replica",
-                )
-            if admit:
-                if self.active >= self._config.max_streams:
-                    raise RequestError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the server is at its limit of {self._config.max_streams} concurrent "
-                        "streams and requests: retry later with backoff, or use another replica",
-                    )
-                self.active += 1
-                admitted = True
-                self._metrics.active_streams.labels(method).inc()
-            return await body()
+            self.refuse_if_draining()
+            with self.admitted(method) if admit else nullcontext():
+                return await body()
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -382,7 +388,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             code = grpc.StatusCode.CANCELLED
             return None  # nobody is listening for a status
         except Exception as e:  # noqa: BLE001 - every error becomes a status code here
-            code, message = _status(e)
+            code, message = status_of(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
             elif isinstance(e, MalformedRequest):
@@ -390,16 +396,42 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             await context.abort(code, message)
             raise  # not reached: abort() raises
         finally:
-            if admitted:
-                self.active -= 1
-                self._metrics.active_streams.labels(method).dec()
             self._metrics.requests.labels(method, code.name).inc()
+
+    # ------------------------------------------------------------------ admission, for every door
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: retry the call on another replica",
+            )
+
+    @contextmanager
+    def admitted(self, method: str) -> Iterator[None]:
+        """One call counted against `max_streams` (and in echoic_active_streams{method})
+        while it runs: UNAVAILABLE while draining, RESOURCE_EXHAUSTED at the limit."""
+        self.refuse_if_draining()
+        if self.active >= self._config.max_streams:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at its limit of {self._config.max_streams} concurrent "
+                "streams and requests: retry later with backoff, or use another replica",
+            )
+        self.active += 1
+        self._metrics.active_streams.labels(method).inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self._metrics.active_streams.labels(method).dec()
 
 
 MAX_DETAILS = 1000  # characters of a status message: enough to act on, never a whole input
 
 
-def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code an error becomes, and its message (cut to MAX_DETAILS)."""
     code, message = _status_of(e)
     if len(message) > MAX_DETAILS:
         message = message[: MAX_DETAILS - 20] + " ... (message cut)"
