@@ -28,6 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -40,15 +41,17 @@ from echoic.server.models import ModelLookupError, ModelRegistry
 from echoic.server.openai_api import (
     MAX_FIELD_BYTES,
     ApiError,
+    TextDeltas,
     bad,
     model_list,
     recognition_config,
     render,
     segments_of,
+    sse,
     transcription_request,
 )
 from echoic.server.service import RateLimitedWarning, TranscriberService, status_of
-from echoic.server.session import parse_config
+from echoic.server.session import Options, parse_config
 
 log = logging.getLogger("echoic.server")
 
@@ -206,7 +209,12 @@ class HttpDoor:
             if not audio:
                 raise bad("the uploaded file is empty (0 bytes)", "file", "empty_file")
             asked = transcription_request(fields)
-            opts = parse_config(recognition_config(asked), max_beam=self._config.max_beam_size)
+            opts = parse_config(
+                recognition_config(asked), max_beam=self._config.max_beam_size,
+                interim=asked.stream,
+            )  # fmt: skip
+            if asked.stream:
+                return await self._events(request, opts, bytes(audio))
             whole = await self._service.recognize_whole(
                 opts, bytes(audio), HTTP_TRANSCRIPTIONS, name="file"
             )
@@ -215,6 +223,39 @@ class HttpDoor:
         if isinstance(body, str):
             return web.Response(text=body, content_type=content_type, headers=headers)
         return web.json_response(body, headers=headers)
+
+    async def _events(
+        self, request: web.Request, opts: Options, audio: bytes
+    ) -> web.StreamResponse:
+        """stream=true: `transcript.text.delta` events as words firm up, then
+        `transcript.text.done`. Errors before the first event (undecodable audio, limits)
+        are plain error responses; later ones end the stream with an `error` event."""
+        results = self._service.recognize_paced(opts, audio, HTTP_TRANSCRIPTIONS, name="file")
+        async with aclosing(results):
+            step = await anext(results)  # the audio is decoded by now
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            deltas = TextDeltas()
+            try:
+                while True:
+                    for delta in deltas.add(step):
+                        await response.write(sse({"type": "transcript.text.delta", "delta": delta}))
+                    try:
+                        step = await anext(results)
+                    except StopAsyncIteration:
+                        break
+                await response.write(sse({"type": "transcript.text.done", "text": deltas.text}))
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the status line is sent: an event says it
+                error = api_error(e)
+                if error.status == 500:
+                    log.exception("HTTP %s %s failed", request.method, request.path)
+                await response.write(sse({"type": "error", **error.body()}))
+            await response.write_eof()
+        return response
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(model_list(sorted(self._registry.serving), self._created()))

@@ -10,7 +10,8 @@ POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
     prompt, temperature       accepted and ignored: a CTC model has no prompt and no sampling
     response_format           json | text | srt | vtt | verbose_json
     timestamp_granularities[] word | segment, with verbose_json only (default: segment)
-    stream                    "false"; "true" is refused (400) for now
+    stream                    "true": server-sent events, `transcript.text.delta` as
+                              words firm up, then `transcript.text.done` (TextDeltas)
 
 A segment is one utterance (the server cuts the audio at pauses: ENDPOINTING), and
 its text is what gRPC Recognize gives for that utterance with the same endpointing.
@@ -22,6 +23,7 @@ from what echoic has: `avg_logprob` is the log of the utterance's confidence,
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from collections.abc import Mapping
@@ -136,12 +138,6 @@ def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionReque
     stream = one("stream", "false").lower()
     if stream not in ("true", "false"):
         raise bad(f"stream must be true or false, got {stream!r}", "stream")
-    if stream == "true":
-        raise bad(
-            "stream=true is not supported by this server yet: leave it out for the whole "
-            "transcript, or stream live audio over gRPC StreamingRecognize",
-            "stream",
-        )
     return TranscriptionRequest(
         model=model,
         response_format=response_format,
@@ -253,6 +249,42 @@ def vtt(segments: list[Segment]) -> str:
         f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n\n" for s in segments
     )
     return "WEBVTT\n\n" + cues
+
+
+class TextDeltas:
+    """`stream=true`: the transcript as deltas, from a live stream's results. A delta is
+    the words that firmed up since the last one: an interim result's stable words (for
+    greedy decoding, words a space has closed, which later results never change) and a
+    final result's rest. Joined, the deltas are the final text."""
+
+    def __init__(self) -> None:
+        self.finals: list[str] = []  # final transcripts of the utterances so far
+        self._sent = 0  # words of the current utterance already sent
+
+    @property
+    def text(self) -> str:
+        return " ".join(t for t in self.finals if t)
+
+    def add(self, results: list[pb.SpeechRecognitionResult]) -> list[str]:
+        """The deltas these results add (in order; none when nothing firmed up)."""
+        out = []
+        for r in results:
+            transcript = r.alternatives[0].transcript if r.alternatives else ""
+            words = transcript.split()
+            firm = words if r.is_final else words[: r.stable_words]
+            if len(firm) > self._sent:
+                lead = " " if self.text or self._sent else ""
+                out.append(lead + " ".join(firm[self._sent :]))
+                self._sent = len(firm)
+            if r.is_final:
+                self.finals.append(transcript)
+                self._sent = 0
+        return out
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `event` as JSON (OpenAI's streams: data lines only)."""
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 def model_list(names: list[str], created: int) -> dict[str, Any]:

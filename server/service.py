@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -200,17 +200,52 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         finally:
             self._registry.release(model)
 
+    async def recognize_paced(
+        self,
+        opts: Options,
+        audio: bytes,
+        method: str,
+        *,
+        name: str = "audio_content",
+        step_seconds: float = 0.5,
+    ) -> AsyncIterator[list[pb.SpeechRecognitionResult]]:
+        """All of `audio` (a file's bytes) as a live stream, for a door that shows results
+        as they firm up: decoded at once, then fed `step_seconds` at a time through the
+        batched streaming path; yields each step's results (interim ones as `opts` asks),
+        the last with the final result. The finals are Recognize's (the same stream)."""
+        model = self._registry.resolve(opts.model, opts.version)
+        self._registry.acquire(model)
+        try:
+            recognizer = await model.recognizer(opts.decoder)
+            session = Session(
+                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds
+            )
+            samples = await asyncio.to_thread(self._decode_all, session, audio)
+            step = max(1, int(step_seconds * model.card.sample_rate))
+            for start in range(0, len(samples), step):
+                self._accept(session, samples[start : start + step])
+                yield await session.advance()
+            session.finish()
+            ended = time.perf_counter()
+            yield await session.advance()
+            self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
+        finally:
+            self._registry.release(model)
+
     def _decode_whole(self, session: Session, data: bytes) -> None:
         """In a worker thread: decode all the audio, feed it and finish the stream."""
+        self._accept(session, self._decode_all(session, data))
+        session.finish(features_now=True)  # here, in this worker thread, not in the batch
+
+    @staticmethod
+    def _decode_all(session: Session, data: bytes) -> np.ndarray:
         try:
-            samples = np.concatenate([session.audio.feed(data), session.audio.finish()])
+            return np.concatenate([session.audio.feed(data), session.audio.finish()])
         except AudioTooLong as e:
             raise invalid(
                 f"the audio is {e.length} but this server accepts at most {e.limit:g} s per "
-                "Recognize request: split it, or stream it with StreamingRecognize"
+                "request: split it, or stream it with StreamingRecognize"
             ) from None
-        self._accept(session, samples)
-        session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
         ending = asyncio.ensure_future(self._ending.wait())  # done: end with final results

@@ -242,6 +242,26 @@ def test_openai_client_gets_what_recognize_gets(client, stub, two_utterances, re
         )
 
 
+def test_stream_true_sends_deltas_as_words_firm_up_then_the_text(client, stub, two_utterances):
+    """stream=true, through OpenAI's client: several `transcript.text.delta` events that
+    join to the final text, then `transcript.text.done` with Recognize's transcript."""
+    want = " ".join(r.alternatives[0].transcript for r in recognize(stub, two_utterances))
+    events = list(
+        client.audio.transcriptions.create(
+            model="whisper-1", file=("a.wav", two_utterances), stream=True
+        )
+    )
+    assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
+    assert events[-1].type == "transcript.text.done" and events[-1].text == want
+    deltas = [e.delta for e in events[:-1]]
+    assert len(deltas) >= 4 and "".join(deltas) == want
+    with pytest.raises(openai.BadRequestError) as e:  # undecodable: refused before any event
+        client.audio.transcriptions.create(
+            model="whisper-1", file=("a.wav", b"not audio" * 10), stream=True
+        )
+    assert "cannot decode" in e.value.body["message"]
+
+
 def test_transcripts_are_the_spoken_words(client, speech_corpus, clips) -> None:
     """The bundled model reads the synthesized sentence: most of its words come back."""
     said = json.loads(speech_corpus.read_text().splitlines()[2])["text"]
