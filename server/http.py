@@ -31,17 +31,17 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
-import grpc
 from aiohttp import BodyPartReader, ClientError, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from echoic.server.config import ServerConfig
 from echoic.server.metrics import HTTP_TRANSCRIPTIONS, Metrics
-from echoic.server.models import ModelLookupError, ModelRegistry
+from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
     MAX_FIELD_BYTES,
     ApiError,
     TextDeltas,
+    api_error,
     bad,
     model_list,
     recognition_config,
@@ -50,7 +50,8 @@ from echoic.server.openai_api import (
     sse,
     transcription_request,
 )
-from echoic.server.service import RateLimitedWarning, TranscriberService, status_of
+from echoic.server.realtime import RealtimeDoor
+from echoic.server.service import RateLimitedWarning, TranscriberService
 from echoic.server.session import Options, parse_config
 
 log = logging.getLogger("echoic.server")
@@ -60,26 +61,6 @@ MAX_FIELDS = 32  # form fields besides the file, count
 FORM_SLACK = MAX_FIELDS * MAX_FIELD_BYTES  # bytes a form may hold besides the file
 UNMATCHED = "unmatched"  # the route label of a path that matches no route
 SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get to end
-
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
-
-
-def api_error(e: Exception) -> ApiError:
-    """The HTTP error an exception from below the door becomes."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, ModelLookupError):
-        return ApiError(404, str(e), param="model", code="model_not_found")
-    code, message = status_of(e)
-    return ApiError(_HTTP_STATUS.get(code, 500), message, code=code.name.lower())
 
 
 class HttpDoor:
@@ -113,6 +94,9 @@ class HttpDoor:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
+        RealtimeDoor(self._config, self._service, self._registry, self._metrics).add_routes(
+            app.router
+        )
         return app
 
     async def start(self, host: str, port: int, ssl_context: Any = None) -> int:

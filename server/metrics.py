@@ -13,6 +13,7 @@ Names are in base units (seconds, counts) with the prefix `echoic_`:
     echoic_model_versions_loaded{model, version, state}   1 per loaded version
     echoic_http_requests_total{route, status}       finished HTTP requests by route and status
     echoic_http_request_duration_seconds{route}     HTTP request in -> response out (histogram)
+    echoic_realtime_errors_total{code}              error events sent on realtime WebSockets
 
 plus the standard process_* (CPU, memory, open files) and python_* collectors. The
 endpoint (`start_http`) answers GET /metrics and nothing else (404); the HTTP door
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 HTTP_TRANSCRIPTIONS = "HTTPTranscriptions"  # the HTTP door's transcriptions, as a method label
+HTTP_REALTIME = "HTTPRealtime"  # its realtime WebSockets, as a method label
 
 
 class Metrics:
@@ -94,7 +96,11 @@ class Metrics:
             "HTTP request received to response sent, seconds, by route.",
             ("route",), buckets=fast, registry=r,
         )  # fmt: skip
-        for method in ("Recognize", "StreamingRecognize", HTTP_TRANSCRIPTIONS):
+        self.realtime_errors = Counter(
+            "echoic_realtime_errors", "Error events sent on realtime WebSockets, by code.",
+            ("code",), registry=r,
+        )  # fmt: skip
+        for method in ("Recognize", "StreamingRecognize", HTTP_TRANSCRIPTIONS, HTTP_REALTIME):
             self.active_streams.labels(method).set(0)
 
     def set_model_state(self, name: str, version: str, state: str | None) -> None:

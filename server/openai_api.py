@@ -30,7 +30,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import grpc
+
 from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.models import ModelLookupError
+from echoic.server.service import status_of
 
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -69,6 +73,27 @@ class ApiError(Exception):
 
 
 _TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+def api_error(e: Exception) -> ApiError:
+    """The HTTP error an exception from below the door becomes."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ModelLookupError):
+        return ApiError(404, str(e), param="model", code="model_not_found")
+    code, message = status_of(e)
+    return ApiError(_HTTP_STATUS.get(code, 500), message, code=code.name.lower())
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -299,10 +299,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 if message is grpc.aio.EOF:
                     if context.cancelled():
                         raise ClientGone
-                    # The end of buffered audio (FLAC) decodes all of it: off the loop.
-                    finish = partial(self._stream_audio, session.audio.finish)
-                    self._accept(session, await asyncio.to_thread(finish))
-                    session.finish()
+                    await self.finish_stream(session)
                     ended = time.perf_counter()
                 else:
                     kind = message.WhichOneof("streaming_request")
@@ -311,9 +308,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                             "streaming_config was sent twice: send it only in the first "
                             "message, then only audio_content"
                         )
-                    feed = partial(session.audio.feed, message.audio_content)
-                    self._accept(session, self._stream_audio(feed))
-                    self._check_stream_limits(session)
+                    self.feed_stream(session, message.audio_content)
                 for result in await session.advance():
                     response = pb.StreamingRecognizeResponse(
                         results=[result], audio_processed_seconds=session.decoded_seconds, model=ref
@@ -330,6 +325,20 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     return
         finally:
             self._registry.release(model)
+
+    def feed_stream(self, session: Session, data: bytes) -> None:
+        """A live stream's next bytes, decoded and accepted under the stream limits (any
+        door): OUT_OF_RANGE past --max-audio-seconds, or past max_message_bytes of
+        audio buffered until its end (FLAC)."""
+        self._accept(session, self._stream_audio(partial(session.audio.feed, data)))
+        self._check_stream_limits(session)
+
+    async def finish_stream(self, session: Session) -> None:
+        """A live stream's audio has ended: the rest decoded (buffered audio: off the
+        loop, in a worker thread) and the stream finished."""
+        finish = partial(self._stream_audio, session.audio.finish)
+        self._accept(session, await asyncio.to_thread(finish))
+        session.finish()
 
     @staticmethod
     def _stream_audio(read: Callable[[], np.ndarray]) -> np.ndarray:

@@ -6,9 +6,13 @@ the same server and the same audio.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import base64
 import http.client
 import io
 import json
+import logging
 import re
 import shutil
 import socket
@@ -28,6 +32,7 @@ pytest.importorskip("aiohttp", reason="the HTTP door needs the serve extra (aioh
 openai = pytest.importorskip("openai", reason="the conformance tests need the dev extra (openai)")
 
 import soundfile as sf  # noqa: E402
+from aiohttp import WSMsgType  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from echoic.model.core.audio import decode_audio  # noqa: E402
@@ -628,3 +633,156 @@ def test_https_with_the_grpc_tls_settings(certificates, clips) -> None:  # noqa:
         assert ready(server, client_cert=True) == 200
         with pytest.raises((ssl.SSLError, ConnectionError)):
             ready(server, client_cert=False)
+
+
+# ---------------------------------------------------------------- realtime WebSocket
+
+
+def _riva_args(server: BackgroundServer, **overrides) -> argparse.Namespace:
+    """What Riva's realtime ASR script passes RealtimeClientASR for a file, unset flags
+    at their defaults (-1 for endpointing, None elsewhere)."""
+    args = dict(
+        server=f"127.0.0.1:{server.server.http_port}", endpoint="/v1/realtime",
+        query_params="intent=transcription", use_ssl=False, ssl_root_cert=None,
+        ssl_client_cert=None, ssl_client_key=None, mint_api_key=None, mic=False,
+        language_code="en-US", model_name=None, prompt=None, sample_rate_hz=16000,
+        num_channels=1, max_alternatives=1, automatic_punctuation=None,
+        word_time_offsets=True, profanity_filter=None, no_verbatim_transcripts=None,
+        speaker_diarization=False, boosted_lm_words=None, start_history=-1,
+        start_threshold=-1, stop_history=-1, stop_history_eou=-1, stop_threshold=-1,
+        stop_threshold_eou=-1, custom_configuration=None,
+    )  # fmt: skip
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def _stream_finals(stub, wav: bytes) -> list[str]:
+    def messages():
+        yield pb.StreamingRecognizeRequest(
+            streaming_config=pb.StreamingRecognitionConfig(config=RECOGNIZE, interim_results=True)
+        )
+        for i in range(0, len(wav), 3200):
+            yield pb.StreamingRecognizeRequest(audio_content=wav[i : i + 3200])
+
+    return [
+        r.results[0].alternatives[0].transcript
+        for r in stub.StreamingRecognize(messages(), timeout=TIMEOUT)
+        if r.results and r.results[0].is_final
+    ]
+
+
+def test_riva_realtime_client_unchanged_gets_streaming_recognizes_finals(
+    server, stub, two_utterances, tmp_path, caplog
+) -> None:
+    """NVIDIA Riva's RealtimeClientASR, as its file script drives it (mint a session, the
+    WebSocket with the realtime-token subprotocol, the WAV's bytes in chunks): every
+    utterance's final transcript equals gRPC StreamingRecognize's on the same audio."""
+    realtime = pytest.importorskip("riva.client.realtime", reason="needs nvidia-riva-client")
+    from riva.client.asr import AudioChunkFileIterator
+
+    wav = tmp_path / "two.wav"
+    wav.write_bytes(two_utterances)
+    want = _stream_finals(stub, two_utterances)
+    assert len(want) == 2
+
+    async def transcribe() -> str:
+        client = realtime.RealtimeClientASR(_riva_args(server))
+        await client.connect()
+        assert client.session_config["input_audio_format"] == "none"  # the server's echo
+        chunks = AudioChunkFileIterator(str(wav), 1600)
+        await asyncio.gather(client.send_audio_chunks(chunks), client.receive_responses())
+        await client.disconnect()
+        return client.final_transcript
+
+    with caplog.at_level(logging.INFO, logger="riva.client.realtime"):
+        last = asyncio.run(transcribe())
+    logged = [r.getMessage() for r in caplog.records if r.name == "riva.client.realtime"]
+    finals = [m.split(": ", 1)[1] for m in logged
+              if m.startswith(("Interim Transcript: ", "Final Transcript: "))]  # fmt: skip
+    assert finals == want and last == want[-1]
+    assert any(m.startswith("Transcript: ") for m in logged)  # deltas arrived as well
+
+
+def test_realtime_mistakes_get_error_events_and_the_socket_goes_on(server, stub, clips) -> None:
+    """Malformed JSON, audio before the update, an unknown event, audio after `.done`: an
+    `error` event each, counted, the socket still serving; a token the server never
+    minted is refused (401) before the upgrade. PCM16 audio gets StreamingRecognize's
+    final transcript."""
+    import aiohttp
+
+    wav, samples = clips[0]
+    pcm = np.round(np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+    want = _stream_finals(stub, wav)
+    url = server.http_url
+    ws_url = url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+    before = metric(server, "echoic_realtime_errors_total", code="invalid_json")
+
+    async def session() -> list[dict]:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/realtime/transcription_sessions", json={}) as r:
+                secret = (await r.json())["client_secret"]["value"]
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(ws_url, protocols=("realtime", "realtime-token.nope"))
+            assert refused.value.status == 401
+            protocols = ("realtime", f"realtime-token.{secret}")
+            async with http.ws_connect(ws_url, protocols=protocols) as ws:
+                assert ws.protocol == "realtime"
+                assert (await ws.receive_json(timeout=TIMEOUT))["type"] == "conversation.created"
+
+                async def error_code(text: str) -> str:
+                    await ws.send_str(text)
+                    event = await ws.receive_json(timeout=TIMEOUT)
+                    assert event["type"] == "error", event
+                    return event["error"]["code"]
+
+                def append(data: bytes) -> str:
+                    audio = base64.b64encode(data).decode()
+                    return json.dumps({"type": "input_audio_buffer.append", "audio": audio})
+
+                assert await error_code("{not json") == "invalid_json"
+                assert await error_code(append(pcm[:3200])) == "session_not_configured"
+                assert await error_code('{"type": "no.such.event"}') == "invalid_event"
+                update = {"type": "transcription_session.update", "session": {
+                    "input_audio_format": "pcm16",
+                    "input_audio_params": {"sample_rate_hz": 16000, "num_channels": 1},
+                }}  # fmt: skip
+                await ws.send_json(update)
+                updated = await ws.receive_json(timeout=TIMEOUT)
+                assert updated["type"] == "transcription_session.updated"
+                assert updated["session"]["input_audio_transcription"]["model"] == (
+                    "echoic-en-default"
+                )
+                for i in range(0, len(pcm), 3200):
+                    await ws.send_str(append(pcm[i : i + 3200]))
+                await ws.send_json({"type": "input_audio_buffer.done"})
+                events = []
+                while not events or not events[-1].get("is_last_result"):
+                    events.append(await ws.receive_json(timeout=TIMEOUT))
+                assert await error_code(append(pcm[:3200])) == "session_done"
+                return events
+
+    events = asyncio.run(session())
+    kind = "conversation.item.input_audio_transcription."
+    completed = [e for e in events if e["type"] == kind + "completed"]
+    assert [e["transcript"] for e in completed] == want
+    deltas = [e["delta"] for e in events if e["type"] == kind + "delta"]
+    assert "".join(deltas) == " ".join(want)
+    assert metric(server, "echoic_realtime_errors_total", code="invalid_json") == before + 1
+    assert post_form(server, [], [("file", wav)])[0] == 200
+
+
+def test_a_silent_realtime_socket_is_closed_after_the_idle_timeout() -> None:
+    import aiohttp
+
+    async def session(url: str) -> tuple[dict, WSMsgType]:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(url, protocols=("realtime",)) as ws:
+                assert (await ws.receive_json(timeout=TIMEOUT))["type"] == "conversation.created"
+                error = await ws.receive_json(timeout=TIMEOUT)  # after 1 s of nothing
+                return error, (await ws.receive(timeout=TIMEOUT)).type
+
+    with http_server(idle_timeout_seconds=1.0) as server:
+        url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+        error, then = asyncio.run(session(url))
+    assert error["type"] == "error" and error["error"]["code"] == "idle_timeout"
+    assert then == WSMsgType.CLOSE
