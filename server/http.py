@@ -6,6 +6,9 @@
     GET  /readyz                    200 while a model is loaded and the server is not draining
                                     (gRPC health says SERVING), else 503
     GET  /metrics                   the server's Prometheus registry
+    GET  /                          a browser page (static/index.html): the microphone live
+                                    over the realtime WebSocket, a file, txt/srt downloads
+    POST /v1/realtime/transcription_sessions, GET /v1/realtime: server/realtime.py
 
 A door, thin as ARCHITECTURE.md asks: a transcription is admitted by the gRPC
 service's own `admitted` (the same `--max-streams` count and the same refusal
@@ -29,6 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 from aiohttp import BodyPartReader, ClientError, web
@@ -60,6 +64,7 @@ CHUNK = 64 * 1024  # bytes read from an upload at a time
 MAX_FIELDS = 32  # form fields besides the file, count
 FORM_SLACK = MAX_FIELDS * MAX_FIELD_BYTES  # bytes a form may hold besides the file
 UNMATCHED = "unmatched"  # the route label of a path that matches no route
+PAGE = Path(__file__).parent / "static" / "index.html"  # the browser page, self-contained
 SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get to end
 
 
@@ -94,6 +99,7 @@ class HttpDoor:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/", self.page)
         RealtimeDoor(self._config, self._service, self._registry, self._metrics).add_routes(
             app.router
         )
@@ -256,6 +262,10 @@ class HttpDoor:
     def _created(self) -> int:
         """The OpenAI model object's `created`: when this server started, s since the epoch."""
         return int(self._started)
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The browser page: live transcription from the microphone, a file, downloads."""
+        return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8")
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "alive"})

@@ -51,7 +51,10 @@ Easy come, easy go, as the old saying goes.
 
 
 # The programs some tests need, and the Debian package of each (scripts/bootstrap.sh).
-SYSTEM_TOOLS = {"espeak-ng": "espeak-ng", "flite": "flite", "mpirun": "openmpi-bin"}
+SYSTEM_TOOLS = {
+    "espeak-ng": "espeak-ng", "flite": "flite", "mpirun": "openmpi-bin",
+    "chromium": "chromium", "chromedriver": "chromium-driver",  # the browser page's test
+}  # fmt: skip
 
 
 def _running_in_ci() -> bool:
