@@ -1,7 +1,7 @@
-"""Offline transcription over HTTP next to gRPC: the latency of one 5 s file, each way.
+"""HTTP next to gRPC on one server: offline latency of a 5 s file, and live streams.
 
     python bench/http_vs_grpc.py [--model DIR] [--requests 40] [--concurrency 1,8]
-                                 [--seconds 5] [--threads 1]
+                                 [--seconds 5] [--streams 32] [--rounds 2] [--threads 1]
 
 Starts one `echoic serve` subprocess on free loopback ports (gRPC and HTTP), makes a
 --seconds WAV (espeak-ng speech, padded with silence), and at each concurrency N runs
@@ -11,11 +11,19 @@ config: word times, its endpointing) and `POST /v1/audio/transcriptions` (multip
 a kept-alive connection per thread, as `curl` or `openai` send it). Both transcripts
 must be equal. Prints latency (request sent -> whole answer received, ms) per path
 and level, and the HTTP cost over gRPC.
+
+Then live: --streams concurrent streams (starts staggered over a second), each
+sending the file's audio as PCM16 at real time in 0.1 s pieces and then ending it,
+over gRPC StreamingRecognize (interim results on) and over the realtime WebSocket
+(the same endpointing), one path after the other, --rounds times. Prints the final
+result's latency (end of audio sent -> last final received, ms) per path.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import http.client
 import io
 import json
@@ -128,6 +136,77 @@ def run_level(target: str, http_port: int, wav: bytes, requests: int, threads: i
     return latencies, texts
 
 
+CHUNK = 3200  # bytes of 16 kHz PCM16 per message: 0.1 s
+
+
+async def grpc_stream(target: str, pcm: bytes, start_in: float) -> float:
+    """One live gRPC stream; returns end of audio -> its last final, s."""
+    await asyncio.sleep(start_in)
+    config = pb.RecognitionConfig(encoding=pb.RecognitionConfig.LINEAR16, sample_rate_hertz=16000,
+                                  endpointing=recognition_config(transcription_request({})).endpointing)  # fmt: skip  # noqa: E501
+    ended = 0.0
+
+    async def messages():
+        nonlocal ended
+        yield pb.StreamingRecognizeRequest(
+            streaming_config=pb.StreamingRecognitionConfig(config=config, interim_results=True)
+        )
+        t0 = time.perf_counter()
+        for k, i in enumerate(range(0, len(pcm), CHUNK)):
+            await asyncio.sleep(max(0.0, t0 + k * 0.1 - time.perf_counter()))
+            yield pb.StreamingRecognizeRequest(audio_content=pcm[i : i + CHUNK])
+        ended = time.perf_counter()
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        last = 0.0
+        async for response in pb_grpc.TranscriberStub(channel).StreamingRecognize(messages()):
+            if response.results and response.results[0].is_final:
+                last = time.perf_counter()
+    return last - ended
+
+
+async def ws_stream(http_port: int, pcm: bytes, start_in: float) -> float:
+    """One live realtime WebSocket; returns end of audio -> the last completed event, s."""
+    import aiohttp
+
+    await asyncio.sleep(start_in)
+    url = f"ws://127.0.0.1:{http_port}/v1/realtime?intent=transcription"
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, protocols=("realtime",)) as ws:
+        await ws.receive_json()  # conversation.created
+        session = {"input_audio_format": "pcm16", "input_audio_params": {"sample_rate_hz": 16000}}
+        await ws.send_json({"type": "transcription_session.update", "session": session})
+        await ws.receive_json()  # transcription_session.updated
+        ended = 0.0
+
+        async def send() -> None:
+            nonlocal ended
+            t0 = time.perf_counter()
+            for k, i in enumerate(range(0, len(pcm), CHUNK)):
+                await asyncio.sleep(max(0.0, t0 + k * 0.1 - time.perf_counter()))
+                audio = base64.b64encode(pcm[i : i + CHUNK]).decode()
+                await ws.send_json({"type": "input_audio_buffer.append", "audio": audio})
+            ended = time.perf_counter()
+            await ws.send_json({"type": "input_audio_buffer.done"})
+
+        sender = asyncio.ensure_future(send())
+        while True:
+            event = await ws.receive_json()
+            if event.get("is_last_result"):
+                last = time.perf_counter()
+                break
+        await sender
+    return last - ended
+
+
+async def live_level(target: str, http_port: int, pcm: bytes, streams: int, path: str):
+    starts = [i / streams for i in range(streams)]
+    if path == "gRPC StreamingRecognize":
+        runs = [grpc_stream(target, pcm, s) for s in starts]
+    else:
+        runs = [ws_stream(http_port, pcm, s) for s in starts]
+    return list(await asyncio.gather(*runs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,6 +216,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8", help="concurrent clients per level")
     ap.add_argument("--seconds", type=float, default=5.0, help="length of the file, s")
     ap.add_argument("--threads", type=int, default=1, help="server ONNX threads")
+    ap.add_argument("--streams", type=int, default=32, help="concurrent live streams; 0 = none")
+    ap.add_argument("--rounds", type=int, default=2, help="live rounds per path")
     args = ap.parse_args()
     wav = make_wav(args.seconds)
     http_port = free_port()
@@ -151,6 +232,12 @@ def main() -> None:
                 latencies, texts = run_level(server.target, http_port, wav, args.requests, level)
                 assert len(texts) == 1 and len(set(next(iter(texts)))) == 1, texts
                 rows.append((level, latencies))
+            pcm = np.round(decode_audio(wav, 16000) * 32767).astype("<i2").tobytes()
+            live: dict[str, list[float]] = {"gRPC StreamingRecognize": [], "realtime WebSocket": []}
+            for _ in range(args.rounds if args.streams else 0):
+                for path in live:
+                    got = asyncio.run(live_level(server.target, http_port, pcm, args.streams, path))
+                    live[path] += got
         finally:
             stop_server(server)
     print(f"offline latency, one {args.seconds:g} s WAV, ms (request -> whole answer)")
@@ -164,6 +251,17 @@ def main() -> None:
                   f"{np.percentile(ms, 95):>8.1f} {ms.mean():>8.1f}")  # fmt: skip
         cost = p50["HTTP transcriptions"] / p50["gRPC Recognize"] - 1
         print(f"{level:>7}  HTTP over gRPC at p50: {cost:+.1%}")
+    if args.streams:
+        print(f"\nlive, {args.streams} streams at real time, end of audio -> last final, ms")
+        print(f"{'path':<24} {'n':>4} {'p50':>8} {'p95':>8} {'max':>8}")
+        p95 = {}
+        for path, values in live.items():
+            ms = np.array(values) * 1000
+            p95[path] = np.percentile(ms, 95)
+            print(f"{path:<24} {len(ms):>4} {np.percentile(ms, 50):>8.1f} {p95[path]:>8.1f} "
+                  f"{ms.max():>8.1f}")  # fmt: skip
+        cost = p95["realtime WebSocket"] / p95["gRPC StreamingRecognize"] - 1
+        print(f"WebSocket over gRPC at p95: {cost:+.1%}")
 
 
 if __name__ == "__main__":
