@@ -173,9 +173,21 @@ class RealtimeSession:
         model = None
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "realtime.conversation"}
         await self.send(_event("conversation.created", conversation=conversation))
+        ending = asyncio.ensure_future(self.door._service.ending())
         try:
             while True:
-                message = await self.ws.receive(timeout=config.idle_timeout_seconds)
+                receive = asyncio.ensure_future(self.ws.receive())
+                done, _ = await asyncio.wait(
+                    (receive, ending), timeout=config.idle_timeout_seconds,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                if receive not in done:
+                    receive.cancel()
+                    if ending in done:  # the shutdown's grace is over: end with the results
+                        await self._end_now()
+                        return
+                    raise asyncio.TimeoutError
+                message = receive.result()
                 if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     return
                 if message.type == WSMsgType.ERROR:
@@ -203,8 +215,18 @@ class RealtimeSession:
             ))  # fmt: skip
             await self.ws.close()
         finally:
+            ending.cancel()
             if model is not None:
                 self.door._registry.release(model)
+
+    async def _end_now(self) -> None:
+        """The server is stopping: the audio so far gets its final results (the last with
+        is_last_result), and the socket closes with 1001 (going away)."""
+        if self.session is not None and not self.done:
+            self.done = True
+            await self.door._service.finish_stream(self.session)
+            await self._send_results(await self.session.advance(), last=True)
+        await self.ws.close(code=1001, message=b"the server is shutting down")
 
     async def handle(self, event: dict[str, Any], model: Any) -> Any:
         """One client event; returns the model the socket holds (acquired once)."""

@@ -143,6 +143,11 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self._ending = asyncio.Event()  # set: open streams end now, with their final results
         self._warn_malformed = RateLimitedWarning(10.0)
 
+    async def ending(self) -> None:
+        """Returns once open streams are to end with their final results (the end of a
+        shutdown's grace period): for doors with streams of their own to end."""
+        await self._ending.wait()
+
     def end_open_streams(self) -> None:
         """Every open stream stops reading, sends its final results for the audio it has,
         and ends with OK (the end of a shutdown's grace period)."""

@@ -786,3 +786,43 @@ def test_a_silent_realtime_socket_is_closed_after_the_idle_timeout() -> None:
         error, then = asyncio.run(session(url))
     assert error["type"] == "error" and error["error"]["code"] == "idle_timeout"
     assert then == WSMsgType.CLOSE
+
+
+def test_realtime_sockets_end_with_their_results_when_the_grace_ends(clips) -> None:
+    """Shutdown: an open socket keeps going through the grace period, then gets the final
+    result of the audio it sent (is_last_result) and a 1001 close; a new socket is
+    refused (503) meanwhile."""
+    import aiohttp
+
+    _, samples = clips[0]
+    pcm = np.round(np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+
+    async def session(server: BackgroundServer) -> tuple[list[dict], int | None, int]:
+        url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(url, protocols=("realtime",)) as ws:
+                await ws.receive_json(timeout=TIMEOUT)  # conversation.created
+                await ws.send_json({"type": "transcription_session.update", "session": {
+                    "input_audio_format": "pcm16",
+                    "input_audio_params": {"sample_rate_hz": 16000}}})  # fmt: skip
+                await ws.receive_json(timeout=TIMEOUT)
+                for i in range(0, len(pcm), 3200):  # all the audio, but no done
+                    audio = base64.b64encode(pcm[i : i + 3200]).decode()
+                    await ws.send_json({"type": "input_audio_buffer.append", "audio": audio})
+                stopping = threading.Thread(target=server.stop, kwargs=dict(grace=0.5))
+                stopping.start()
+                while get(server, "/readyz")[0] != 503:
+                    await asyncio.sleep(0.02)
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await http.ws_connect(url, protocols=("realtime",))
+                events = []
+                while not events or not events[-1].get("is_last_result"):
+                    events.append(await ws.receive_json(timeout=TIMEOUT))
+                closing = await ws.receive(timeout=TIMEOUT)
+                await asyncio.to_thread(stopping.join, TIMEOUT)
+                return events, closing.data, refused.value.status
+
+    with http_server() as server:
+        events, close_code, refused = asyncio.run(session(server))
+    finals = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+    assert any(finals) and close_code == 1001 and refused == 503
