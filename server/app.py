@@ -222,10 +222,11 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if credentials is None and not _loopback(config.host):
         log.warning(
-            "serving plaintext gRPC on %s, reachable from other machines: audio and transcripts "
-            "cross the network unencrypted (--tls-cert/--tls-key, or a TLS proxy in front)",
-            config.host,
-        )
+            "serving plaintext gRPC%s on %s, reachable from other machines: audio and "
+            "transcripts cross the network unencrypted (--tls-cert/--tls-key, or a TLS proxy "
+            "in front)",
+            " and HTTP" if server.http_port is not None else "", config.host,
+        )  # fmt: skip
     log.info(
         "listening on %s:%d (%s)%s%s", config.host, port,
         "TLS" if config.tls_cert else "plaintext",
