@@ -140,6 +140,8 @@ def start_server(
     if model:
         cmd += ["--model", model]
     cmd += list(extra)
+    if "--http-port" not in cmd:
+        cmd += ["--http-port", "0"]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Server(process, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
 

@@ -1,4 +1,5 @@
-"""`echoic serve`: the gRPC transcription server (Recognize, StreamingRecognize, ListModels)."""
+"""`echoic serve`: the transcription server (gRPC Recognize, StreamingRecognize, ListModels;
+HTTP: OpenAI's /v1/audio/transcriptions)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ C = TypeVar("C")
 
 EXAMPLES = """\
 examples:
-  # the bundled default model on 127.0.0.1:50051
+  # the bundled default model: gRPC on 127.0.0.1:50051, HTTP on 127.0.0.1:8000
   echoic serve
+  curl -F file=@talk.wav -F model=whisper-1 localhost:8000/v1/audio/transcriptions
 
   # one exported model, reachable from other machines, metrics on :9090
   echoic serve --model models/echoic-ds2/3 --host 0.0.0.0 --metrics-port 9090
@@ -49,16 +51,19 @@ _SERVE_MODULES = {
     "grpc_health": "grpcio-health-checking",
     "grpc_reflection": "grpcio-reflection",
     "prometheus_client": "prometheus-client",
+    "aiohttp": "aiohttp",
 }
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve models over gRPC (streaming and batch transcription)",
+        help="serve models over gRPC and HTTP (streaming and batch transcription)",
         description="Serve exported models over gRPC: Recognize (whole audio), "
         "StreamingRecognize\n(bidirectional, interim and final results) and ListModels, "
-        "with health checks,\nreflection, Prometheus metrics, hot reload and TLS.",
+        "with health checks,\nreflection, Prometheus metrics, hot reload and TLS; and over "
+        "HTTP (--http-port):\nOpenAI's POST /v1/audio/transcriptions, /v1/models, /healthz, "
+        "/readyz, /metrics.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

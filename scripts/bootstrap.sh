@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything echoic needs on a fresh Debian machine, idempotently:
-# system packages (speech synthesizers, MPI, sox, fortunes) and a virtual
+# system packages (speech synthesizers, MPI, sox, fortunes, Chromium) and a virtual
 # environment in .venv with echoic installed editable with all extras.
 #   bash scripts/bootstrap.sh            # then: source .venv/bin/activate
 set -euo pipefail
@@ -18,6 +18,9 @@ command -v mpirun >/dev/null || need+=(openmpi-bin)
   || dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev)
 command -v sox >/dev/null || need+=(sox)
 [ -e /usr/share/games/fortunes/fortunes ] || need+=(fortunes fortunes-min)
+# The browser page's test (tests/test_browser.py) drives Debian's Chromium.
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   echo "bootstrap: installing ${need[*]}" >&2

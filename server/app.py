@@ -5,10 +5,11 @@
     await server.stop(grace=5)
 
 `create_server` loads the models, binds the port (0 = any free one), starts the
-gRPC server, the metrics endpoint and the repository poller, and returns once it
-serves. `serve(config)` is the process around it (`echoic serve`): it runs until
-SIGTERM or SIGINT, then stops taking new calls, reports NOT_SERVING to health
-checks and gives the open streams `grace_seconds` to finish.
+gRPC server, the HTTP door (server/http.py, `http_port`), the metrics endpoint and
+the repository poller, all on the caller's event loop, and returns once it serves.
+`serve(config)` is the process around it (`echoic serve`): it runs until SIGTERM
+or SIGINT, then stops taking new calls, reports NOT_SERVING to health checks (and
+503 at /readyz) and gives the open streams `grace_seconds` to finish.
 
 Besides `echoic.v1.Transcriber` the server offers the standard
 `grpc.health.v1.Health` service ("" and "echoic.v1.Transcriber") and server
@@ -20,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,6 +36,9 @@ from echoic.server.config import ServerConfig, ServerError
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.service import TranscriberService, add_to_server
+
+if TYPE_CHECKING:
+    from echoic.server.http import HttpDoor
 
 log = logging.getLogger("echoic.server")
 
@@ -65,6 +71,8 @@ class Server:
         self._executors = executors
         self.port = 0  # gRPC port
         self.metrics_port: int | None = None  # Prometheus port, None when off
+        self.http: HttpDoor | None = None  # the HTTP door, None when off
+        self.http_port: int | None = None  # its port, None when off
         self._stopped = False
 
     async def stop(self, grace: float | None = None) -> None:
@@ -89,6 +97,8 @@ class Server:
             deadline = loop.time() + END_SECONDS
             while self.service.active and loop.time() < deadline:
                 await asyncio.sleep(0.05)
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc_server.stop(0)
         await self.registry.close()
         self.metrics.stop_http()
@@ -99,18 +109,18 @@ class Server:
         await self.grpc_server.wait_for_termination()
 
 
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ServerError(f"{path}: cannot read the {what} ({e.strerror or e})") from e
+
+
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if config.tls_cert is None:
         return None
-
-    def read(path: Path, what: str) -> bytes:
-        try:
-            return Path(path).read_bytes()
-        except OSError as e:
-            raise ServerError(f"{path}: cannot read the {what} ({e.strerror or e})") from e
-
-    cert, key = read(config.tls_cert, "TLS certificate"), read(config.tls_key, "TLS key")
-    client_ca = read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
+    cert, key = _read(config.tls_cert, "TLS certificate"), _read(config.tls_key, "TLS key")
+    client_ca = _read(config.tls_client_ca, "client CA") if config.tls_client_ca else None
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
@@ -160,9 +170,39 @@ def _enable_reflection(grpc_server: grpc.aio.Server, riva: str | None) -> None:
         )
 
 
+def _ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The HTTP door's TLS: gRPC's certificate, key and client CA."""
+    if config.tls_cert is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+        if config.tls_client_ca is not None:
+            context.load_verify_locations(config.tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise ServerError(f"cannot serve HTTP over TLS with {config.tls_cert}: {e}") from e
+    return context
+
+
+def _http_door() -> type[HttpDoor]:
+    try:
+        from echoic.server.http import HttpDoor
+    except ImportError as e:
+        if e.name != "aiohttp":
+            raise
+        raise ServerError(
+            "the HTTP door needs aiohttp: pip install 'echoic[serve]' (or turn HTTP off with "
+            "--http-port 0)"
+        ) from e
+    return HttpDoor
+
+
 async def create_server(config: ServerConfig) -> tuple[Server, int]:
     """Load the models and start serving; returns the running server and its gRPC port."""
     credentials = _credentials(config)  # unreadable certificates fail before any model loads
+    door = _http_door() if config.http_port else None
+    ssl_context = _ssl_context(config) if door is not None else None
     metrics = Metrics()
     # Model calls run here, one at a time per model version; a few versions can overlap.
     executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="echoic-engine")
@@ -206,6 +246,10 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
             port = grpc_server.add_secure_port(address, credentials)
         if config.metrics_port is not None:
             server.metrics_port = metrics.start_http(config.metrics_host, config.metrics_port)
+        if door is not None:
+            http_address = f"{config.host}:{config.http_port}"
+            server.http = door(config, service, registry, metrics)
+            server.http_port = await server.http.start(config.host, config.http_port, ssl_context)
     except BaseException as e:
         await registry.close()
         metrics.stop_http()
@@ -213,6 +257,8 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
             pool.shutdown(wait=False)
         if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
             raise ServerError(f"cannot listen on {address}: {e}") from e
+        if isinstance(e, OSError) and server.http is not None:
+            raise ServerError(f"cannot serve HTTP on {http_address}: {e}") from e
         if isinstance(e, OSError):
             raise ServerError(
                 f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {e}"
@@ -224,12 +270,15 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     if credentials is None and not _loopback(config.host):
         log.warning(
-            "serving plaintext gRPC on %s, reachable from other machines: audio and transcripts "
-            "cross the network unencrypted (--tls-cert/--tls-key, or a TLS proxy in front)",
-            config.host,
-        )
+            "serving plaintext gRPC%s on %s, reachable from other machines: audio and "
+            "transcripts cross the network unencrypted (--tls-cert/--tls-key, or a TLS proxy "
+            "in front)",
+            " and HTTP" if server.http_port is not None else "", config.host,
+        )  # fmt: skip
     log.info(
-        "listening on %s:%d (%s)%s", config.host, port, "TLS" if config.tls_cert else "plaintext",
+        "listening on %s:%d (%s)%s%s", config.host, port,
+        "TLS" if config.tls_cert else "plaintext",
+        f", HTTP on :{server.http_port}" if server.http_port is not None else "",
         f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "",
     )  # fmt: skip
     return server, port

@@ -14,7 +14,7 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
 - FLAC: decoded as it arrives by libsndfile in a thread of its own (`_FlacDecoder`),
   reading from a pipe that `feed` fills, so FLAC streams get interim results like PCM;
   memory holds the bytes not yet decoded, not the stream.
-- OGG (Opus or Vorbis), and other containers detected by ENCODING_UNSPECIFIED:
+- OGG (Opus or Vorbis), and the other containers ENCODING_UNSPECIFIED detects (MP3):
   buffered, decoded by `decode_audio` when the audio ends (libsndfile seeks to an Ogg
   file's end to learn its length, which a stream does not have yet).
 
@@ -74,6 +74,11 @@ def check_format(encoding: str, sample_rate: int | None, channels: int) -> None:
     if sample_rate is not None:
         check_rate(sample_rate, "sample_rate_hertz")
     check_channels(channels, "audio_channel_count", "the channel count")
+
+
+def _is_mp3(head: bytes) -> bool:
+    """An ID3 tag, or an MPEG audio frame's 11-bit sync word."""
+    return head[:3] == b"ID3" or (head[0] == 0xFF and head[1] & 0xE0 == 0xE0)
 
 
 class AudioInput:
@@ -198,10 +203,10 @@ class AudioInput:
             self._mode = "wav-header"
         elif found == "flac":
             self._mode = "flac-header"
-        elif found == "ogg":
+        elif found == "ogg" or (self.encoding == "auto" and _is_mp3(head)):
             self._mode = "buffer"
         else:
-            want = {"auto": "WAV, FLAC or OGG", "wav": "WAV", "flac": "FLAC", "ogg": "OGG"}
+            want = {"auto": "WAV, FLAC, OGG or MP3", "wav": "WAV", "flac": "FLAC", "ogg": "OGG"}
             want = want[self.encoding]
             raise AudioError(
                 f"{self.name}: cannot decode audio: expected {want} but the data starts with "

@@ -21,6 +21,15 @@ from echoic.server.config import ServerConfig
 T = TypeVar("T")
 
 
+async def _cancel_the_rest() -> None:
+    """Cancel what still runs on the loop once the server has stopped, as asyncio.run does
+    at its end (an HTTP connection still discarding the rest of a refused upload)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class BackgroundServer:
     def __init__(self, config: ServerConfig, *, start_timeout: float = 60.0) -> None:
         self.config = config
@@ -47,6 +56,13 @@ class BackgroundServer:
     def metrics_port(self) -> int | None:
         return self.server.metrics_port
 
+    @property
+    def http_url(self) -> str:
+        """http://host:port of the HTTP door (AssertionError when it is off)."""
+        assert self.server.http_port is not None, "the server's HTTP door is off (http_port=0)"
+        host, _ = self.address.rsplit(":", 1)
+        return f"http://{host}:{self.server.http_port}"
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
         """Run a coroutine on the server's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -56,6 +72,7 @@ class BackgroundServer:
             return
         try:
             self.run(self.server.stop(grace), timeout=grace + 30.0)
+            self.run(_cancel_the_rest(), timeout=30.0)
         finally:
             self._close_loop()
 

@@ -77,6 +77,12 @@ class ServerConfig:
         Flag(metavar="PORT"),
     )
     metrics_host: str = setting("127.0.0.1", "address to bind the metrics endpoint to")
+    http_port: int = setting(
+        8000,
+        "HTTP port on --host, with the same TLS: the OpenAI-compatible API "
+        "(/v1/audio/transcriptions, /v1/models), /healthz, /readyz and /metrics; 0 = off",
+        Flag(metavar="PORT"),
+    )
 
     # Batch dispatch (one dispatcher per loaded model version).
     max_batch: int = setting(32, "streams per ONNX Runtime call, count", Flag(metavar="N"))
@@ -130,6 +136,12 @@ class ServerConfig:
         "0 = never",
         Flag("max-connection-age", "S"),
     )
+    max_upload_mb: float = setting(
+        25.0,
+        "largest file an HTTP transcription request may upload, MiB; a bigger one is refused "
+        "(413) as it arrives, never held whole",
+        Flag(metavar="MB"),
+    )
     grace_seconds: float = setting(
         30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
     )
@@ -165,6 +177,8 @@ class ServerConfig:
             (self.poll_seconds >= 0, "poll_seconds must be >= 0"),
             (0 <= self.port <= 65535, "port must be in 0-65535"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "bad metrics_port"),
+            (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),
+            (self.max_upload_mb > 0, "max_upload_mb must be > 0"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
             (self.max_streams >= 1, "max_streams must be >= 1"),

@@ -11,14 +11,24 @@ Names are in base units (seconds, counts) with the prefix `echoic_`:
     echoic_final_result_latency_seconds{method}     end of audio -> final result sent (histogram)
     echoic_real_time_factor{model, version}         compute s per s of audio in a batch (histogram)
     echoic_model_versions_loaded{model, version, state}   1 per loaded version
+    echoic_http_requests_total{route, status}       finished HTTP requests by route and status
+    echoic_http_request_duration_seconds{route}     HTTP request in -> response out (histogram)
+    echoic_realtime_errors_total{code}              error events sent on realtime WebSockets
 
 plus the standard process_* (CPU, memory, open files) and python_* collectors. The
-endpoint answers GET /metrics and nothing else (404).
+endpoint (`start_http`) answers GET /metrics and nothing else (404); the HTTP door
+serves the same registry at its own /metrics (`exposition`).
+
+HTTP routes are the route templates (`/v1/audio/transcriptions`), and a path that
+matches none is counted as `unmatched`, so a scan cannot grow the label set.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+HTTP_TRANSCRIPTIONS = "HTTPTranscriptions"  # the HTTP door's transcriptions, as a method label
+HTTP_REALTIME = "HTTPRealtime"  # its realtime WebSockets, as a method label
 
 
 class Metrics:
@@ -77,7 +87,20 @@ class Metrics:
             "echoic_model_versions_loaded", "Loaded model versions (1 each), by state.",
             ("model", "version", "state"), registry=r,
         )  # fmt: skip
-        for method in ("Recognize", "StreamingRecognize"):
+        self.http_requests = Counter(
+            "echoic_http_requests", "Finished HTTP requests by route and status.",
+            ("route", "status"), registry=r,
+        )  # fmt: skip
+        self.http_latency = Histogram(
+            "echoic_http_request_duration_seconds",
+            "HTTP request received to response sent, seconds, by route.",
+            ("route",), buckets=fast, registry=r,
+        )  # fmt: skip
+        self.realtime_errors = Counter(
+            "echoic_realtime_errors", "Error events sent on realtime WebSockets, by code.",
+            ("code",), registry=r,
+        )  # fmt: skip
+        for method in ("Recognize", "StreamingRecognize", HTTP_TRANSCRIPTIONS, HTTP_REALTIME):
             self.active_streams.labels(method).set(0)
 
     def set_model_state(self, name: str, version: str, state: str | None) -> None:
@@ -90,6 +113,13 @@ class Metrics:
         if state is not None:
             self.model_loaded.labels(name, version, state).set(1)
 
+    def exposition(self, accept: str) -> tuple[bytes, str]:
+        """The registry in the format an Accept header asks for: (body, content type)."""
+        from prometheus_client.exposition import choose_encoder
+
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
+
     def start_http(self, host: str, port: int) -> int:
         """Serve GET /metrics on host:port (0 = any free port) in a thread; returns the port."""
         import socket
@@ -97,17 +127,15 @@ class Metrics:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import urlsplit
 
-        from prometheus_client.exposition import choose_encoder
-
-        registry = self.registry
+        metrics = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if urlsplit(self.path).path != "/metrics":
                     self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
                     return
-                encode, content_type = choose_encoder(self.headers.get("Accept", ""))
-                self._send(200, content_type, encode(registry))
+                body, content_type = metrics.exposition(self.headers.get("Accept", ""))
+                self._send(200, content_type, body)
 
             def _send(self, code: int, content_type: str, body: bytes) -> None:
                 self.send_response(code)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -30,11 +32,20 @@ from echoic.server.config import ServerConfig
 from echoic.server.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
 from echoic.server.models import DecoderError, LoadedModel, ModelLookupError, ModelRegistry
-from echoic.server.session import RequestError, Session, invalid, parse_config
+from echoic.server.session import Options, RequestError, Session, invalid, parse_config
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")
 _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
+
+
+@dataclass
+class Whole:
+    """What recognizing a whole file gives: final results, its length and who answered."""
+
+    results: list[pb.SpeechRecognitionResult]
+    seconds: float  # audio received, s
+    model: LoadedModel
 
 
 class ClientGone(Exception):
@@ -61,7 +72,7 @@ class Malformed:
         )
 
 
-class _RateLimitedWarning:
+class RateLimitedWarning:
     """At most one log line per `seconds`, saying how many were left out since."""
 
     def __init__(self, seconds: float) -> None:
@@ -131,7 +142,12 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self.active = 0  # admitted StreamingRecognize and Recognize calls, count
         self.draining = False  # shutting down: new calls get UNAVAILABLE
         self._ending = asyncio.Event()  # set: open streams end now, with their final results
-        self._warn_malformed = _RateLimitedWarning(10.0)
+        self._warn_malformed = RateLimitedWarning(10.0)
+
+    async def ending(self) -> None:
+        """Returns once open streams are to end with their final results (the end of a
+        shutdown's grace period): for doors with streams of their own to end."""
+        await self._ending.wait()
 
     def end_open_streams(self) -> None:
         """Every open stream stops reading, sends its final results for the audio it has,
@@ -181,22 +197,63 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         opts = parse_config(request.config, max_beam=self._config.max_beam_size)
         if not request.audio_content:
             raise invalid("audio_content is empty: send the whole audio in the request")
+        whole = await self.recognize_whole(opts, request.audio_content, "Recognize")
+        return pb.RecognizeResponse(
+            results=whole.results, audio_processed_seconds=whole.seconds, model=_ref(whole.model)
+        )
+
+    async def recognize_whole(
+        self, opts: Options, audio: bytes, method: str, *, name: str = "audio_content"
+    ) -> Whole:
+        """All of `audio` (a file's bytes) recognized as Recognize does, for any door:
+        the model resolved from `opts`, the final results, the audio's length.
+        `method` labels the final-result latency metric; `name` is the audio's name in
+        error messages."""
         model = self._registry.resolve(opts.model, opts.version)
         self._registry.acquire(model)
         session = None
         try:
             recognizer = await model.recognizer(opts.decoder)
             session = Session(
-                model, recognizer, opts, name="audio_content",
-                max_seconds=self._config.max_audio_seconds,
-            )  # fmt: skip
-            await asyncio.to_thread(self._decode_whole, session, request.audio_content)
+                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds
+            )
+            await asyncio.to_thread(self._decode_whole, session, audio)
             ended = time.perf_counter()
             results = await session.advance()
-            self._metrics.final_latency.labels("Recognize").observe(time.perf_counter() - ended)
-            return pb.RecognizeResponse(
-                results=results, audio_processed_seconds=session.seconds, model=_ref(model)
+            self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
+            return Whole(results, session.seconds, model)
+        finally:
+            self._registry.release(model)
+
+    async def recognize_paced(
+        self,
+        opts: Options,
+        audio: bytes,
+        method: str,
+        *,
+        name: str = "audio_content",
+        step_seconds: float = 0.5,
+    ) -> AsyncIterator[list[pb.SpeechRecognitionResult]]:
+        """All of `audio` (a file's bytes) as a live stream, for a door that shows results
+        as they firm up: decoded at once, then fed `step_seconds` at a time through the
+        batched streaming path; yields each step's results (interim ones as `opts` asks),
+        the last with the final result. The finals are Recognize's (the same stream)."""
+        model = self._registry.resolve(opts.model, opts.version)
+        self._registry.acquire(model)
+        try:
+            recognizer = await model.recognizer(opts.decoder)
+            session = Session(
+                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds
             )
+            samples = await asyncio.to_thread(self._decode_all, session, audio)
+            step = max(1, int(step_seconds * model.card.sample_rate))
+            for start in range(0, len(samples), step):
+                self._accept(session, samples[start : start + step])
+                yield await session.advance()
+            session.finish()
+            ended = time.perf_counter()
+            yield await session.advance()
+            self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
         finally:
             if session is not None:
                 session.audio.close()
@@ -204,15 +261,18 @@ class TranscriberService(pb_grpc.TranscriberServicer):
 
     def _decode_whole(self, session: Session, data: bytes) -> None:
         """In a worker thread: decode all the audio, feed it and finish the stream."""
+        self._accept(session, self._decode_all(session, data))
+        session.finish(features_now=True)  # here, in this worker thread, not in the batch
+
+    @staticmethod
+    def _decode_all(session: Session, data: bytes) -> np.ndarray:
         try:
-            samples = np.concatenate([session.audio.feed(data), session.audio.finish()])
+            return np.concatenate([session.audio.feed(data), session.audio.finish()])
         except AudioTooLong as e:
             raise invalid(
                 f"the audio is {e.length} but this server accepts at most {e.limit:g} s per "
-                "Recognize request: split it, or stream it with StreamingRecognize"
+                "request: split it, or stream it with StreamingRecognize"
             ) from None
-        self._accept(session, samples)
-        session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
         ending = asyncio.ensure_future(self._ending.wait())  # done: end with final results
@@ -267,10 +327,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 if message is grpc.aio.EOF:
                     if context.cancelled():
                         raise ClientGone
-                    # The end decodes what is left (all of a buffered Ogg): off the loop.
-                    finish = partial(self._stream_audio, session.audio.finish)
-                    self._accept(session, await asyncio.to_thread(finish))
-                    session.finish()
+                    await self.finish_stream(session)
                     ended = time.perf_counter()
                 else:
                     kind = message.WhichOneof("streaming_request")
@@ -279,9 +336,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                             "streaming_config was sent twice: send it only in the first "
                             "message, then only audio_content"
                         )
-                    feed = partial(session.audio.feed, message.audio_content)
-                    self._accept(session, self._stream_audio(feed))
-                    self._check_stream_limits(session)
+                    self.feed_stream(session, message.audio_content)
                 for result in await session.advance():
                     response = pb.StreamingRecognizeResponse(
                         results=[result], audio_processed_seconds=session.decoded_seconds, model=ref
@@ -300,6 +355,20 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             if session is not None:
                 session.audio.close()  # a FLAC decoder's thread ends with the call
             self._registry.release(model)
+
+    def feed_stream(self, session: Session, data: bytes) -> None:
+        """A live stream's next bytes, decoded and accepted under the stream limits (any
+        door): OUT_OF_RANGE past --max-audio-seconds, or past max_message_bytes of
+        audio buffered until its end (FLAC)."""
+        self._accept(session, self._stream_audio(partial(session.audio.feed, data)))
+        self._check_stream_limits(session)
+
+    async def finish_stream(self, session: Session) -> None:
+        """A live stream's audio has ended: the rest decoded (buffered audio: off the
+        loop, in a worker thread) and the stream finished."""
+        finish = partial(self._stream_audio, session.audio.finish)
+        self._accept(session, await asyncio.to_thread(finish))
+        session.finish()
 
     @staticmethod
     def _stream_audio(read: Callable[[], np.ndarray]) -> np.ndarray:
@@ -384,24 +453,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         admit: bool = True,
     ) -> T:
         code = grpc.StatusCode.OK
-        admitted = False
         try:
-            if self.draining:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "the server is shutting down: retry the call on another replica",
-                )
-            if admit:
-                if self.active >= self._config.max_streams:
-                    raise RequestError(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the server is at its limit of {self._config.max_streams} concurrent "
-                        "streams and requests: retry later with backoff, or use another replica",
-                    )
-                self.active += 1
-                admitted = True
-                self._metrics.active_streams.labels(method).inc()
-            return await body()
+            self.refuse_if_draining()
+            with self.admitted(method) if admit else nullcontext():
+                return await body()
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -409,7 +464,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             code = grpc.StatusCode.CANCELLED
             return None  # nobody is listening for a status
         except Exception as e:  # noqa: BLE001 - every error becomes a status code here
-            code, message = _status(e)
+            code, message = status_of(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
             elif isinstance(e, MalformedRequest):
@@ -417,16 +472,42 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             await context.abort(code, message)
             raise  # not reached: abort() raises
         finally:
-            if admitted:
-                self.active -= 1
-                self._metrics.active_streams.labels(method).dec()
             self._metrics.requests.labels(method, code.name).inc()
+
+    # ------------------------------------------------------------------ admission, for every door
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: retry the call on another replica",
+            )
+
+    @contextmanager
+    def admitted(self, method: str) -> Iterator[None]:
+        """One call counted against `max_streams` (and in echoic_active_streams{method})
+        while it runs: UNAVAILABLE while draining, RESOURCE_EXHAUSTED at the limit."""
+        self.refuse_if_draining()
+        if self.active >= self._config.max_streams:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the server is at its limit of {self._config.max_streams} concurrent "
+                "streams and requests: retry later with backoff, or use another replica",
+            )
+        self.active += 1
+        self._metrics.active_streams.labels(method).inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self._metrics.active_streams.labels(method).dec()
 
 
 MAX_DETAILS = 1000  # characters of a status message: enough to act on, never a whole input
 
 
-def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code an error becomes, and its message (cut to MAX_DETAILS)."""
     code, message = _status_of(e)
     if len(message) > MAX_DETAILS:
         message = message[: MAX_DETAILS - 20] + " ... (message cut)"

@@ -57,6 +57,8 @@ SYSTEM_TOOLS = {
     "text2wave": "festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts",
     "mpirun": "openmpi-bin",
     "sox": "sox",
+    "chromium": "chromium",
+    "chromedriver": "chromium-driver",  # the browser page's test
 }
 
 

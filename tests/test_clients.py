@@ -49,7 +49,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def start_server(model_dir: Path, port: int = 0) -> BackgroundServer:
     return BackgroundServer(
-        ServerConfig(model_dir=model_dir, port=port, max_batch=8, grace_seconds=1.0)
+        ServerConfig(model_dir=model_dir, port=port, http_port=0, max_batch=8, grace_seconds=1.0)
     )
 
 
@@ -209,8 +209,8 @@ def test_paced_releases_each_chunk_when_its_audio_has_happened() -> None:
 
 def test_mutual_tls(tiny_model_dir: Path, certificates, wavs) -> None:  # noqa: F811
     tls = dict(tls_cert=certificates["server.pem"], tls_key=certificates["server.key"])
-    config = ServerConfig(model_dir=tiny_model_dir, port=0, tls_client_ca=certificates["ca.pem"],
-                          **tls)  # fmt: skip
+    config = ServerConfig(model_dir=tiny_model_dir, port=0, http_port=0,
+                          tls_client_ca=certificates["ca.pem"], **tls)  # fmt: skip
     files = (("tls_ca", "ca.pem"), ("tls_cert", "client.pem"), ("tls_key", "client.key"))
     mine = {k: str(certificates[f]) for k, f in files}
     with BackgroundServer(config) as server:

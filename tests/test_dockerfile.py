@@ -86,7 +86,7 @@ def test_serving_stages_run_as_non_root(stage: str) -> None:
 def test_serving_stages_expose_and_check_health(stage: str) -> None:
     steps = _stages()[stage]
     exposed = {p for ins, args in steps if ins == "EXPOSE" for p in args.split()}
-    assert exposed == {"50051", "9090"}
+    assert exposed == {"50051", "8000", "9090"}
     assert sum(ins == "HEALTHCHECK" for ins, _ in steps) == 1
 
 
@@ -100,6 +100,7 @@ def test_entrypoints_are_what_echoic_serve_accepts(stage: str) -> None:
     assert entrypoint[:2] == ["echoic", "serve"]
     config = from_flags(ServerConfig, build_parser().parse_args(entrypoint[1:]))
     assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, 9090)
+    assert config.http_port == 8000
     assert config.providers == (CUDA_THEN_CPU if stage == "gpu" else CPU)
 
 
@@ -122,7 +123,7 @@ def test_healthcheck_asks_a_real_server(tiny_model_dir: Path) -> None:
         code = command[2].replace("127.0.0.1:50051", target)
         return subprocess.run([sys.executable, "-c", code], timeout=60).returncode
 
-    with BackgroundServer(ServerConfig(model_dir=tiny_model_dir, port=0)) as server:
+    with BackgroundServer(ServerConfig(model_dir=tiny_model_dir, port=0, http_port=0)) as server:
         assert check(server.address) == 0
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

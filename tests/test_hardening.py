@@ -253,10 +253,11 @@ def test_unbounded_input_is_never_echoed(stub, config) -> None:
 
 
 def test_status_messages_are_cut_to_a_readable_size() -> None:
-    from echoic.server.service import MAX_DETAILS, _status
+    from echoic.server.service import MAX_DETAILS
+    from echoic.server.service import status_of as server_status_of
     from echoic.server.session import invalid
 
-    code, message = _status(invalid("x" * 50_000))
+    code, message = server_status_of(invalid("x" * 50_000))
     assert code == Code.INVALID_ARGUMENT and len(message) <= MAX_DETAILS
     assert message.endswith("(message cut)")
 
@@ -384,7 +385,9 @@ def test_shutdown_that_a_load_balancer_can_follow(tiny_model_dir) -> None:
         release.wait(60)  # does not half-close: the server must end the stream
 
     server = BackgroundServer(
-        ServerConfig(model_dir=tiny_model_dir, port=0, intra_op_threads=1, grace_seconds=1.0)
+        ServerConfig(
+            model_dir=tiny_model_dir, port=0, http_port=0, intra_op_threads=1, grace_seconds=1.0
+        )
     )
     try:
         with channel_to(server) as channel:

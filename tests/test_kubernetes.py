@@ -113,8 +113,8 @@ def test_the_deployment_agrees_with_the_server_and_the_image() -> None:
         "AS serve")[1]).group(1)  # fmt: skip
     flags = [a.strip().strip('"') for a in entrypoint.split(",")][2:]  # after "echoic", "serve"
     args = build_parser().parse_args(["serve", *flags, *container["args"]])
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
-    assert ports == {"grpc": 50051, "metrics": 9090}
+    assert ports == {"grpc": args.port, "http": args.http_port, "metrics": args.metrics_port}
+    assert ports == {"grpc": 50051, "http": 8000, "metrics": 9090}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container[probe]["grpc"]["port"] == args.port
     assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME

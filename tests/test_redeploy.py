@@ -212,7 +212,10 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
         assert "an export: weights rebuilt" in log
     assert (runs[0] / "last.pt").read_bytes() == (runs[1] / "last.pt").read_bytes()
 
-    with serve_process("--poll-seconds", "0.5") as (process, port, server_log):
+    # The paused stream sends nothing while the export runs (tens of seconds on a busy
+    # machine): a generous idle limit and call deadline keep it open for that.
+    flags = ("--poll-seconds", "0.5", "--idle-timeout-seconds", "900")
+    with serve_process(*flags) as (process, port, server_log):
         target = f"127.0.0.1:{port}"
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.TranscriberStub(channel)
@@ -238,7 +241,7 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
                 call = stub.StreamingRecognize(
                     stream_messages(pcm16(audio), linear16(), interim=True,
                                     pause=(third, release)),
-                    timeout=120,
+                    timeout=900,
                 )  # fmt: skip
                 first = next(call)  # the stream is open on version 1
                 assert first.model.version == "1"

@@ -19,10 +19,10 @@ from echoic.server.config import CUDA_THEN_CPU, ServerConfig
 # The flags README.md, the Dockerfile, bench/ and the tests use: each must stay.
 FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
-    "--metrics-port",
+    "--metrics-port", "--http-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--gpu", "--max-streams",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
-    "--max-message-bytes",
+    "--max-message-bytes", "--max-upload-mb",
     "--max-connection-age", "--grace-seconds", "--no-reflection", "--expose-paths",
     "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level", "-h", "--help",
 }  # fmt: skip

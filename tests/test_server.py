@@ -124,7 +124,8 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> Non
 @contextmanager
 def running(model_dir: Path | None = None, **overrides) -> Iterator[BackgroundServer]:
     """A server on 127.0.0.1:<free port>, one ONNX thread, stopped on exit."""
-    settings = dict(port=0, intra_op_threads=1, idle_timeout_seconds=10.0, grace_seconds=0.0)
+    settings = dict(port=0, http_port=0, intra_op_threads=1, idle_timeout_seconds=10.0,
+                    grace_seconds=0.0)  # fmt: skip
     if model_dir is not None:
         settings["model_dir"] = model_dir
     settings.update(overrides)
@@ -1010,9 +1011,12 @@ def _refused(stub) -> bool:
 @contextmanager
 def serve_process(*flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
     """A real `echoic serve FLAGS --port 0` process: (process, its port, its log lines so
-    far, which grow until the process ends and are complete on exit); killed if alive."""
+    far, which grow until the process ends and are complete on exit); killed if alive.
+    HTTP is off unless FLAGS give --http-port."""
     command = [sys.executable, "-m", "echoic.cli.main", "serve", *flags, "--port", "0",
                "--threads", "1"]  # fmt: skip
+    if "--http-port" not in flags:
+        command += ["--http-port", "0"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     log: list[str] = []

@@ -1,0 +1,353 @@
+"""The HTTP door (aiohttp, on the gRPC server's event loop): OpenAI's audio API, health, metrics.
+
+    POST /v1/audio/transcriptions   a file -> its transcript (server/openai_api.py's shapes)
+    GET  /v1/models                 the served model names; /v1/models/{model} one of them
+    GET  /healthz                   200 while the process runs
+    GET  /readyz                    200 while a model is loaded and the server is not draining
+                                    (gRPC health says SERVING), else 503
+    GET  /metrics                   the server's Prometheus registry
+    GET  /                          a browser page (static/index.html): the microphone live
+                                    over the realtime WebSocket, a file, txt/srt downloads
+    POST /v1/realtime/transcription_sessions, GET /v1/realtime: server/realtime.py
+
+A door, thin as ARCHITECTURE.md asks: a transcription is admitted by the gRPC
+service's own `admitted` (the same `--max-streams` count and the same refusal
+while draining), turned into a `RecognitionConfig` and through `parse_config`
+into `Options`, and recognized by `TranscriberService.recognize_whole`, the
+function gRPC Recognize calls; so the same audio gives the same transcript on
+either door. Errors are OpenAI's error JSON with the HTTP status that fits the
+gRPC code the same error would get (`status_of`); nothing answers with a
+traceback. Every request is counted by route and status, with its latency.
+
+The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
+413 as soon as that many bytes have arrived (at once when its Content-Length or
+`Expect: 100-continue` says so), and a client that sends nothing for
+`--idle-timeout-seconds` gets 408.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from aiohttp import BodyPartReader, ClientError, web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from echoic.server.config import ServerConfig
+from echoic.server.metrics import HTTP_TRANSCRIPTIONS, Metrics
+from echoic.server.models import ModelRegistry
+from echoic.server.openai_api import (
+    MAX_FIELD_BYTES,
+    ApiError,
+    TextDeltas,
+    api_error,
+    bad,
+    model_list,
+    recognition_config,
+    render,
+    segments_of,
+    sse,
+    transcription_request,
+)
+from echoic.server.realtime import RealtimeDoor
+from echoic.server.service import RateLimitedWarning, TranscriberService
+from echoic.server.session import Options, parse_config
+
+log = logging.getLogger("echoic.server")
+
+CHUNK = 64 * 1024  # bytes read from an upload at a time
+MAX_FIELDS = 32  # form fields besides the file, count
+FORM_SLACK = MAX_FIELDS * MAX_FIELD_BYTES  # bytes a form may hold besides the file
+UNMATCHED = "unmatched"  # the route label of a path that matches no route
+PAGE = Path(__file__).parent / "static" / "index.html"  # the browser page, self-contained
+SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get to end
+
+
+class HttpDoor:
+    """The HTTP server of one echoic server; `start` binds it, `stop` closes it."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        service: TranscriberService,
+        registry: ModelRegistry,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._service = service
+        self._registry = registry
+        self._metrics = metrics
+        self._runner: web.AppRunner | None = None
+        self._warn = RateLimitedWarning(10.0)
+        self.upload_limit = int(config.max_upload_mb * 2**20)  # bytes of the file
+        self._started = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def application(self) -> web.Application:
+        app = web.Application(middlewares=[self._account])
+        app.router.add_post(
+            "/v1/audio/transcriptions", self.transcriptions, expect_handler=self._expect
+        )
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/", self.page)
+        RealtimeDoor(self._config, self._service, self._registry, self._metrics).add_routes(
+            app.router
+        )
+        return app
+
+    async def start(self, host: str, port: int, ssl_context: Any = None) -> int:
+        """Listen on host:port (TLS with `ssl_context`); returns the port."""
+        runner = web.AppRunner(
+            self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS
+        )
+        await runner.setup()
+        site = web.TCPSite(
+            runner, host.strip("[]"), port, ssl_context=ssl_context, reuse_port=False
+        )
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        return runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # ------------------------------------------------------------------ accounting
+
+    def _route(self, request: web.Request) -> str:
+        resource = request.match_info.route.resource
+        return resource.canonical if resource is not None else UNMATCHED
+
+    def _count(self, request: web.Request, status: int, started: float) -> None:
+        route = self._route(request)
+        self._metrics.http_requests.labels(route, str(status)).inc()
+        self._metrics.http_latency.labels(route).observe(time.perf_counter() - started)
+
+    def _refuse(self, request: web.Request, e: ApiError) -> web.Response:
+        """OpenAI's error JSON for `e`, with one (rate-limited) log line."""
+        if e.status >= 500 and e.status != 503:
+            log.error("HTTP %s %s: %s", request.method, request.path, e.message)
+        else:
+            self._warn(
+                "HTTP %d %s %s from %s: %s",
+                e.status, request.method, request.path, request.remote, e.message,
+            )  # fmt: skip
+        return web.json_response(e.body(), status=e.status)
+
+    @web.middleware
+    async def _account(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        started = time.perf_counter()
+        response: web.StreamResponse | None = None
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = self._refuse(request, e)
+        except web.HTTPException as e:  # aiohttp's own: no such route, wrong method
+            response = self._refuse(request, ApiError(e.status, f"{e.reason}: {request.path}"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every error becomes OpenAI's error JSON
+            error = api_error(e)
+            if error.status == 500:
+                log.exception("HTTP %s %s failed", request.method, request.path)
+            response = self._refuse(request, error)
+        finally:
+            # None: the client went away before an answer (499, nginx's number for it)
+            self._count(request, 499 if response is None else response.status, started)
+        return response
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue`: refuse a declared oversize upload before it is sent."""
+        if (request.content_length or 0) > self.upload_limit + FORM_SLACK:
+            response = self._refuse(request, self._too_large())
+            self._count(request, response.status, time.perf_counter())
+            return response
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return None  # aiohttp answers other expectations itself
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes are still to come
+        return None
+
+    # ------------------------------------------------------------------ routes
+
+    async def transcriptions(self, request: web.Request) -> web.Response:
+        with self._service.admitted(HTTP_TRANSCRIPTIONS):
+            fields, audio = await self._read_form(request)
+            if audio is None:
+                raise bad(
+                    "the form has no file field: send the audio as a file named `file` "
+                    "(curl -F file=@audio.wav)",
+                    "file", "missing_file",
+                )  # fmt: skip
+            if not audio:
+                raise bad("the uploaded file is empty (0 bytes)", "file", "empty_file")
+            asked = transcription_request(fields)
+            opts = parse_config(
+                recognition_config(asked), max_beam=self._config.max_beam_size,
+                interim=asked.stream,
+            )  # fmt: skip
+            if asked.stream:
+                return await self._events(request, opts, bytes(audio))
+            whole = await self._service.recognize_whole(
+                opts, bytes(audio), HTTP_TRANSCRIPTIONS, name="file"
+            )
+        body, content_type = render(asked, segments_of(whole.results), whole.seconds)
+        headers = {"X-Echoic-Model": f"{whole.model.name}/{whole.model.version}"}
+        if isinstance(body, str):
+            return web.Response(text=body, content_type=content_type, headers=headers)
+        return web.json_response(body, headers=headers)
+
+    async def _events(
+        self, request: web.Request, opts: Options, audio: bytes
+    ) -> web.StreamResponse:
+        """stream=true: `transcript.text.delta` events as words firm up, then
+        `transcript.text.done`. Errors before the first event (undecodable audio, limits)
+        are plain error responses; later ones end the stream with an `error` event."""
+        results = self._service.recognize_paced(opts, audio, HTTP_TRANSCRIPTIONS, name="file")
+        async with aclosing(results):
+            step = await anext(results)  # the audio is decoded by now
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            deltas = TextDeltas()
+            try:
+                while True:
+                    for delta in deltas.add(step):
+                        await response.write(sse({"type": "transcript.text.delta", "delta": delta}))
+                    try:
+                        step = await anext(results)
+                    except StopAsyncIteration:
+                        break
+                await response.write(sse({"type": "transcript.text.done", "text": deltas.text}))
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the status line is sent: an event says it
+                error = api_error(e)
+                if error.status == 500:
+                    log.exception("HTTP %s %s failed", request.method, request.path)
+                await response.write(sse({"type": "error", **error.body()}))
+            await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(model_list(sorted(self._registry.serving), self._created()))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self._registry.serving:
+            raise ApiError(
+                404, f"model {name!r} is not served here: GET /v1/models lists what is",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return web.json_response(model_list([name], self._created())["data"][0])
+
+    def _created(self) -> int:
+        """The OpenAI model object's `created`: when this server started, s since the epoch."""
+        return int(self._started)
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The browser page: live transcription from the microphone, a file, downloads."""
+        return web.Response(body=PAGE.read_bytes(), content_type="text/html", charset="utf-8")
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self._service.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self._registry.serving:
+            return web.json_response({"status": "no model loaded"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        body, content_type = self._metrics.exposition(request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    # ------------------------------------------------------------------ the upload
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"the file is over this server's limit of {self._config.max_upload_mb:g} MiB "
+            "(--max-upload-mb): split the audio, or stream it",
+            param="file", code="file_too_large",
+        )  # fmt: skip
+
+    async def _read_form(
+        self, request: web.Request
+    ) -> tuple[dict[str, list[str]], bytearray | None]:
+        """The form's fields (name -> values) and the file's bytes (None: no file field)."""
+        if request.content_type != "multipart/form-data":
+            raise ApiError(
+                415,
+                "send the request as multipart/form-data with the audio in a file field named "
+                f"`file` (curl -F file=@audio.wav), not {request.content_type or 'no type'}",
+                code="unsupported_media_type",
+            )  # fmt: skip
+        if (request.content_length or 0) > self.upload_limit + FORM_SLACK:
+            raise self._too_large()
+        fields: dict[str, list[str]] = {}
+        audio: bytearray | None = None
+        try:
+            reader = await request.multipart()
+            while (part := await self._idle_bound(reader.next())) is not None:
+                if not isinstance(part, BodyPartReader) or not part.name:
+                    raise bad("a form part has no name, or is itself multipart: not a form")
+                if part.name == "file":
+                    if audio is not None:
+                        raise bad("the form has two file fields: send one file", "file")
+                    audio = await self._read_part(part, self.upload_limit)
+                    continue
+                if sum(map(len, fields.values())) >= MAX_FIELDS:
+                    raise bad(f"the form has more than {MAX_FIELDS} fields")
+                value = await self._read_part(part, MAX_FIELD_BYTES)
+                try:
+                    fields.setdefault(part.name, []).append(value.decode())
+                except UnicodeDecodeError:
+                    raise bad(f"form field {part.name} is not UTF-8 text", part.name) from None
+        except (ValueError, AssertionError, ConnectionError, ClientError, HttpProcessingError) as e:
+            raise bad(
+                f"the multipart body is malformed or was cut short ({e or type(e).__name__}): "
+                "send a complete multipart/form-data request"
+            ) from None
+        return fields, audio
+
+    async def _read_part(self, part: BodyPartReader, limit: int) -> bytearray:
+        data = bytearray()
+        while chunk := await self._idle_bound(part.read_chunk(CHUNK)):
+            data += chunk
+            if len(data) > limit:
+                if part.name == "file":
+                    raise self._too_large()
+                raise bad(f"form field {part.name} is over {limit} bytes", part.name)
+        return data
+
+    async def _idle_bound(self, read: Awaitable[Any]) -> Any:
+        """`read`, or 408 when the client sends nothing for the idle timeout."""
+        idle = self._config.idle_timeout_seconds
+        try:
+            return await asyncio.wait_for(read, idle)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408,
+                f"the upload sent nothing for {idle:g} s: send the request at once",
+                code="request_timeout",
+            ) from None

@@ -1,0 +1,323 @@
+"""The OpenAI audio API's shapes, for the HTTP door (server/http.py): request fields in,
+transcripts out, errors in OpenAI's one error shape.
+
+POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
+
+    file                      the audio: WAV, FLAC, OGG (Vorbis/Opus) or MP3, as a file
+    model                     an echoic model name; OpenAI's names (OPENAI_MODELS) and ""
+                              mean the server's default model
+    language                  "en" (or "en-US", ...) or empty; the models speak English only
+    prompt, temperature       accepted and ignored: a CTC model has no prompt and no sampling
+    response_format           json | text | srt | vtt | verbose_json
+    timestamp_granularities[] word | segment, with verbose_json only (default: segment)
+    stream                    "true": server-sent events, `transcript.text.delta` as
+                              words firm up, then `transcript.text.done` (TextDeltas)
+
+A segment is one utterance (the server cuts the audio at pauses: ENDPOINTING), and
+its text is what gRPC Recognize gives for that utterance with the same endpointing.
+verbose_json's per-segment numbers that only a Whisper-style decoder has are filled
+from what echoic has: `avg_logprob` is the log of the utterance's confidence,
+`compression_ratio` the text's zlib ratio (as Whisper computes it), `tokens` empty,
+`no_speech_prob` 0 (an utterance exists only where words were heard), `temperature` 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.models import ModelLookupError
+from echoic.server.service import status_of
+
+OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
+RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+GRANULARITIES = ("word", "segment")
+ENDPOINTING = pb.EndpointingConfig(trailing_silence_ms=800, max_utterance_ms=30_000)
+# ms: a pause of 0.8 s ends a segment, and none runs past 30 s (subtitle-sized pieces)
+MAX_FIELD_BYTES = 64 * 1024  # a form field other than the file, bytes
+
+
+class ApiError(Exception):
+    """A request the HTTP door refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,  # noqa: A002 - OpenAI's field name
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message, "type": self.type, "param": self.param,
+                "code": self.code,
+            }
+        }  # fmt: skip
+
+
+_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+def api_error(e: Exception) -> ApiError:
+    """The HTTP error an exception from below the door becomes."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ModelLookupError):
+        return ApiError(404, str(e), param="model", code="model_not_found")
+    code, message = status_of(e)
+    return ApiError(_HTTP_STATUS.get(code, 500), message, code=code.name.lower())
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class TranscriptionRequest:
+    """The form fields of one transcription request, checked."""
+
+    model: str  # echoic model name; "" = the server's default
+    response_format: str  # one of RESPONSE_FORMATS
+    words: bool  # verbose_json lists words with their times
+    segments: bool  # verbose_json lists segments
+    stream: bool  # answer as server-sent events
+
+
+def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionRequest:
+    """The checked request that multipart form `fields` (name -> values) describe."""
+
+    def one(name: str, default: str = "") -> str:
+        values = fields.get(name, [])
+        if len(values) > 1:
+            raise bad(f"{name} was given {len(values)} times: give it once", name)
+        return values[0].strip() if values else default
+
+    model = one("model")
+    if model in OPENAI_MODELS:
+        model = ""
+    language = one("language").lower()
+    if language and language != "en" and not language.startswith("en-"):
+        raise bad(
+            f"language {language!r} is not served: these models transcribe English; "
+            "send language=en or leave it out",
+            "language", "unsupported_language",
+        )  # fmt: skip
+    temperature = one("temperature", "0")
+    try:
+        if not 0.0 <= float(temperature) <= 1.0:
+            raise ValueError
+    except ValueError:
+        raise bad(
+            f"temperature must be a number from 0 to 1, got {temperature!r} (it is ignored: "
+            "a CTC model does not sample)",
+            "temperature",
+        ) from None
+    response_format = one("response_format", "json")
+    if response_format not in RESPONSE_FORMATS:
+        raise bad(
+            f"response_format {response_format!r} is not one of {', '.join(RESPONSE_FORMATS)}",
+            "response_format",
+        )
+    granularities = fields.get("timestamp_granularities[]", []) + fields.get(
+        "timestamp_granularities", []
+    )
+    for g in granularities:
+        if g not in GRANULARITIES:
+            raise bad(
+                f"timestamp_granularities[] {g!r} is not one of {', '.join(GRANULARITIES)}",
+                "timestamp_granularities[]",
+            )
+    if granularities and response_format != "verbose_json":
+        raise bad(
+            "timestamp_granularities[] needs response_format=verbose_json",
+            "timestamp_granularities[]",
+        )
+    stream = one("stream", "false").lower()
+    if stream not in ("true", "false"):
+        raise bad(f"stream must be true or false, got {stream!r}", "stream")
+    return TranscriptionRequest(
+        model=model,
+        response_format=response_format,
+        words="word" in granularities,
+        segments="segment" in granularities or not granularities,
+        stream=stream == "true",
+    )
+
+
+def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
+    """The gRPC config that asks Recognize for what this request asks."""
+    return pb.RecognitionConfig(
+        model=request.model, enable_word_time_offsets=True, endpointing=ENDPOINTING
+    )
+
+
+# ---------------------------------------------------------------------- responses
+
+
+@dataclass
+class Word:
+    word: str
+    start: float  # s from the start of the audio
+    end: float  # s
+
+
+@dataclass
+class Segment:
+    id: int
+    start: float  # s from the start of the audio
+    end: float  # s
+    text: str
+    confidence: float  # 0-1
+    words: list[Word] = field(default_factory=list)
+
+
+def segments_of(results: list[pb.SpeechRecognitionResult]) -> list[Segment]:
+    """One segment per final result with words (an utterance), in order."""
+    out = []
+    for r in results:
+        best = r.alternatives[0] if r.alternatives else None
+        if not r.is_final or best is None or not best.transcript:
+            continue
+        words = [Word(w.word, round(w.start_time, 3), round(w.end_time, 3)) for w in best.words]
+        out.append(
+            Segment(
+                id=len(out), start=round(r.utterance_start_time, 3),
+                end=round(r.utterance_end_time, 3), text=best.transcript,
+                confidence=best.confidence, words=words,
+            )
+        )  # fmt: skip
+    return out
+
+
+def text_of(segments: list[Segment]) -> str:
+    return " ".join(s.text for s in segments)
+
+
+def render(
+    request: TranscriptionRequest, segments: list[Segment], duration: float
+) -> tuple[Any, str]:
+    """The response body for `request.response_format`: (a JSON value or text, content type)."""
+    kind = request.response_format
+    if kind == "json":
+        return {"text": text_of(segments)}, "application/json"
+    if kind == "text":
+        return text_of(segments) + "\n", "text/plain"
+    if kind == "srt":
+        return srt(segments), "application/x-subrip"
+    if kind == "vtt":
+        return vtt(segments), "text/vtt"
+    body: dict[str, Any] = {
+        "task": "transcribe", "language": "english", "duration": duration,
+        "text": text_of(segments),
+    }  # fmt: skip
+    if request.segments:
+        body["segments"] = [_verbose_segment(s) for s in segments]
+    if request.words:
+        body["words"] = [asdict(w) for s in segments for w in s.words]
+    return body, "application/json"
+
+
+def _verbose_segment(s: Segment) -> dict[str, Any]:
+    raw = s.text.encode()
+    return {
+        "id": s.id, "seek": 0, "start": s.start, "end": s.end, "text": s.text, "tokens": [],
+        "temperature": 0.0, "avg_logprob": math.log(max(s.confidence, 1e-10)),
+        "compression_ratio": len(raw) / len(zlib.compress(raw)), "no_speech_prob": 0.0,
+    }  # fmt: skip
+
+
+def _clock(seconds: float, separator: str) -> str:
+    ms = round(seconds * 1000)
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{separator}{ms:03d}"
+
+
+def srt(segments: list[Segment]) -> str:
+    return "".join(
+        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n\n"
+        for i, s in enumerate(segments, 1)
+    )
+
+
+def vtt(segments: list[Segment]) -> str:
+    cues = "".join(
+        f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n\n" for s in segments
+    )
+    return "WEBVTT\n\n" + cues
+
+
+class TextDeltas:
+    """`stream=true`: the transcript as deltas, from a live stream's results. A delta is
+    the words that firmed up since the last one: an interim result's stable words (for
+    greedy decoding, words a space has closed, which later results never change) and a
+    final result's rest. Joined, the deltas are the final text."""
+
+    def __init__(self) -> None:
+        self.finals: list[str] = []  # final transcripts of the utterances so far
+        self._sent = 0  # words of the current utterance already sent
+
+    @property
+    def text(self) -> str:
+        return " ".join(t for t in self.finals if t)
+
+    def add(self, results: list[pb.SpeechRecognitionResult]) -> list[str]:
+        """The deltas these results add (in order; none when nothing firmed up)."""
+        out = []
+        for r in results:
+            transcript = r.alternatives[0].transcript if r.alternatives else ""
+            words = transcript.split()
+            firm = words if r.is_final else words[: r.stable_words]
+            if len(firm) > self._sent:
+                lead = " " if self.text or self._sent else ""
+                out.append(lead + " ".join(firm[self._sent :]))
+                self._sent = len(firm)
+            if r.is_final:
+                self.finals.append(transcript)
+                self._sent = 0
+        return out
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `event` as JSON (OpenAI's streams: data lines only)."""
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def model_list(names: list[str], created: int) -> dict[str, Any]:
+    """GET /v1/models: the served model names (OpenAI's list of model objects)."""
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "echoic"}
+            for name in names
+        ],
+    }

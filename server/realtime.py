@@ -1,0 +1,412 @@
+"""Live transcription over a WebSocket, in OpenAI's Realtime transcription protocol as
+NVIDIA Riva's `riva.client.realtime.RealtimeClientASR` speaks it (part of the HTTP door).
+
+    POST /v1/realtime/transcription_sessions   mint a session: its defaults and a
+                                               client secret (`client_secret.value`)
+    GET  /v1/realtime?intent=transcription     the WebSocket; subprotocol `realtime`,
+                                               with `realtime-token.<secret>` beside it
+
+Server -> client: `conversation.created` on connect; `transcription_session.updated`;
+`input_audio_buffer.committed`; `conversation.item.input_audio_transcription.delta`
+(the words that firmed up, as `transcript.text.delta` does over HTTP) and `.completed`
+(one per utterance: `transcript`, `words_info.words` with times in ms,
+`is_last_result` on the last one, after `input_audio_buffer.done`); `error`.
+
+Client -> server: `transcription_session.update` (`input_audio_format` "pcm16" =
+raw PCM16 at `input_audio_params.sample_rate_hz`/`num_channels`, or "none" = the
+bytes of a file with its header: WAV streams, FLAC is decoded at the end;
+`input_audio_transcription.model`/`language`; `recognition_config.enable_word_time_offsets`;
+`endpointing_config.stop_history` = ms of trailing silence that ends an utterance),
+then `input_audio_buffer.append` (base64 audio), `.commit` and `.done`.
+
+A socket is one stream of the shared engine: admitted by the gRPC service's count
+(`--max-streams`, refused while draining), its audio through `AudioInput` and
+`Session` like StreamingRecognize's, so its final transcripts are StreamingRecognize's.
+A client mistake (JSON that does not parse, audio before the update, audio after
+`.done`, a bad field) is answered with an `error` event, counted in
+echoic_realtime_errors_total{code} and logged (rate-limited); the socket stays open.
+A socket silent for --idle-timeout-seconds gets an error event and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import secrets
+import time
+import uuid
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.config import ServerConfig
+from echoic.server.metrics import HTTP_REALTIME, Metrics
+from echoic.server.models import ModelRegistry
+from echoic.server.openai_api import ENDPOINTING, OPENAI_MODELS, ApiError, TextDeltas, api_error
+from echoic.server.service import RateLimitedWarning, TranscriberService
+from echoic.server.session import Session, parse_config
+
+log = logging.getLogger("echoic.server")
+
+SUBPROTOCOL = "realtime"
+TOKEN_PREFIX = "realtime-token."
+SECRET_SECONDS = 600  # s a minted client secret stays valid for opening a socket
+MAX_SECRETS = 10_000  # minted secrets remembered at once, count (the oldest go first)
+
+
+class ClientMistake(Exception):
+    """Something a client sent wrong on the socket: an `error` event, and the socket goes on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _event(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"event_id": f"event_{uuid.uuid4().hex}", "type": kind, **fields}
+
+
+class RealtimeDoor:
+    def __init__(
+        self,
+        config: ServerConfig,
+        service: TranscriberService,
+        registry: ModelRegistry,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._service = service
+        self._registry = registry
+        self._metrics = metrics
+        self._secrets: dict[str, float] = {}  # client secret -> when it expires (time.time())
+        self._warn = RateLimitedWarning(10.0)
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/realtime/transcription_sessions", self.mint)
+        router.add_get("/v1/realtime", self.socket)
+
+    # ------------------------------------------------------------------ minting
+
+    def _defaults(self) -> dict[str, Any]:
+        """A session's settings before any update (what the mint answers)."""
+        return {
+            "object": "realtime.transcription_session",
+            "modalities": ["text"],
+            "input_audio_format": "pcm16",
+            "input_audio_params": {"sample_rate_hz": 16000, "num_channels": 1},
+            "input_audio_transcription": {"model": "", "language": "en-US", "prompt": ""},
+            "recognition_config": {"max_alternatives": 1, "enable_word_time_offsets": False},
+            "endpointing_config": {"stop_history": ENDPOINTING.trailing_silence_ms},
+        }
+
+    async def mint(self, request: web.Request) -> web.Response:
+        now = time.time()
+        for secret in [s for s, expires in self._secrets.items() if expires < now]:
+            del self._secrets[secret]
+        while len(self._secrets) >= MAX_SECRETS:
+            del self._secrets[next(iter(self._secrets))]
+        secret = secrets.token_urlsafe(24)
+        self._secrets[secret] = now + SECRET_SECONDS
+        session = {
+            "id": f"sess_{uuid.uuid4().hex}", **self._defaults(),
+            "client_secret": {"value": secret, "expires_at": int(now + SECRET_SECONDS)},
+        }  # fmt: skip
+        return web.json_response(session)
+
+    def _check_token(self, request: web.Request) -> None:
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        tokens = [p[len(TOKEN_PREFIX) :] for p in offered if p.startswith(TOKEN_PREFIX)]
+        for token in tokens:
+            if self._secrets.get(token, 0.0) < time.time():
+                raise ApiError(
+                    401,
+                    "the realtime-token is not one this server minted, or it has expired: "
+                    "POST /v1/realtime/transcription_sessions for a new client secret",
+                    code="invalid_client_secret",
+                )  # fmt: skip
+
+    # ------------------------------------------------------------------ the socket
+
+    async def socket(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("intent", "transcription") != "transcription":
+            raise ApiError(
+                400, "this server transcribes only: connect with ?intent=transcription",
+                param="intent",
+            )  # fmt: skip
+        self._check_token(request)
+        with self._service.admitted(HTTP_REALTIME):
+            ws = web.WebSocketResponse(
+                protocols=(SUBPROTOCOL,), max_msg_size=self._config.max_message_bytes
+            )
+            await ws.prepare(request)
+            await RealtimeSession(self, ws, request.remote or "").run()
+            return ws
+
+    def mistake(self, code: str, message: str, peer: str) -> dict[str, Any]:
+        self._metrics.realtime_errors.labels(code).inc()
+        self._warn("realtime error %s from %s: %s", code, peer, message)
+        return _event("error", error={"type": "invalid_request_error", "code": code,
+                                      "message": message, "param": None})  # fmt: skip
+
+
+class RealtimeSession:
+    """One WebSocket: its settings, its stream, the events it has sent."""
+
+    def __init__(self, door: RealtimeDoor, ws: web.WebSocketResponse, peer: str) -> None:
+        self.door = door
+        self.ws = ws
+        self.peer = peer
+        self.settings = door._defaults()
+        self.session: Session | None = None
+        self.deltas = TextDeltas()
+        self.done = False  # input_audio_buffer.done has been handled
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send_str(json.dumps(event))
+
+    async def run(self) -> None:
+        config = self.door._config
+        model = None
+        conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "realtime.conversation"}
+        await self.send(_event("conversation.created", conversation=conversation))
+        ending = asyncio.ensure_future(self.door._service.ending())
+        try:
+            while True:
+                receive = asyncio.ensure_future(self.ws.receive())
+                done, _ = await asyncio.wait(
+                    (receive, ending), timeout=config.idle_timeout_seconds,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                if receive not in done:
+                    receive.cancel()
+                    if ending in done:  # the shutdown's grace is over: end with the results
+                        await self._end_now()
+                        return
+                    raise asyncio.TimeoutError
+                message = receive.result()
+                if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    return
+                if message.type == WSMsgType.ERROR:
+                    return
+                try:
+                    if message.type != WSMsgType.TEXT:
+                        raise ClientMistake(
+                            "invalid_event", "send events as JSON text messages, not binary"
+                        )
+                    model = await self.handle(_parse(message.data), model)
+                except ClientMistake as e:
+                    await self.send(self.door.mistake(e.code, str(e), self.peer))
+                except Exception as e:  # noqa: BLE001 - an error event, never a traceback
+                    error = api_error(e)
+                    if error.status == 500:
+                        log.exception("realtime session failed")
+                    code = error.code or "invalid_request_error"
+                    await self.send(self.door.mistake(code, error.message, self.peer))
+        except ConnectionError:
+            return  # the client went away
+        except asyncio.TimeoutError:
+            idle = config.idle_timeout_seconds
+            await self.send(self.door.mistake(
+                "idle_timeout", f"nothing arrived for {idle:g} s: the socket is closed", self.peer
+            ))  # fmt: skip
+            await self.ws.close()
+        finally:
+            ending.cancel()
+            if self.session is not None:
+                self.session.audio.close()  # a FLAC decoder's thread ends with the socket
+            if model is not None:
+                self.door._registry.release(model)
+
+    async def _end_now(self) -> None:
+        """The server is stopping: the audio so far gets its final results (the last with
+        is_last_result), and the socket closes with 1001 (going away)."""
+        if self.session is not None and not self.done:
+            self.done = True
+            await self.door._service.finish_stream(self.session)
+            await self._send_results(await self.session.advance(), last=True)
+        await self.ws.close(code=1001, message=b"the server is shutting down")
+
+    async def handle(self, event: dict[str, Any], model: Any) -> Any:
+        """One client event; returns the model the socket holds (acquired once)."""
+        kind = event.get("type")
+        if kind == "transcription_session.update":
+            if self.session is not None and (self.session.samples or self.session.audio.bytes_in):
+                raise ClientMistake(
+                    "session_already_started",
+                    "the audio has begun: settings change only before the first "
+                    "input_audio_buffer.append (open a new socket for other settings)",
+                )
+            if self.done:
+                raise self._finished()
+            update = event.get("session")
+            if not isinstance(update, dict):
+                raise ClientMistake(
+                    "invalid_event", "transcription_session.update needs a session object"
+                )
+            model = await self._configure(update, model)
+            await self.send(_event("transcription_session.updated", session=self.settings))
+        elif kind == "input_audio_buffer.append":
+            if self.done:
+                raise self._finished()
+            if self.session is None:
+                raise ClientMistake(
+                    "session_not_configured",
+                    "audio before transcription_session.update: send the update (audio format, "
+                    "rate) first, then input_audio_buffer.append",
+                )
+            audio = event.get("audio")
+            try:
+                data = base64.b64decode(audio or "", validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                raise ClientMistake("invalid_audio", "`audio` must be base64 audio bytes") from None
+            self.door._service.feed_stream(self.session, data)
+            await self._send_results(await self.session.advance(), last=False)
+        elif kind == "input_audio_buffer.commit":
+            await self.send(_event("input_audio_buffer.committed", item_id=self._item_id()))
+        elif kind == "input_audio_buffer.done":
+            if self.done:
+                raise self._finished()
+            if self.session is None:
+                raise ClientMistake(
+                    "session_not_configured",
+                    "input_audio_buffer.done before transcription_session.update and any audio",
+                )
+            self.done = True
+            await self.door._service.finish_stream(self.session)
+            ended = time.perf_counter()
+            await self._send_results(await self.session.advance(), last=True)
+            latency = time.perf_counter() - ended
+            self.door._metrics.final_latency.labels(HTTP_REALTIME).observe(latency)
+        elif kind in ("input_audio_buffer.clear", "session.update"):
+            raise ClientMistake("unsupported_event", f"{kind} is not supported by this server")
+        else:
+            raise ClientMistake(
+                "invalid_event",
+                f"unknown event type {kind!r}: send transcription_session.update, "
+                "input_audio_buffer.append, input_audio_buffer.commit or input_audio_buffer.done",
+            )
+        return model
+
+    def _finished(self) -> ClientMistake:
+        return ClientMistake(
+            "session_done",
+            "this session's audio has ended (input_audio_buffer.done): open a new socket "
+            "for another session",
+        )
+
+    def _item_id(self) -> str:
+        index = self.session.stream.utterance_index if self.session and self.session.stream else 0
+        return f"item_{index}"
+
+    async def _configure(self, update: dict[str, Any], model: Any) -> Any:
+        settings = json.loads(json.dumps(self.settings))  # a deep copy
+        for key in ("input_audio_format",):
+            if key in update:
+                settings[key] = update[key]
+        for section in ("input_audio_params", "input_audio_transcription", "recognition_config",
+                        "endpointing_config"):  # fmt: skip
+            if isinstance(update.get(section), dict):
+                settings[section].update(update[section])
+        fmt = settings["input_audio_format"]
+        if fmt not in ("pcm16", "none"):
+            raise ClientMistake(
+                "invalid_audio_format",
+                f"input_audio_format {fmt!r} is not served: use pcm16 (raw PCM16 at "
+                "input_audio_params.sample_rate_hz) or none (a WAV or FLAC file's bytes)",
+            )
+        params = settings["input_audio_params"]
+        asr = settings["input_audio_transcription"]
+        language = str(asr.get("language") or "en").lower()
+        if language != "en" and not language.startswith("en-"):
+            raise ClientMistake(
+                "unsupported_language",
+                f"language {language!r} is not served: these models transcribe English",
+            )
+        name = str(asr.get("model") or "")
+        silence = settings["endpointing_config"].get(
+            "stop_history", ENDPOINTING.trailing_silence_ms
+        )
+        try:
+            rate, channels = (
+                int(params.get("sample_rate_hz") or 0),
+                int(params.get("num_channels") or 1),
+            )
+            silence = int(silence)
+        except (TypeError, ValueError):
+            raise ClientMistake(
+                "invalid_value", "sample_rate_hz, num_channels and stop_history are integers"
+            ) from None
+        words = bool(settings["recognition_config"].get("enable_word_time_offsets"))
+        config = pb.RecognitionConfig(
+            encoding=pb.RecognitionConfig.LINEAR16
+            if fmt == "pcm16"
+            else pb.RecognitionConfig.ENCODING_UNSPECIFIED,
+            sample_rate_hertz=rate if fmt == "pcm16" else 0,
+            audio_channel_count=channels if fmt == "pcm16" else 0,
+            model="" if name in OPENAI_MODELS else name,
+            enable_word_time_offsets=words,
+            endpointing=pb.EndpointingConfig(
+                trailing_silence_ms=silence, max_utterance_ms=ENDPOINTING.max_utterance_ms
+            ),
+        )
+        service, registry = self.door._service, self.door._registry
+        opts = parse_config(config, max_beam=self.door._config.max_beam_size, interim=True)
+        chosen = registry.resolve(opts.model, opts.version)
+        if not chosen.streamable:
+            raise ClientMistake("model_not_streamable", f"model {chosen.name!r} cannot stream")
+        recognizer = await chosen.recognizer(opts.decoder)
+        if model is not chosen:
+            registry.acquire(chosen)
+            if model is not None:
+                registry.release(model)
+        if self.session is not None:
+            self.session.audio.close()
+        self.session = Session(
+            chosen, recognizer, opts, name="audio", max_seconds=service._config.max_audio_seconds
+        )
+        asr["model"] = chosen.name
+        self.settings = settings
+        return chosen
+
+    async def _send_results(self, results: list[pb.SpeechRecognitionResult], *, last: bool) -> None:
+        finals = [r for r in results if r.is_final]
+        for r in results:
+            index = f"item_{r.utterance_index}"
+            for delta in self.deltas.add([r]):
+                await self.send(_event(
+                    "conversation.item.input_audio_transcription.delta",
+                    item_id=index, content_index=0, delta=delta,
+                ))  # fmt: skip
+            if r.is_final:
+                best = r.alternatives[0]
+                await self.send(_event(
+                    "conversation.item.input_audio_transcription.completed",
+                    item_id=index, content_index=0, transcript=best.transcript,
+                    is_last_result=last and r is finals[-1],
+                    words_info={"words": [
+                        {"word": w.word, "start_time": round(w.start_time * 1000),
+                         "end_time": round(w.end_time * 1000), "confidence": w.confidence,
+                         "speaker_tag": 0}
+                        for w in best.words
+                    ]},
+                ))  # fmt: skip
+        if last and not finals:  # the audio ended in silence after the last utterance
+            await self.send(_event(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=self._item_id(), content_index=0, transcript="", is_last_result=True,
+                words_info={"words": []},
+            ))  # fmt: skip
+
+
+def _parse(text: str) -> dict[str, Any]:
+    try:
+        event = json.loads(text)
+    except ValueError as e:
+        raise ClientMistake("invalid_json", f"the message is not JSON ({e})") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise ClientMistake("invalid_event", "an event is a JSON object with a string `type`")
+    return event
