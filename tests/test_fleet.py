@@ -46,7 +46,7 @@ def test_three_servers_share_the_streams_and_one_drains_without_a_failure(
     tiny_model_dir: Path, speech_corpus: Path
 ) -> None:
     wavs = [json.loads(line)["audio_filepath"] for line in speech_corpus.read_text().splitlines()]
-    config = dict(model_dir=tiny_model_dir, port=0, metrics_port=0, intra_op_threads=1,
+    config = dict(model_dir=tiny_model_dir, port=0, http_port=0, metrics_port=0, intra_op_threads=1,
                   grace_seconds=20.0, idle_timeout_seconds=30.0)  # fmt: skip
     servers = [BackgroundServer(ServerConfig(**config)) for _ in range(3)]
     try:
