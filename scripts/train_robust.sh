@@ -13,6 +13,7 @@ D=data/default
 [ -f $D/text/train.txt ] || $E synth --make-text $D/text --seed 1
 $E synth --text $D/text/train.txt --out $D/train3 --engines espeak,flite,festival \
   --seed 13 --limit "${ECHOIC_SENTENCES:-8000}"
+mkdir -p data/heldout-sets
 bash scripts/heldout_sets.sh model/default 100 > data/heldout-sets/before.txt
 ${ECHOIC_LAUNCH:-} $E train --config training/recipes/robust.toml --no-progress "$@"
 rm -rf runs/robust-export
