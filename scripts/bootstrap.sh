@@ -40,8 +40,10 @@ if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest" 2>
   touch .venv/.echoic-installed
 fi
 
-# The Node.js client example's packages, where Node is installed (tests/test_protos.py runs it).
-if command -v npm >/dev/null && [ ! -d examples/node/node_modules/@grpc/grpc-js ]; then
+# The Node.js client example's packages, and buf for the API's lint, where Node is
+# installed (tests/test_protos.py runs both).
+if command -v npm >/dev/null && { [ ! -d examples/node/node_modules/@grpc/grpc-js ] \
+    || [ ! -x examples/node/node_modules/.bin/buf ]; }; then
   npm install --prefix examples/node --no-audit --no-fund --silent >/dev/null 2>&1 \
     || echo "bootstrap: npm install in examples/node failed; its test will skip" >&2
 fi
