@@ -126,3 +126,47 @@ def test_three_servers_share_the_streams_and_one_drains_without_a_failure(
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.mark.slow
+def test_a_batch_job_spreads_over_several_servers(
+    tiny_model_dir: Path, speech_corpus: Path, tmp_path: Path
+) -> None:
+    """`echoic transcribe --server A,B`: the files go to both servers, round robin, and
+    every one is transcribed as one server alone would."""
+    import subprocess
+    import sys
+
+    config = dict(model_dir=tiny_model_dir, port=0, http_port=0, metrics_port=0,
+                  intra_op_threads=1)  # fmt: skip
+    servers = [BackgroundServer(ServerConfig(**config)) for _ in range(2)]
+    try:
+        out, alone = tmp_path / "both.jsonl", tmp_path / "alone.jsonl"
+        for target, output in ((",".join(s.address for s in servers), out),
+                               (servers[0].address, alone)):  # fmt: skip
+            run = subprocess.run(
+                [sys.executable, "-m", "echoic.cli.main", "transcribe", str(speech_corpus),
+                 "--server", target, "--concurrency", "4", "--output", str(output),
+                 "--no-progress"],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert run.returncode == 0, run.stderr[-2000:]
+        recognized = [_requests(s, "Recognize") for s in servers]
+    finally:
+        for server in servers:
+            server.stop()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 30
+    assert min(recognized[0] - 30, recognized[1]) >= 5, recognized  # both took a share
+    texts = [r["pred_text"] if "pred_text" in r else r["text"] for r in rows]
+    want = [json.loads(line) for line in alone.read_text().splitlines()]
+    assert texts == [r["pred_text"] if "pred_text" in r else r["text"] for r in want]
+
+
+def _requests(server: BackgroundServer, method: str) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read()
+    prefix = f'echoic_requests_total{{code="OK",method="{method}"}}'
+    for line in text.decode().splitlines():
+        if line.startswith(prefix):
+            return int(float(line.split()[-1]))
+    return 0
