@@ -62,7 +62,9 @@ def _item(path: Path | str, row: dict[str, Any] | None = None) -> Item:
     return Item(str(path), os.path.realpath(path), row)
 
 
-def _manifest(p: Path) -> list[Item]:
+def manifest_items(p: Path) -> list[Item]:
+    """A manifest's lines as items (audio paths resolved against its folder); UserError
+    naming the line that is not a manifest line."""
     items = []
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
@@ -105,7 +107,7 @@ def collect_inputs(paths: Iterable[str]) -> Inputs:
                 elif f.suffix.lower() in UNSUPPORTED_SUFFIXES:
                     unsupported.append(str(f))
         elif p.suffix in (".jsonl", ".json") and p.is_file():
-            items += _manifest(p)
+            items += manifest_items(p)
         else:
             items.append(_item(p))  # a missing or unreadable file is reported when read
     seen: set[str] = set()

@@ -54,24 +54,17 @@ def _read_set(path: str, limit: int) -> list[dict]:
     """The manifest's lines that have a reference, with absolute audio paths."""
     from pathlib import Path
 
+    from echoic.cli.batch_io import manifest_items
     from echoic.cli.errors import UserError
 
     manifest = Path(path)
     if not manifest.is_file():
         raise UserError(f"{manifest}: no such manifest")
-    rows = []
-    for n, line in enumerate(manifest.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            audio = Path(row["audio_filepath"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{manifest}:{n}: not a manifest line ({e})") from None
-        if row.get("text") is None:
-            continue
-        row["audio_filepath"] = str(audio if audio.is_absolute() else manifest.parent / audio)
-        rows.append(row)
+    rows = [
+        {**item.row, "audio_filepath": item.path}
+        for item in manifest_items(manifest)
+        if item.row.get("text") is not None
+    ]
     rows = rows[:limit] if limit else rows
     if not rows:
         raise UserError(f"{manifest}: no utterances with a 'text' reference")

@@ -17,7 +17,6 @@ from echoic.training.augment import (
     Augmenter,
     add_noise,
     clip,
-    coloured_noise,
     reverberate,
     room_impulse_response,
     set_level,
@@ -25,6 +24,7 @@ from echoic.training.augment import (
     telephone,
 )
 from echoic.training.data import DataConfig, make_loader, read_manifest
+from echoic.training.synth import make_noise
 
 RATE = 16000
 FEATURES = FeatureConfig(sample_rate=RATE)
@@ -92,7 +92,7 @@ def test_noise_level_and_clipping_hit_their_targets() -> None:
     x = _speechlike(1.0)
     rng = np.random.default_rng(0)
     for kind in ("white", "pink", "brown"):
-        noise = coloured_noise(kind, len(x), rng)
+        noise = make_noise(kind, len(x), rng)
         noisy = add_noise(x, noise, 10.0)
         assert abs(_db(x) - _db(noisy - x) - 10.0) < 0.01
     assert abs(_db(set_level(x, -35.0)) - -35.0) < 0.01

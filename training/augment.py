@@ -37,6 +37,7 @@ import numpy as np
 import soxr
 
 from echoic.model.core.audio import g711_table
+from echoic.training.synth import make_noise  # white, pink or brown noise at unit RMS
 
 NOISE_KINDS = ("white", "pink", "brown", "babble")
 RIR_BANK = 64  # room impulse responses simulated per process, count
@@ -148,7 +149,7 @@ class Augmenter:
 
     def _noise(self, kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
         if kind != "babble" or self._other is None:
-            return coloured_noise("white" if kind == "babble" else kind, n, rng)
+            return make_noise("white" if kind == "babble" else kind, n, rng)
         babble = np.zeros(n, np.float32)
         for _ in range(int(rng.integers(BABBLE_TALKERS[0], BABBLE_TALKERS[1] + 1))):
             talker = self._other(rng)
@@ -248,21 +249,6 @@ def telephone(x: np.ndarray, rate: int, law: str = "mulaw") -> np.ndarray:
     band = narrowband(x, rate)
     line = g711_table(law)[_g711_encode(band, law)]
     return (soxr.resample(line, 8000, rate) if rate != 8000 else line).astype(np.float32)
-
-
-def coloured_noise(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    """`n` samples of white, pink (1/f power) or brown (1/f^2 power) noise at unit RMS."""
-    white = rng.standard_normal(n)
-    if kind == "white" or n < 2:
-        noise = white
-    else:
-        spectrum = np.fft.rfft(white)
-        freqs = np.fft.rfftfreq(n)
-        spectrum[0] = 0.0
-        spectrum[1:] /= freqs[1:] ** (0.5 if kind == "pink" else 1.0)
-        noise = np.fft.irfft(spectrum, n)
-    rms = _rms(noise)
-    return (noise / rms if rms > 0 else noise).astype(np.float32)
 
 
 def add_noise(x: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:

@@ -29,12 +29,12 @@ import soundfile as sf
 from echoic.model.core.audio import load_audio
 from echoic.training.augment import (
     add_noise,
-    coloured_noise,
     narrowband,
     reverberate,
     room_impulse_response,
     set_level,
 )
+from echoic.training.synth import make_noise
 
 KINDS = ("mulaw8k", "reverb", "noisy10db", "quiet")
 RATE = 16000  # Hz of the sets other than mulaw8k
@@ -48,7 +48,7 @@ def degrade(x: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndar
         rir = room_impulse_response(float(rng.uniform(0.4, 0.8)), RATE, rng)
         return np.clip(reverberate(x, rir), -1, 1), RATE, "PCM_16"
     if kind == "noisy10db":
-        noisy = add_noise(x, coloured_noise("pink", len(x), rng), 10.0)
+        noisy = add_noise(x, make_noise("pink", len(x), rng), 10.0)
         peak = float(np.max(np.abs(noisy))) if noisy.size else 0.0
         return (noisy / peak * 0.99 if peak > 0.99 else noisy), RATE, "PCM_16"
     if kind == "quiet":
