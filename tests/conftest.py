@@ -164,3 +164,13 @@ def corpus_audio(speech_corpus: Path) -> list[tuple[str, np.ndarray]]:
     return [
         (r["text"], load_audio(speech_corpus.parent / r["audio_filepath"], 16000)) for r in rows
     ]  # a relative path is relative to the manifest's directory
+
+
+def sigint_default() -> None:
+    """For `subprocess.Popen(preexec_fn=...)` in tests that interrupt a child with SIGINT:
+    a process started in the background by a non-interactive shell (as a CI runner may
+    start the suite) inherits SIGINT ignored, and Python then leaves it ignored; the
+    child gets the default back, as a terminal user's would have it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -484,6 +484,7 @@ def test_an_interrupted_server_job_exits_130_and_resumes(
     import signal
 
     from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+    from tests.conftest import sigint_default
     from tests.test_server import _held_stream, channel_to, running, wait_until
 
     out = tmp_path / "out.jsonl"
@@ -495,7 +496,7 @@ def test_an_interrupted_server_job_exits_130_and_resumes(
         registry = srv.server.metrics.registry
         labels = {"method": "Recognize", "code": "RESOURCE_EXHAUSTED"}
         process = subprocess.Popen([*job, "--server", srv.address], stderr=subprocess.PIPE,
-                                   text=True)  # fmt: skip
+                                   text=True, preexec_fn=sigint_default)  # fmt: skip
         try:
             wait_until(lambda: (registry.get_sample_value("echoic_requests_total", labels)
                                 or 0) >= 2, timeout=60, what="refused calls")  # fmt: skip

@@ -502,11 +502,13 @@ def test_interrupted_job_exits_130_and_resumes(
     exit 130 and no traceback; the rerun does the whole job."""
     import signal
 
+    from tests.conftest import sigint_default
+
     out = tmp_path / "out.jsonl"
     job = subprocess.Popen(
         [*ECHOIC, "transcribe", "--files-from", "-", "--model", str(tiny_model_dir),
          "--output", str(out), "--no-progress"],
-        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default,
     )  # fmt: skip
     job.stdin.write(str(out_audio(two_folders)) + "\n")
     job.stdin.flush()
