@@ -123,6 +123,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="the summary as one JSON object on stdout")
     p.add_argument("--server", metavar="HOST:PORT", help="transcribe through an echoic server")
+    p.add_argument("--ray", action="store_true",
+                   help="spread the job over Ray workers (the ray extra): a local Ray, or"
+                        " --ray-address's cluster")  # fmt: skip
+    p.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (with --ray)")
+    p.add_argument("--ray-workers", type=int, default=0, metavar="N",
+                   help="recognizer actors, one CPU each (default: the CPUs Ray has)")  # fmt: skip
     p.add_argument(
         "--concurrency",
         type=int,
@@ -315,7 +321,16 @@ def _plan(args: argparse.Namespace, stats: Stats) -> Job:
         found = f" (only unsupported files: {', '.join(inputs.unsupported[:3])})" if (
             inputs.unsupported) else ""  # fmt: skip
         raise UserError(f"no audio files in {' '.join(paths)}{found}")
-    backend = ServerBackend(args) if args.server else LocalBackend(args)
+    if args.ray and args.server:
+        raise UserError("--ray and --server exclude each other: Ray workers run the model")
+    if args.ray_address and not args.ray:
+        raise UserError("--ray-address needs --ray")
+    if args.ray:
+        from echoic.cli.transcribe_ray import RayBackend
+
+        backend = RayBackend(args)
+    else:
+        backend = ServerBackend(args) if args.server else LocalBackend(args)
     try:
         return Job(args, items, fmt, backend, stats)
     except BaseException:

@@ -36,7 +36,7 @@ if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest" 2>
   .venv/bin/pip install -q --upgrade pip >/dev/null
   # The CPU build of torch; a GPU machine can install a CUDA build instead.
   .venv/bin/pip install -q "torch==${ECHOIC_TORCH_VERSION:-2.13.0}"
-  .venv/bin/pip install -q -e ".[train,serve,riva,dev]"
+  .venv/bin/pip install -q -e ".[train,serve,riva,ray,dev]"
   touch .venv/.echoic-installed
 fi
 
