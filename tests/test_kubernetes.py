@@ -161,3 +161,19 @@ def test_the_service_monitor_scrapes_the_metrics_port() -> None:
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {
         p["name"] for p in service["spec"]["ports"]
     }
+
+
+def test_the_envoy_config_health_checks_what_the_server_serves() -> None:
+    """deploy/envoy (not run here: no Envoy): it reads as YAML, dials the headless
+    Service's port and health-checks the service name the server reports."""
+    from echoic.server.app import SERVICE_NAME
+
+    envoy = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy.yaml").read_text())
+    (cluster,) = envoy["static_resources"]["clusters"]
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == SERVICE_NAME
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    headless = next(d for d in render(KUBE / "base") if d["metadata"]["name"] == "echoic-headless")
+    assert address["address"].startswith("echoic-headless.")
+    assert address["port_value"] == headless["spec"]["ports"][0]["port"]
