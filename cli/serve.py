@@ -18,15 +18,17 @@ C = TypeVar("C")
 
 EXAMPLES = """\
 examples:
-  # the bundled default model: gRPC on 127.0.0.1:50051, HTTP on 127.0.0.1:8000
+  # the default model repository (seeded with the bundled model on first use; `echoic
+  # deploy` publishes new versions into it): gRPC on 127.0.0.1:50051, HTTP on :8000
   echoic serve
   curl -F file=@talk.wav -F model=whisper-1 localhost:8000/v1/audio/transcriptions
+  echoic models --server 127.0.0.1:50051
 
   # one exported model, reachable from other machines, metrics on :9090
   echoic serve --model models/echoic-ds2/3 --host 0.0.0.0 --metrics-port 9090
 
-  # a model repository MODEL_REPO/<name>/<version>/, polled every 10 s: copy or
-  # `echoic export` a new version in and it takes over without dropping a stream
+  # a model repository MODEL_REPO/<name>/<version>/, polled every 10 s: `echoic deploy`
+  # a new version in and it takes over without dropping a stream
   echoic serve --model-repo models --poll-seconds 10
 
   # bigger batches under load (wait up to 5 ms for more streams), at most 500 streams
