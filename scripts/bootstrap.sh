@@ -44,6 +44,6 @@ fi
 # installed (tests/test_protos.py runs both).
 if command -v npm >/dev/null && { [ ! -d examples/node/node_modules/@grpc/grpc-js ] \
     || [ ! -x examples/node/node_modules/.bin/buf ]; }; then
-  npm install --prefix examples/node --no-audit --no-fund --silent >/dev/null 2>&1 \
-    || echo "bootstrap: npm install in examples/node failed; its test will skip" >&2
+  npm ci --prefix examples/node --no-audit --no-fund --silent >/dev/null 2>&1 \
+    || echo "bootstrap: npm ci in examples/node failed; its test will skip" >&2
 fi

@@ -489,7 +489,10 @@ def test_an_interrupted_server_job_exits_130_and_resumes(
 
     out = tmp_path / "out.jsonl"
     job = [*ECHOIC, "transcribe", *map(str, wavs), "--output", str(out), "--no-progress"]
-    with running(tiny_model_dir, max_streams=1) as srv, channel_to(srv) as channel:
+    # The held stream sends nothing while the job starts: the idle limit must outlast a
+    # slow start, or the slot frees and the job finishes with nothing refused.
+    with running(tiny_model_dir, max_streams=1, idle_timeout_seconds=300.0) as srv, \
+            channel_to(srv) as channel:  # fmt: skip
         release, responses, errors = threading.Event(), [], []
         held = _held_stream(pb_grpc.TranscriberStub(channel), release, responses, errors)
         wait_until(lambda: srv.server.service.active == 1, what="the held stream")
@@ -497,16 +500,22 @@ def test_an_interrupted_server_job_exits_130_and_resumes(
         labels = {"method": "Recognize", "code": "RESOURCE_EXHAUSTED"}
         process = subprocess.Popen([*job, "--server", srv.address], stderr=subprocess.PIPE,
                                    text=True, preexec_fn=sigint_default)  # fmt: skip
+
+        def refused_twice() -> bool:
+            assert process.poll() is None, f"the job ended first: {process.communicate()[1]}"
+            return (registry.get_sample_value("echoic_requests_total", labels) or 0) >= 2
+
         try:
-            wait_until(lambda: (registry.get_sample_value("echoic_requests_total", labels)
-                                or 0) >= 2, timeout=60, what="refused calls")  # fmt: skip
+            wait_until(refused_twice, timeout=60, what="refused calls")
             process.send_signal(signal.SIGINT)
             _, err = process.communicate(timeout=30)
         finally:
             if process.poll() is None:
                 process.kill()
+                process.communicate()  # and its pipe closed, whatever failed
             release.set()
             held.join(30)
+        assert errors == []  # the held stream held the slot throughout
         assert process.returncode == 130, err
         assert "interrupted (rerun to go on)" in err and "Traceback" not in err
         rerun = _run(*job[3:], "--server", srv.address, "--json")
