@@ -1,25 +1,37 @@
-"""Streaming load: how many real-time streams one server sustains, with and without batching.
+"""Streaming load, measured from outside: how many real-time streams one server sustains.
 
-    python bench/serve_load.py [--model DIR] [--streams 1,8,32,64,128] [--seconds 20]
-                               [--max-batch 32] [--max-wait-ms 0] [--manifest FILE]
+    python bench/serve_load.py [--model DIR] [--streams 32,128,192,256] [--seconds 20]
+                               [--clients 2] [--server-args "--max-batch 64"] [--unbatched]
+                               [--manifest FILE] [--profile SECONDS]
 
-Starts `echoic serve` in a subprocess on a free loopback port (once with
---max-batch, once with batching off: max batch 1), and for each level N runs N
-concurrent StreamingRecognize calls from one asyncio process. Each stream sends
-utterances back to back at real time in --chunk-ms chunks (starts staggered over
-one second) until the level's --seconds are up. Audio: --manifest, or a few
-sentences synthesized once with `echoic synth` into a temporary folder.
+Starts `echoic serve` in a subprocess on free loopback ports with its default
+settings (plus --server-args), and for each level N runs N concurrent
+StreamingRecognize calls from --clients load-client processes of its own (each
+this script with --client, as a user's client would be: its own process and
+interpreter, generated stubs, real-time audio). Each stream sends utterances back
+to back at real time in --chunk-ms chunks (starts staggered over one second) until
+the level's --seconds are up. Audio: --manifest, or a few sentences synthesized
+once with `echoic synth` into a temporary folder. With --unbatched, a second
+server with --max-batch 1 runs the same levels, for the batching gain.
 
 Per level it prints:
-  kept up     streams whose results kept pace with their audio: every result came
-              within --lag-limit s of the audio it covers having been sent (beyond
-              the model's lookahead), and no call failed
-  interim     latency of interim results: receipt - when the last audio they cover
-              was sent, ms (p50/p95/p99; the model's lookahead is part of it)
+  utts        utterances finished (a final result or a failed call)
+  behind      utterances that fell behind real time: some result came more than
+              --lag-limit s after the audio it covers was sent (beyond the model's
+              lookahead), or the call failed
+  failed      failed calls
+  interim     receipt of an interim result - when the last audio it covers was
+              sent, ms (p95; the model's lookahead is part of it)
   final       end of audio (half-close) -> final result, ms (p50/p95/p99)
-  batch       mean streams per model call (the server's echoic_batch_size histogram)
-  srv/cli CPU CPU seconds per wall second of the server and of this client process,
-              % of one core (both share the machine's cores)
+  batch       streams per model call: mean, and p50/p95 of the server's
+              echoic_batch_size histogram (bucket upper bounds)
+  srv/cli CPU CPU seconds per wall second of the server and of all client
+              processes together, % of one core (both share the machine's cores)
+  RSS         the server's resident memory at the level's end, MB
+
+--profile S runs py-spy (the dev extra) on the server for S seconds in the middle
+of each level, writes its collapsed stacks into --out and prints where the server's
+busy samples went.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import bisect
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,7 +50,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -117,26 +130,62 @@ class Server:
         fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def batch_histogram(self) -> tuple[float, float]:
-        """(sum, count) of echoic_batch_size over all models."""
+    def rss_mb(self) -> float:
+        """The server's resident memory now, MB (Linux /proc)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def batch_histogram(self) -> dict[str, float]:
+        """echoic_batch_size over all models: cumulative bucket counts by upper bound
+        ("1", ..., "+Inf"), plus "_sum" and "_count"."""
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        total = {"_sum": 0.0, "_count": 0.0}
+        total: dict[str, float] = {}
         for line in text.splitlines():
-            for suffix in total:
-                if line.startswith(f"echoic_batch_size{suffix}"):
-                    total[suffix] += float(line.rsplit(" ", 1)[1])
-        return total["_sum"], total["_count"]
+            if line.startswith("echoic_batch_size_bucket"):
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                key = bound if bound == "+Inf" else f"{float(bound):g}"
+            elif line.startswith(("echoic_batch_size_sum", "echoic_batch_size_count")):
+                key = "_sum" if "_sum" in line.split("{", 1)[0] else "_count"
+            else:
+                continue
+            total[key] = total.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def batch_summary(before: dict[str, float], after: dict[str, float]) -> str:
+    """Mean and p50/p95 batch size (the histogram's bucket bounds) between two readings."""
+    calls = after.get("_count", 0.0) - before.get("_count", 0.0)
+    if not calls:
+        return "-"
+    mean = (after["_sum"] - before.get("_sum", 0.0)) / calls
+    bounds = sorted((k for k in after if not k.startswith("_")),
+                    key=lambda k: float("inf") if k == "+Inf" else float(k))  # fmt: skip
+
+    def quantile(q: float) -> str:
+        for bound in bounds:
+            if after[bound] - before.get(bound, 0.0) >= q * calls:
+                return bound
+        return "+Inf"
+
+    return f"{mean:.1f} ({quantile(0.5)}/{quantile(0.95)})"
 
 
 def start_server(
-    model: str | None, max_batch: int, max_wait_ms: float, max_streams: int, threads: int, log,
+    model: str | None, max_batch: int | None, max_wait_ms: float | None,
+    max_streams: int | None, threads: int | None, log,
     extra: tuple[str, ...] | list[str] = (),
 ) -> Server:  # fmt: skip
+    """`echoic serve` on free loopback ports; a None setting keeps the server's default."""
     port, metrics_port = free_port(), free_port()
     cmd = [*ECHOIC, "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--metrics-port", str(metrics_port), "--max-batch", str(max_batch),
-           "--max-wait-ms", str(max_wait_ms), "--max-streams", str(max_streams),
-           "--grace-seconds", "5", "--log-level", "warning", "--threads", str(threads)]  # fmt: skip
+           "--metrics-port", str(metrics_port), "--grace-seconds", "5",
+           "--log-level", "warning"]  # fmt: skip
+    for flag, value in (("--max-batch", max_batch), ("--max-wait-ms", max_wait_ms),
+                        ("--max-streams", max_streams), ("--threads", threads)):  # fmt: skip
+        if value is not None:
+            cmd += [flag, str(value)]
     if model:
         cmd += ["--model", model]
     cmd += list(extra)
@@ -156,34 +205,33 @@ def stop_server(server: Server) -> None:
             server.process.wait(timeout=10)
 
 
-# ------------------------------------------------------------------ streams
+# ------------------------------------------------------------------ one client process
 
 
 @dataclass
-class StreamStats:
+class ClientStats:
+    utterances: int = 0
+    behind: int = 0  # utterances with a result later than --lag-limit, or a failed call
+    failed: int = 0  # failed calls
     interim: list[float] = field(default_factory=list)  # s
     final: list[float] = field(default_factory=list)  # s
-    worst_lag: float = 0.0  # s beyond the model's lookahead
-    error: str = ""
+    cpu_seconds: float = 0.0  # this client process's CPU over the level
+    errors: list[str] = field(default_factory=list)
 
 
 async def one_stream(
-    client: AsyncClient,
-    utterances: list[Utterance],
-    first: int,
-    start_delay: float,
-    deadline: float,
-    lookahead: float,
-) -> StreamStats:
+    client: AsyncClient, utterances: list[Utterance], first: int, start_delay: float,
+    deadline: float, lookahead: float, lag_limit: float, stats: ClientStats,
+) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
-    stats = StreamStats()
     await asyncio.sleep(start_delay)
     index = first
-    while loop.time() < deadline and not stats.error:
+    while loop.time() < deadline:
         utt = utterances[index % len(utterances)]
         index += 1
         ends = list(np.cumsum(utt.seconds))  # audio sent after each chunk, s
         sent_at: list[float] = []  # when each chunk was handed to gRPC
+        worst_lag = 0.0  # s beyond the model's lookahead
 
         async def chunks(utt=utt, ends=ends, sent_at=sent_at):
             start = loop.time()
@@ -206,59 +254,137 @@ async def one_stream(
                         stats.final.append(latency)
                     else:
                         k = bisect.bisect_left(ends, response.audio_processed_seconds - 1e-6)
-                        covered = sent_at[min(k, len(sent_at) - 1)]
-                        latency = now - covered
+                        latency = now - sent_at[min(k, len(sent_at) - 1)]
                         stats.interim.append(latency)
                         latency -= lookahead
-                    stats.worst_lag = max(stats.worst_lag, latency)
+                    worst_lag = max(worst_lag, latency)
         except ClientError as e:
-            stats.error = f"{e.code.name if e.code else 'ERROR'}: {e}"
+            stats.failed += 1
+            stats.errors.append(f"{e.code.name if e.code else 'ERROR'}: {e}"[:200])
+            worst_lag = float("inf")
+            await asyncio.sleep(0.5)  # a refused stream does not spin
+        stats.utterances += 1
+        stats.behind += worst_lag > lag_limit
+
+
+async def client_level(args: argparse.Namespace) -> ClientStats:
+    """One load-client process's share of a level: --client-streams streams from
+    --start-at (a time.time()) for --seconds."""
+    utterances = load_utterances(Path(args.manifest), args.chunk_ms, args.utterances)
+    stats = ClientStats()
+    async with AsyncClient(args.target, retry=RetryPolicy(attempts=1), timeout=90) as client:
+        (model,) = await client.list_models(timeout=30)  # connected before the start
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, args.start_at - time.time()))
+        cpu0 = time.process_time()
+        deadline = loop.time() + args.seconds
+        rng = random.Random(args.seed)
+        tasks = [
+            one_stream(client, utterances, rng.randrange(len(utterances)), rng.random(),
+                       deadline, model.lookahead_seconds, args.lag_limit, stats)
+            for _ in range(args.client_streams)
+        ]  # fmt: skip
+        # Bounded: the longest utterance after the deadline, plus slack for a slow server.
+        longest = max(sum(u.seconds) for u in utterances)
+        await asyncio.wait_for(asyncio.gather(*tasks), args.seconds + 2 * longest + 30)
+        stats.cpu_seconds = time.process_time() - cpu0
+    stats.errors = sorted(set(stats.errors))[:5]
     return stats
+
+
+# ------------------------------------------------------------------ the levels
 
 
 @dataclass
 class Level:
     streams: int
-    kept_up: int
-    interim: list[float]
-    final: list[float]
-    mean_batch: float
+    stats: ClientStats  # all client processes together
+    batch: str
     server_cpu: float  # % of one core
-    client_cpu: float  # % of one core
-    errors: list[str]
+    client_cpu: float  # % of one core, all client processes
+    rss_mb: float
 
 
-async def run_level(
-    server: Server, client: AsyncClient, utterances, n: int, seconds: float, lag_limit: float,
-    lookahead: float,
-) -> Level:  # fmt: skip
-    loop = asyncio.get_running_loop()
-    batch0, cpu0, own0, wall0 = (
-        server.batch_histogram(), server.cpu_seconds(), time.process_time(), time.monotonic(),
-    )  # fmt: skip
-    deadline = loop.time() + seconds
-    rng = random.Random(n)
-    tasks = [
-        one_stream(client, utterances, rng.randrange(len(utterances)), rng.random(), deadline,
-                   lookahead)
-        for _ in range(n)
-    ]  # fmt: skip
-    # Bounded: the longest utterance after the deadline, plus slack for a slow server.
-    longest = max(sum(u.seconds) for u in utterances)
-    results = await asyncio.wait_for(asyncio.gather(*tasks), seconds + 2 * longest + 30)
+def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
+              profile_dir: Path | None) -> Level:  # fmt: skip
+    """n streams from --clients processes of this script against the server."""
+    clients = max(1, min(args.clients, n))
+    start_at = time.time() + 3.0  # time for every client process to start and connect
+    processes = []
+    for i in range(clients):
+        share = n // clients + (i < n % clients)
+        cmd = [sys.executable, __file__, "--client", "--target", server.target,
+               "--manifest", str(manifest), "--client-streams", str(share),
+               "--start-at", repr(start_at), "--seconds", str(args.seconds),
+               "--seed", str(1000 * n + i), "--chunk-ms", str(args.chunk_ms),
+               "--lag-limit", str(args.lag_limit),
+               "--utterances", str(args.utterances)]  # fmt: skip
+        processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    time.sleep(max(0.0, start_at - time.time()))
+    batch0, cpu0, wall0 = server.batch_histogram(), server.cpu_seconds(), time.monotonic()
+    profiler = None
+    if profile_dir is not None:
+        time.sleep(max(0.0, (args.seconds - args.profile) / 2))
+        profiler = start_profile(server, profile_dir / f"profile-{n}", args.profile)
+    total = ClientStats()
+    for process in processes:
+        out, _ = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"a load client exited with status {process.returncode}")
+        part = ClientStats(**json.loads(out))
+        for name in ("utterances", "behind", "failed", "cpu_seconds"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.interim += part.interim
+        total.final += part.final
+        total.errors = sorted(set(total.errors + part.errors))[:5]
     wall = time.monotonic() - wall0
-    batch1 = server.batch_histogram()
-    calls = batch1[1] - batch0[1]
+    if profiler is not None:
+        profiler.wait()
+        stem = profile_dir / f"profile-{n}"
+        print(f"profile at {n} streams ({stem}.txt):", file=sys.stderr)
+        print(summarize_profile(Path(f"{stem}.txt")), file=sys.stderr)
     return Level(
-        streams=n,
-        kept_up=sum(1 for s in results if not s.error and s.final and s.worst_lag <= lag_limit),
-        interim=[x for s in results for x in s.interim],
-        final=[x for s in results for x in s.final],
-        mean_batch=(batch1[0] - batch0[0]) / calls if calls else 0.0,
+        streams=n, stats=total, batch=batch_summary(batch0, server.batch_histogram()),
         server_cpu=100 * (server.cpu_seconds() - cpu0) / wall,
-        client_cpu=100 * (time.process_time() - own0) / wall,
-        errors=sorted({s.error for s in results if s.error}),
-    )
+        client_cpu=100 * total.cpu_seconds / wall, rss_mb=server.rss_mb(),
+    )  # fmt: skip
+
+
+def start_profile(server: Server, stem: Path, seconds: float) -> subprocess.Popen:
+    """py-spy on the server (every thread, without pausing it) for `seconds`; its
+    collapsed stacks go to STEM.txt, summarised by `summarize_profile`."""
+    py_spy = Path(sys.executable).with_name("py-spy")
+    cmd = [str(py_spy) if py_spy.exists() else "py-spy", "record", "--pid",
+           str(server.process.pid), "--duration", str(round(seconds)), "--rate", "200",
+           "--format", "raw", "--output", f"{stem}.txt", "--nonblocking"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# py-spy names a file of the editable install by its path below the repository.
+ECHOIC_DIRS = ("server/", "model/", "clients/", "cli/")
+
+
+def summarize_profile(path: Path, top: int = 12) -> str:
+    """Where the server's busy samples went: the functions that were running (self)
+    and the echoic functions they were called from (inclusive), % of busy samples."""
+    own: dict[str, int] = {}
+    inside: dict[str, int] = {}
+    busy = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.rsplit(":", 1)[0] for f in stack.split(";")]  # "function (file)"
+        n = int(count)
+        busy += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in {f for f in frames if f.split(" (", 1)[-1].startswith(ECHOIC_DIRS)}:
+            inside[frame] = inside.get(frame, 0) + n
+
+    def table(counts: dict[str, int]) -> str:
+        rows = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return "\n".join(f"  {100 * c / busy:5.1f}%  {name}" for name, c in rows)
+
+    return (f"{busy} busy samples\nrunning (self):\n{table(own)}\n"
+            f"inside echoic functions (inclusive):\n{table(inside)}")  # fmt: skip
 
 
 async def wait_until_serving(server: Server, client: AsyncClient, timeout: float = 120.0):
@@ -276,72 +402,99 @@ async def wait_until_serving(server: Server, client: AsyncClient, timeout: float
             await asyncio.sleep(0.25)
 
 
-async def bench_server(server: Server, utterances, args, lag_limit: float) -> list[Level]:
+async def warm_up(server: Server, utterance: Utterance) -> None:
     async with AsyncClient(server.target, retry=RetryPolicy(attempts=1), timeout=90) as client:
         model = await wait_until_serving(server, client)
-        lookahead = model.lookahead_seconds
         print(
             f"  model {model.name}/{model.version}: {model.rnn_type}, chunk"
-            f" {1000 * model.chunk_seconds:.0f} ms, lookahead {1000 * lookahead:.0f} ms",
+            f" {1000 * model.chunk_seconds:.0f} ms, lookahead"
+            f" {1000 * model.lookahead_seconds:.0f} ms",
             file=sys.stderr,
         )
-        warm = utterances[0]
-        async for _ in client.stream(warm.chunks, sample_rate=RATE, words=False):
+        async for _ in client.stream(utterance.chunks, sample_rate=RATE, words=False):
             pass
-        levels = []
-        for n in args.streams:
-            levels.append(
-                await run_level(server, client, utterances, n, args.seconds, lag_limit, lookahead)
-            )
-            print(f"  {n} streams done", file=sys.stderr, flush=True)
-        return levels
 
 
-def percentiles(values: list[float]) -> str:
+def percentiles(values: list[float], qs=(50, 95, 99)) -> str:
     if not values:
         return "-"
-    p = np.percentile(np.asarray(values) * 1000, [50, 95, 99])
-    return "/".join(f"{v:.0f}" for v in p)
+    return "/".join(f"{v:.0f}" for v in np.percentile(np.asarray(values) * 1000, qs))
 
 
 def print_table(runs: dict[str, list[Level]]) -> None:
     header = (
-        f"{'streams':>7}  {'mode':<11} {'kept up':>8}  {'interim ms p50/95/99':>20}"
-        f"  {'final ms p50/95/99':>18}  {'batch':>5}  {'srv CPU':>7}  {'cli CPU':>7}  errors"
+        f"{'streams':>7}  {'server':<14} {'utts':>6} {'behind':>6} {'failed':>6}"
+        f"  {'interim p95':>11}  {'final ms p50/95/99':>18}  {'batch (p50/95)':>14}"
+        f"  {'srv CPU':>7}  {'cli CPU':>7}  {'RSS MB':>6}  errors"
     )
     print(header)
     print("-" * len(header))
-    levels = zip(*runs.values(), strict=True)
-    for row in levels:
+    for row in zip(*runs.values(), strict=True):
         for mode, level in zip(runs, row, strict=True):
+            s = level.stats
             print(
-                f"{level.streams:>7}  {mode:<11} {f'{level.kept_up}/{level.streams}':>8}"
-                f"  {percentiles(level.interim):>20}  {percentiles(level.final):>18}"
-                f"  {level.mean_batch:>5.1f}  {level.server_cpu:>6.0f}%  {level.client_cpu:>6.0f}%"
-                f"  {'; '.join(level.errors)[:60]}"
+                f"{level.streams:>7}  {mode:<14} {s.utterances:>6} {s.behind:>6} {s.failed:>6}"
+                f"  {percentiles(s.interim, (95,)):>11}  {percentiles(s.final):>18}"
+                f"  {level.batch:>14}  {level.server_cpu:>6.0f}%  {level.client_cpu:>6.0f}%"
+                f"  {level.rss_mb:>6.0f}  {'; '.join(s.errors)[:60]}"
             )
+
+
+def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[Utterance],
+                 args: argparse.Namespace, tmp: Path) -> list[Level]:  # fmt: skip
+    streams = None if max(args.streams) + 8 <= 256 else max(args.streams) + 8
+    log_path = tmp / f"server-{len(flags)}.log"
+    with open(log_path, "wb") as log:
+        server = start_server(args.model, None, None, streams, None, log, flags)
+        try:
+            asyncio.run(warm_up(server, utterances[0]))
+            levels = []
+            for n in args.streams:
+                profile_dir = Path(args.out) if args.profile else None
+                levels.append(run_level(server, manifest, n, args, profile_dir))
+                print(f"  {name}: {n} streams done", file=sys.stderr, flush=True)
+            return levels
+        except (RuntimeError, ClientError, asyncio.TimeoutError) as e:
+            log.flush()
+            print(f"server log (tail):\n{log_path.read_text()[-2000:]}", file=sys.stderr)
+            raise SystemExit(f"serve_load: {name}: {e or type(e).__name__}") from e
+        finally:
+            stop_server(server)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="exported model directory (default: the bundled model)")
-    p.add_argument("--streams", default="1,8,32,64,128", help="comma-separated levels")
+    p.add_argument("--streams", default="32,128,192,256", help="comma-separated levels")
     p.add_argument("--seconds", type=float, default=20.0, help="duration of each level, s")
-    p.add_argument("--max-batch", type=int, default=32, help="batched run's max batch")
-    p.add_argument("--max-wait-ms", type=float, default=0.0,
-                   help="batched run: ms the server waits for a fuller batch")  # fmt: skip
-    p.add_argument("--no-unbatched", action="store_true", help="skip the max-batch 1 run")
-    p.add_argument("--threads", type=int, default=0,
-                   help="server's ONNX Runtime threads per operator (0: its default)")  # fmt: skip
+    p.add_argument("--clients", type=int, default=2, help="load-client processes, count")
+    p.add_argument("--server-args", default="",
+                   help="flags added to `echoic serve` (default: none, its defaults)")  # fmt: skip
+    p.add_argument("--unbatched", action="store_true",
+                   help="also run the levels against a server with --max-batch 1")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per message, ms")
     p.add_argument("--lag-limit", type=float, default=1.0,
                    help="s a result may trail its audio (beyond lookahead)")  # fmt: skip
     p.add_argument("--manifest", help="utterances to send (default: synthesize a few)")
     p.add_argument("--utterances", type=int, default=8, help="distinct utterances, count")
+    p.add_argument("--profile", type=float, default=0.0,
+                   help="s of py-spy on the server in each level (0: none)")  # fmt: skip
+    p.add_argument("--out", default=".", help="folder for --profile's files")
+    # A load-client process (started by this script, one per --clients).
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--target", help=argparse.SUPPRESS)
+    p.add_argument("--client-streams", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.client:
+        print(json.dumps(asdict(asyncio.run(client_level(args)))))
+        return
     args.streams = [int(n) for n in args.streams.split(",")]
-    if min(args.streams) < 1 or args.seconds <= 0:
-        p.error("--streams must be positive counts and --seconds > 0")
+    if min(args.streams) < 1 or args.seconds <= 0 or args.clients < 1:
+        p.error("--streams and --clients must be positive counts and --seconds > 0")
+    if args.profile and not 0 < args.profile < args.seconds:
+        p.error("--profile must be shorter than --seconds")
 
     with tempfile.TemporaryDirectory(prefix="echoic-load-") as tmp:
         manifest = Path(args.manifest) if args.manifest else synthesize(Path(tmp), args.utterances)
@@ -349,29 +502,16 @@ def main() -> None:
         audio = sum(sum(u.seconds) for u in utterances)
         print(
             f"{len(utterances)} utterances ({audio:.1f} s), {args.chunk_ms:g} ms chunks,"
-            f" {args.seconds:g} s per level, {os.cpu_count()} CPUs",
+            f" {args.seconds:g} s per level, {args.clients} client processes,"
+            f" {os.cpu_count()} CPUs",
             file=sys.stderr,
         )
-        modes = {f"batch {args.max_batch}": args.max_batch}
-        if not args.no_unbatched and args.max_batch != 1:
-            modes["batch 1"] = 1
-        runs: dict[str, list[Level]] = {}
-        for mode, max_batch in modes.items():
-            print(f"{mode}:", file=sys.stderr, flush=True)
-            with open(Path(tmp) / f"server-{max_batch}.log", "wb") as log:
-                wait_ms = args.max_wait_ms if max_batch > 1 else 0.0
-                server = start_server(
-                    args.model, max_batch, wait_ms, max(args.streams) + 8, args.threads, log
-                )
-                try:
-                    runs[mode] = asyncio.run(bench_server(server, utterances, args, args.lag_limit))
-                except (RuntimeError, ClientError, asyncio.TimeoutError) as e:
-                    log.flush()
-                    tail = (Path(tmp) / f"server-{max_batch}.log").read_text()[-2000:]
-                    print(f"server log (tail):\n{tail}", file=sys.stderr)
-                    raise SystemExit(f"serve_load: {mode}: {e or type(e).__name__}") from e
-                finally:
-                    stop_server(server)
+        flags = shlex.split(args.server_args)
+        servers = {" ".join(flags) or "defaults": flags}
+        if args.unbatched:
+            servers["--max-batch 1"] = [*flags, "--max-batch", "1"]
+        runs = {name: bench_server(name, f, manifest.resolve(), utterances, args, Path(tmp))
+                for name, f in servers.items()}  # fmt: skip
         print_table(runs)
 
 
