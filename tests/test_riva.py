@@ -182,20 +182,39 @@ def test_the_same_limit_holds_for_both_apis(tiny_model_dir, wav: Path) -> None:
     assert errors == []
 
 
+def _offline(asr, wav: Path) -> str:
+    """Riva's offline_recognize on the whole WAV file: its transcript."""
+    config = _config(encoding=riva_client.AudioEncoding.LINEAR_PCM)
+    riva_client.add_audio_file_specs_to_config(config, wav)
+    response = asr.offline_recognize(wav.read_bytes(), config)
+    return " ".join(r.alternatives[0].transcript for r in response.results)
+
+
+def _streaming(asr, wav: Path) -> str:
+    """Riva's streaming_response_generator over its file iterator, interim results on,
+    as its examples stream: the transcripts of the final results."""
+    config = _config(encoding=riva_client.AudioEncoding.LINEAR_PCM)
+    riva_client.add_audio_file_specs_to_config(config, wav)
+    streaming = riva_client.StreamingRecognitionConfig(config=config, interim_results=True)
+    with riva_client.AudioChunkFileIterator(wav, 1600) as chunks:
+        results = [r for response in asr.streaming_response_generator(chunks, streaming)
+                   for r in response.results]  # fmt: skip
+    return " ".join(r.alternatives[0].transcript for r in results if r.is_final)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "transcribe",
+    [pytest.param(_offline, id="offline_recognize"),
+     pytest.param(_streaming, id="streaming_response_generator")],
+)  # fmt: skip
 def test_a_riva_user_gets_the_words_from_the_default_server(
-    default_serve: tuple[int, int], speech_corpus: Path
+    default_serve: tuple[int, int], speech_corpus: Path, transcribe
 ) -> None:
     """`echoic serve` as the README's main command starts it (the bundled model), and
-    Riva's client as its examples use it: most words of the sentences come back."""
+    Riva's client as its examples use it, whole files and streams: most words of the
+    sentences come back."""
     grpc_port, _ = default_serve
     asr = riva_client.ASRService(riva_client.Auth(uri=f"127.0.0.1:{grpc_port}"))
-
-    def offline(wav: Path) -> str:
-        config = _config(encoding=riva_client.AudioEncoding.LINEAR_PCM)
-        riva_client.add_audio_file_specs_to_config(config, wav)
-        response = asr.offline_recognize(wav.read_bytes(), config)
-        return " ".join(r.alternatives[0].transcript for r in response.results)
-
-    hits, total = words_heard(speech_corpus, offline)
+    hits, total = words_heard(speech_corpus, lambda wav: transcribe(asr, wav))
     assert hits >= 0.5 * total, (hits, total)
