@@ -1,10 +1,11 @@
-"""Session-wide fixtures (a small synthetic corpus, the tiny recipe) and, under CI, the
-check that the system tools the suite needs are installed."""
+"""Session-wide fixtures (a small synthetic corpus, the tiny recipe, the README's default
+server) and, under CI, the check that the system tools the suite needs are installed."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -164,6 +165,47 @@ def corpus_audio(speech_corpus: Path) -> list[tuple[str, np.ndarray]]:
     return [
         (r["text"], load_audio(speech_corpus.parent / r["audio_filepath"], 16000)) for r in rows
     ]  # a relative path is relative to the manifest's directory
+
+
+@pytest.fixture(scope="session")
+def default_serve() -> Iterator[tuple[int, int]]:
+    """`echoic serve` as the README's main command runs it, with nothing else set up: no
+    model flag, so the bundled model from the (session's) default repository, HTTP on.
+    One real process shared by the slow tests of what a new user gets through each door;
+    yields (gRPC port, HTTP port). The ports are free loopback ones, not the README's 50051
+    and 8000, which another run on this machine may hold; an HTTP port taken between being
+    picked here and the server binding it is tried again with another."""
+    from tests.test_clients import free_port
+    from tests.test_server import serve_process
+
+    for attempt in range(3):
+        http_port = free_port()
+        try:
+            with serve_process("--http-port", str(http_port)) as (_, port, _log):
+                yield port, http_port
+            return
+        except AssertionError as e:  # it never listened; its log (in the message) says why
+            if "cannot serve HTTP" not in str(e) or attempt == 2:
+                raise
+
+
+def words_heard(
+    speech_corpus: Path, transcribe: Callable[[Path], str], count: int = 4
+) -> tuple[int, int]:
+    """`transcribe` (a WAV file to its transcript) on the first `count` utterances of
+    `speech_corpus`: (words of their sentences that came back, words in all), case and
+    punctuation aside."""
+    import json
+    import re
+
+    hits = total = 0
+    for line in speech_corpus.read_text().splitlines()[:count]:
+        row = json.loads(line)
+        heard = set(transcribe(speech_corpus.parent / row["audio_filepath"]).split())
+        words = re.findall(r"[a-z']+", row["text"].lower())
+        hits += sum(w in heard for w in words)
+        total += len(words)
+    return hits, total
 
 
 def sigint_default() -> None:

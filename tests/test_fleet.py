@@ -45,6 +45,8 @@ def test_targets_name_one_server_or_several() -> None:
 def test_three_servers_share_the_streams_and_one_drains_without_a_failure(
     tiny_model_dir: Path, speech_corpus: Path
 ) -> None:
+    """The figures (streams per server, calls made while server 0 drains, failed calls)
+    are printed (`pytest -rP` shows them) and in every assertion's message."""
     wavs = [json.loads(line)["audio_filepath"] for line in speech_corpus.read_text().splitlines()]
     config = dict(model_dir=tiny_model_dir, port=0, http_port=0, metrics_port=0, intra_op_threads=1,
                   grace_seconds=20.0, idle_timeout_seconds=30.0)  # fmt: skip
@@ -118,11 +120,23 @@ def test_three_servers_share_the_streams_and_one_drains_without_a_failure(
             stop_requests.set()
             requester.join(60)
             stopping.join(60)
-        assert not failures, failures[:5]
-        assert len(open_results) == 6 and all(open_results.values())  # final results, drained
-        assert len(later) == 12 and answered
+        recognize_failures = sum(f.startswith("recognize:") for f in failures)
+        during_stop = {
+            "open_streams": len(openers),  # open on every server when the drain began
+            "new_streams": len(news),
+            "recognize_calls": len(answered) + recognize_failures,
+        }
         served_after = [_streams_served(s) for s in servers[1:]]
-        assert sum(served_after) - sum(per_server[1:]) >= 12  # the new streams went there
+        # the 12 new streams and the 4 that were open there when the drain began
+        after_per_server = [a - b for a, b in zip(served_after, per_server[1:], strict=True)]
+        figures = dict(streams_per_server=per_server, calls_during_stop=during_stop,
+                       failed_calls=len(failures),
+                       streams_on_servers_1_and_2_during_stop=after_per_server)  # fmt: skip
+        print(figures)
+        assert not failures, (figures, failures[:5])
+        assert len(open_results) == 6 and all(open_results.values()), figures  # drained
+        assert len(later) == 12 and answered, figures
+        assert sum(after_per_server) >= 12, figures  # the new streams went there
     finally:
         for server in servers:
             server.stop()

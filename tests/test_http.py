@@ -41,6 +41,7 @@ from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig, ServerError  # noqa: E402
 from echoic.server.openai_api import ENDPOINTING  # noqa: E402
+from tests.conftest import words_heard  # noqa: E402
 from tests.test_server import certificates  # noqa: E402, F401 - a fixture; belongs in conftest
 
 TIMEOUT = 60.0  # s per call: generous for a loaded 2-core machine; failures are fast
@@ -290,6 +291,32 @@ def test_curl_one_liner(server, stub, clips, tmp_path) -> None:
     )  # fmt: skip
     want = " ".join(r.alternatives[0].transcript for r in recognize(stub, clips[0][0]))
     assert json.loads(out.stdout) == {"text": want}
+
+
+@pytest.mark.slow
+def test_curl_one_liner_against_the_default_server(
+    default_serve: tuple[int, int], speech_corpus: Path
+) -> None:
+    """Issue 15 as a new user meets it: the README's main command (a real `echoic serve`
+    of the bundled model, nothing else set up), then its curl line on synthesized
+    sentences prints {"text": ...} with most of their words."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    _, http_port = default_serve
+
+    def transcribe(wav: Path) -> str:
+        out = subprocess.run(
+            [curl, "-sS", "-F", f"file=@{wav}", "-F", "model=whisper-1",
+             f"localhost:{http_port}{ROUTE}"],
+            capture_output=True, text=True, timeout=TIMEOUT, check=True,
+        )  # fmt: skip
+        reply = json.loads(out.stdout)
+        assert list(reply) == ["text"], reply
+        return reply["text"]
+
+    hits, total = words_heard(speech_corpus, transcribe)
+    assert hits >= 0.5 * total, (hits, total)
 
 
 def test_models(client) -> None:

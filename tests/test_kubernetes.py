@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,10 +79,14 @@ def render(folder: Path) -> list[dict]:
     return docs
 
 
-KUSTOMIZATIONS = [KUBE / "base", KUBE / "overlays" / "gpu"]
+KUSTOMIZATIONS = [
+    pytest.param(KUBE, id="kubernetes"),  # `kubectl apply -k deploy/kubernetes`: the base
+    pytest.param(KUBE / "base", id="base"),
+    pytest.param(KUBE / "overlays" / "gpu", id="gpu"),
+]
 
 
-@pytest.mark.parametrize("folder", KUSTOMIZATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS)
 def test_every_rendered_manifest_is_valid(folder: Path) -> None:
     docs = render(folder)
     kinds = sorted(d["kind"] for d in docs)
@@ -88,6 +94,24 @@ def test_every_rendered_manifest_is_valid(folder: Path) -> None:
                      "PodDisruptionBudget", "Service", "Service"]  # fmt: skip
     for doc in docs:
         kubernetes_validate.validate(doc, VERSION, strict=True)
+
+
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS)
+def test_kubectl_renders_what_is_validated_here(folder: Path) -> None:
+    """kubectl's own kustomize (what `kubectl apply -k` runs, no cluster needed) gives the
+    manifests validated above: the renderer here cannot drift from the real one."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+
+    def by_name(doc: dict) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    assert sorted(yaml.safe_load_all(out.stdout), key=by_name) == sorted(
+        render(folder), key=by_name
+    )
 
 
 def test_a_broken_manifest_fails_validation() -> None:

@@ -17,6 +17,7 @@ from riva.client.proto import riva_asr_pb2 as rasr  # noqa: E402
 
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from tests.conftest import words_heard  # noqa: E402
 from tests.test_server import (  # noqa: E402
     channel_to,
     container,
@@ -181,22 +182,39 @@ def test_the_same_limit_holds_for_both_apis(tiny_model_dir, wav: Path) -> None:
     assert errors == []
 
 
-@pytest.mark.slow
-def test_a_riva_user_gets_the_words_from_the_default_server(speech_corpus: Path) -> None:
-    """`echoic serve` as the README's main command starts it (the bundled model), and
-    Riva's client as its examples use it: most words of each sentence come back."""
-    from tests.test_server import serve_process
+def _offline(asr, wav: Path) -> str:
+    """Riva's offline_recognize on the whole WAV file: its transcript."""
+    config = _config(encoding=riva_client.AudioEncoding.LINEAR_PCM)
+    riva_client.add_audio_file_specs_to_config(config, wav)
+    response = asr.offline_recognize(wav.read_bytes(), config)
+    return " ".join(r.alternatives[0].transcript for r in response.results)
 
-    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][:4]
-    with serve_process() as (_, port, _log):
-        asr = riva_client.ASRService(riva_client.Auth(uri=f"127.0.0.1:{port}"))
-        hits = total = 0
-        for row in rows:
-            config = _config(encoding=riva_client.AudioEncoding.LINEAR_PCM)
-            riva_client.add_audio_file_specs_to_config(config, row["audio_filepath"])
-            response = asr.offline_recognize(Path(row["audio_filepath"]).read_bytes(), config)
-            heard = set(" ".join(r.alternatives[0].transcript for r in response.results).split())
-            words = [w.strip(".,").lower() for w in row["text"].split()]
-            hits += sum(w in heard for w in words)
-            total += len(words)
+
+def _streaming(asr, wav: Path) -> str:
+    """Riva's streaming_response_generator over its file iterator, interim results on,
+    as its examples stream: the transcripts of the final results."""
+    config = _config(encoding=riva_client.AudioEncoding.LINEAR_PCM)
+    riva_client.add_audio_file_specs_to_config(config, wav)
+    streaming = riva_client.StreamingRecognitionConfig(config=config, interim_results=True)
+    with riva_client.AudioChunkFileIterator(wav, 1600) as chunks:
+        results = [r for response in asr.streaming_response_generator(chunks, streaming)
+                   for r in response.results]  # fmt: skip
+    return " ".join(r.alternatives[0].transcript for r in results if r.is_final)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "transcribe",
+    [pytest.param(_offline, id="offline_recognize"),
+     pytest.param(_streaming, id="streaming_response_generator")],
+)  # fmt: skip
+def test_a_riva_user_gets_the_words_from_the_default_server(
+    default_serve: tuple[int, int], speech_corpus: Path, transcribe
+) -> None:
+    """`echoic serve` as the README's main command starts it (the bundled model), and
+    Riva's client as its examples use it, whole files and streams: most words of the
+    sentences come back."""
+    grpc_port, _ = default_serve
+    asr = riva_client.ASRService(riva_client.Auth(uri=f"127.0.0.1:{grpc_port}"))
+    hits, total = words_heard(speech_corpus, lambda wav: transcribe(asr, wav))
     assert hits >= 0.5 * total, (hits, total)
