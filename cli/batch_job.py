@@ -78,7 +78,10 @@ def _one_row_per_input(
     for row in rows:
         if not start <= row["end"] <= len(output):
             return None
-        spans.append((row, output[start : row["end"]]))
+        text = output[start : row["end"]]
+        if text and not text.endswith(b"\n"):
+            return None  # not where the record says rows end: the output was edited
+        spans.append((row, text))
         start = row["end"]
     if start != len(output):
         return None  # lines no record line speaks for: the next run sets them aside

@@ -578,6 +578,22 @@ def test_each_input_keeps_its_latest_result_in_the_place_of_its_first(
 
 
 @pytest.mark.parametrize(
+    "edit",
+    [pytest.param(lambda t: t.replace("text 1", "text one"), id="a-row-edited"),
+     pytest.param(lambda t: t[: len(t) // 2], id="cut-short")],
+)  # fmt: skip
+def test_an_output_edited_by_hand_is_not_rewritten(tmp_path: Path, edit) -> None:
+    """Rows no longer where the record says they end: the rewrite would move the wrong
+    bytes, so the output is left as it is."""
+    out, record = _record_with_a_retry(tmp_path)
+    out.write_text(edit(out.read_text()))
+    edited = out.read_text()
+    assert record.compact() == 0
+    record.close()
+    assert out.read_text() == edited
+
+
+@pytest.mark.parametrize(
     "killed", [pytest.param(k, id=k) for k in ("after-the-commit", "before-the-commit")]
 )
 def test_a_killed_rewrite_is_finished_or_dropped(
