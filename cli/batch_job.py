@@ -68,34 +68,46 @@ def set_aside_unrecorded(path: Path, end: int) -> str | None:
     return tail.decode(errors="replace")
 
 
-def _one_row_per_input(
-    output: bytes, rows: list[dict[str, Any]]
-) -> tuple[bytes, list[dict[str, Any]]] | None:
-    """The output with each input's row its latest result (a transient refusal only
-    where there is no other), in the place of its first row; and the record's lines
-    for it. None when the output is not the rows the record describes."""
+def _kept_rows(
+    rows: list[dict[str, Any]], size: int
+) -> list[tuple[dict[str, Any], int, int]] | None:
+    """Each input's row to keep, (record line, start, end in the output): its latest
+    result (a transient refusal only where there is no other), in the order of the
+    inputs' first rows. None when the record does not describe an output of `size`."""
     spans, start = [], 0
     for row in rows:
-        if not start <= row["end"] <= len(output):
+        if not start <= row["end"] <= size:
             return None
-        text = output[start : row["end"]]
-        if text and not text.endswith(b"\n"):
-            return None  # not where the record says rows end: the output was edited
-        spans.append((row, text))
+        spans.append((row, start, row["end"]))
         start = row["end"]
-    if start != len(output):
+    if start != size:
         return None  # lines no record line speaks for: the next run sets them aside
     kept: dict[str, int] = {}  # key -> the span kept; in the order of first rows
-    for n, (row, _) in enumerate(spans):
+    for n, (row, _, _) in enumerate(spans):
         before = kept.get(row["key"])
         if before is None or not row.get("transient") or spans[before][0].get("transient"):
             kept[row["key"]] = n
-    data, lines = bytearray(), []
-    for n in kept.values():
-        row, text = spans[n]
-        data += text
-        lines.append({**row, "end": len(data)})
-    return bytes(data), lines
+    return [spans[n] for n in kept.values()]
+
+
+def _copy_rows(output: Path, kept: list[tuple[dict[str, Any], int, int]],
+               target: Path) -> list[dict[str, Any]] | None:  # fmt: skip
+    """Write the kept rows of `output` to `target` (synced), a row at a time so memory
+    does not grow with the output; the record's lines for it, or None when a row does
+    not end where the record says (the output was edited)."""
+    lines, size = [], 0
+    with open(output, "rb") as source, open(target, "wb") as f:
+        for row, start, end in kept:
+            source.seek(start)
+            text = source.read(end - start)
+            if text and not text.endswith(b"\n"):
+                return None
+            f.write(text)
+            size += len(text)
+            lines.append({**row, "end": size})
+        f.flush()
+        os.fsync(f.fileno())
+    return lines
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -223,21 +235,23 @@ class JobRecord:
             return 0
         if any(not isinstance(row.get("end"), int) for row in self.rows):
             return 0  # per-file outputs, or lines from before records said where rows end
-        layout = _one_row_per_input(self.output.read_bytes(), self.rows)
-        if layout is None:
+        kept = _kept_rows(self.rows, self.output.stat().st_size)
+        if kept is None:
             return 0
-        data, rows = layout
-        header = json.dumps({"echoic_job": VERSION, "settings": self.settings}) + "\n"
-        record = header + "".join(json.dumps(row) + "\n" for row in rows)
         staged, committed = self._compaction_files()
+        part = committed.with_name(committed.name + ".part")
         try:
-            _write_synced(staged, data)
-            _write_synced(committed.with_name(committed.name + ".part"), record.encode())
-            os.replace(committed.with_name(committed.name + ".part"), committed)
+            rows = _copy_rows(self.output, kept, staged)
+            if rows is None:
+                staged.unlink()
+                return 0
+            header = json.dumps({"echoic_job": VERSION, "settings": self.settings}) + "\n"
+            _write_synced(part, (header + "".join(json.dumps(r) + "\n" for r in rows)).encode())
+            os.replace(part, committed)
             _sync_folder(committed.parent)
         except OSError:  # a full disk: not committed, so the output stays as it was
             staged.unlink(missing_ok=True)
-            committed.with_name(committed.name + ".part").unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
             raise
         self._finish_compaction()
         taken_out = len(self.rows) - len(rows)
@@ -260,6 +274,7 @@ class JobRecord:
             return
         if staged.exists():
             os.replace(staged, self.output)
+            _sync_folder(self.output.parent)  # in place before the record says so
         # The record is rewritten in place, not replaced: the lock is on this file.
         self._file.seek(0)
         self._file.truncate()
