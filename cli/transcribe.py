@@ -51,7 +51,8 @@ Formats: jsonl and tsv write one file (--output FILE, or stdout); json, txt, srt
 vtt one file per input (--output-dir DIR, mirroring the inputs' folders). A file
 that cannot be read is reported and the others go on. A rerun with the same output
 transcribes only what is not done (its job record, OUT.job, says what is); files
-that failed are tried again only with --retry-failed; other settings are refused
+that failed are tried again only with --retry-failed, their new rows taking the
+place of the old (one row per input, in input order); other settings are refused
 unless --overwrite. Exit status: 0 all done, 1 some inputs failed, 2 the job could
 not run, 130 interrupted.
 """
@@ -288,12 +289,19 @@ class Job:
             self.stats.transcribed += 1
         else:
             self.stats.failed.append({"path": item.path, "error": error})
-        if self.record is not None and not transient:
-            self.record.note(item, error, self._out.tell() if self._out is not None else None)
+        if self.record is not None:
+            end = self._out.tell() if self._out is not None else None
+            self.record.note(item, error, end, transient=transient)
 
     def close(self) -> None:
         if self._out is not None:
             self._out.close()
+            try:
+                self.record.compact()  # rows a retry superseded: one row per input
+            except OSError as e:
+                print(f"echoic: could not rewrite {self.record.output} to one row per input"
+                      f" ({e.strerror or e}); every row is there, and a rerun tidies it",
+                      file=sys.stderr)  # fmt: skip
         if self.record is not None:
             self.record.close()
         self.backend.close()

@@ -232,6 +232,13 @@ class ServerTranscriber:
         except (AudioFileError, OSError, ValueError) as e:
             writer.write_error(item, _error_message(item.path, e))
         else:
+            # The local job's check (numpy only; imported here, as client code loads no
+            # echoic.model): a WAV cut short is transcribed as it is, but said so.
+            from echoic.model.core.audio import truncation
+
+            if warning := truncation(item.path):
+                stats.warnings.append(warning)
+                writer.say(f"echoic: warning: {warning}")
             stats.audio_seconds += recognition.audio_seconds
             record = transcript_record(item, recognition, recognition.audio_seconds,
                                        recognition.model)  # fmt: skip

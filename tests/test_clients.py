@@ -416,6 +416,26 @@ def test_transcribe_through_the_server(
     assert again.returncode == 1 and len(out.read_text().splitlines()) == 7
 
 
+def test_a_wav_cut_short_is_transcribed_with_a_warning_through_the_server(
+    server: BackgroundServer, wavs, tmp_path: Path
+) -> None:
+    """As in a local job (tests/test_transcribe.py): the audio there is transcribed and
+    the summary says the file ends early (through a server it used to say nothing)."""
+    data = wavs[0].read_bytes()
+    cut = tmp_path / "cut.wav"
+    cut.write_bytes(data[: 44 + (len(data) - 44) // 3 // 2 * 2])
+    out = tmp_path / "out.jsonl"
+    run = _run("transcribe", str(cut), str(wavs[1]), "--server", server.address,
+               "--output", str(out), "--no-progress", "--json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["transcribed"] == 2
+    (warning,) = summary["warnings"]
+    assert str(cut) in warning and "ends early" in warning and warning in run.stderr
+    header_seconds = (len(data) - 44) / 2 / 16000
+    assert f"header says {header_seconds:.2f} s" in warning
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
