@@ -217,7 +217,7 @@ class RealtimeSession:
         finally:
             ending.cancel()
             if self.session is not None:
-                self.session.audio.close()  # a FLAC decoder's thread ends with the socket
+                self.session.audio.close()  # a FLAC or Ogg decoder's threads end with the socket
             if model is not None:
                 self.door._registry.release(model)
 
