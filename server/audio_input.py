@@ -11,28 +11,37 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
 - WAV: the RIFF header is parsed once it has arrived; integer (8, 16, 24, 32 bit),
   float (32, 64 bit) and G.711 (mu-law, A-law) samples then stream. Other WAV
   codecs (ADPCM, ...) are buffered and decoded by `decode_audio` at the end.
-- FLAC: decoded as it arrives by libsndfile in a thread of its own (`_FlacDecoder`),
-  reading from a pipe that `feed` fills, so FLAC streams get interim results like PCM;
-  memory holds the bytes not yet decoded, not the stream.
-- OGG (Opus or Vorbis), and the other containers ENCODING_UNSPECIFIED detects (MP3):
-  buffered, decoded by `decode_audio` when the audio ends (libsndfile seeks to an Ogg
-  file's end to learn its length, which a stream does not have yet).
+- FLAC and OGG (Opus or Vorbis): decoded as they arrive by libsndfile in a thread of
+  its own (`_StreamDecoder`), reading from a pipe that `feed` fills, so their streams
+  get interim results like PCM; memory holds the bytes not yet decoded, not the stream.
+  FLAC reads a pipe that pretends to seek (`_Pipe`: libsndfile's FLAC reader refuses a
+  file it cannot seek); Ogg reads a real OS pipe (`_FdPipe`: on a file it can seek,
+  libsndfile's Ogg reader first seeks to the end to find the last page, which a stream
+  does not have yet; on a pipe it reads page by page). The Ogg page framing is followed
+  as the bytes pass (`_OggPages`), so a stream cut inside a page, or bytes that are not
+  Ogg pages, are refused by name (libsndfile decodes what it can of both, silently).
+- MP3 (ENCODING_UNSPECIFIED detects it): buffered, decoded by `decode_audio` when the
+  audio ends.
 
 `max_seconds` holds for every encoding, as early as the audio allows: from the
-WAV or FLAC header when it gives the length, as PCM samples arrive, and for
-buffered audio while it is decoded (a block at a time, stopping at the limit):
+WAV or FLAC header when it gives the length, as PCM, FLAC or Ogg samples arrive, and
+for buffered audio while it is decoded (a block at a time, stopping at the limit):
 `AudioTooLong`, before the rest is decoded.
 
 Recognize goes through the same class (all bytes, then `finish()`), so a request
 and a stream of the same bytes give the same samples. Errors are `AudioError`.
-`close()` frees what an input holds (the FLAC decoder's thread) when a call ends early.
+`close()` frees what an input holds (a FLAC or Ogg decoder's threads) when a call ends early.
 """
 
 from __future__ import annotations
 
+import fcntl
 import io
+import os
 import queue
 import struct
+import sys
+import termios
 import threading
 
 import numpy as np
@@ -111,7 +120,8 @@ class AudioInput:
         self._to_model: MonoResampler | None = None
         self.source_samples = 0  # frames (per channel) decoded so far, at the source rate
         self.bytes_in = 0
-        self._flac: _FlacDecoder | None = None
+        self._decoder: _StreamDecoder | None = None  # FLAC's or Ogg's
+        self._ogg_pages: _OggPages | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -127,11 +137,11 @@ class AudioInput:
 
     @property
     def undecoded_bytes(self) -> int:
-        """Bytes held that are not decoded yet: a buffered container's, or a FLAC stream's
-        that its decoder has not reached (a client sending faster than it decodes)."""
+        """Bytes held that are not decoded yet: a buffered container's, or a FLAC or Ogg
+        stream's that its decoder has not reached (a client sending faster than it decodes)."""
         if self._mode == "buffer":
             return self.bytes_in
-        return self._flac.backlog if self._flac is not None else 0
+        return self._decoder.backlog if self._decoder is not None else 0
 
     def feed(self, data: bytes) -> np.ndarray:
         """Take the next bytes; return the samples they complete (possibly none)."""
@@ -145,24 +155,28 @@ class AudioInput:
             self._parse_wav_header()
         if self._mode in ("raw", "wav"):
             return self._decode_pcm(last=False)
-        if self._mode == "flac":
-            self._flac.feed(self._pending)
+        if self._mode in ("flac", "ogg"):
+            if self._ogg_pages is not None:
+                self._ogg_pages.feed(self._pending)
+            self._decoder.feed(self._pending)
             self._pending = b""
-            return self._from_flac(last=False)
+            return self._from_decoder(last=False)
         return _EMPTY
 
     def close(self) -> None:
         """Stop decoding (a call that ended early); safe to call more than once."""
-        if self._flac is not None:
-            self._flac.close()
+        if self._decoder is not None:
+            self._decoder.close()
 
     def finish(self) -> np.ndarray:
         """The audio has ended: the remaining samples (flushes the resampler)."""
         if self.bytes_in == 0:
             raise AudioError(f"{self.name}: no audio data (0 bytes)")
-        if self._mode == "flac":
-            self._flac.finish()
-            return self._from_flac(last=True)
+        if self._mode in ("flac", "ogg"):
+            if self._ogg_pages is not None:
+                self._ogg_pages.end()
+            self._decoder.finish()
+            return self._from_decoder(last=True)
         if self._mode in ("sniff", "wav-header", "flac-header"):
             self._mode = "buffer"  # too short to tell: let decode_audio say what is wrong
         if self._mode == "buffer":
@@ -203,7 +217,11 @@ class AudioInput:
             self._mode = "wav-header"
         elif found == "flac":
             self._mode = "flac-header"
-        elif found == "ogg" or (self.encoding == "auto" and _is_mp3(head)):
+        elif found == "ogg":
+            self._mode = "ogg"  # the rate and channels come from the decoder
+            self._ogg_pages = _OggPages(self.name)
+            self._decoder = _StreamDecoder(self.name, "Ogg", _FdPipe())
+        elif self.encoding == "auto" and _is_mp3(head):
             self._mode = "buffer"
         else:
             want = {"auto": "WAV, FLAC, OGG or MP3", "wav": "WAV", "flac": "FLAC", "ogg": "OGG"}
@@ -235,7 +253,7 @@ class AudioInput:
             raise unknown_length(self.name)
         check_length(total, rate, self.max_seconds, self.name, exact=True)
         self._mode, self._rate = "flac", rate
-        self._flac = _FlacDecoder(self.name)
+        self._decoder = _StreamDecoder(self.name, "FLAC", _Pipe())
 
     def _parse_wav_header(self) -> None:
         buf = self._pending
@@ -317,10 +335,18 @@ class AudioInput:
             self._to_model = MonoResampler(self._rate, self.target_rate)
         return self._to_model(samples, last=last)
 
-    def _from_flac(self, *, last: bool) -> np.ndarray:
-        """The samples the FLAC decoder has ready (all of them with `last`), as mono at
-        the model's rate, with the length limit checked as they come."""
-        blocks = self._flac.take(wait=last)
+    def _from_decoder(self, *, last: bool) -> np.ndarray:
+        """The samples the FLAC or Ogg decoder has ready (all of them with `last`), as mono
+        at the model's rate, with the length limit checked as they come."""
+        blocks = self._decoder.take(wait=last)
+        if self._rate == 0 and self._decoder.format is not None:
+            rate, channels = self._decoder.format  # an Ogg header, as libsndfile read it
+            check_rate(rate, self.name)
+            check_header_rate(self._declared_rate, rate, self.name)
+            check_channels(channels, self.name)
+            self._rate = rate
+        if not blocks and not last:
+            return _EMPTY
         if self._to_model is None:
             self._to_model = MonoResampler(self._rate, self.target_rate)
         out = []
@@ -338,8 +364,8 @@ class AudioInput:
 
 
 _EMPTY = np.zeros(0, dtype=np.float32)
-_FLAC_BLOCK = 4096  # frames the FLAC decoder hands over at a time, per channel
-_FLAC_STALL = 120.0  # s a FLAC decoder waits for bytes before giving up (a leaked stream)
+_DECODER_BLOCK = 4096  # frames a FLAC or Ogg decoder hands over at a time, per channel
+_STALL = 120.0  # s a FLAC or Ogg decoder waits for bytes before giving up (a leaked stream)
 
 
 class _Pipe(io.RawIOBase):
@@ -379,7 +405,7 @@ class _Pipe(io.RawIOBase):
         want = len(target)
         with self._cond:
             while self._base + len(self._buf) - self._pos < want and not self._done:
-                if not self._cond.wait(timeout=_FLAC_STALL):
+                if not self._cond.wait(timeout=_STALL):
                     self._done = True  # nobody feeds it any more: end here
             start = self._pos - self._base
             data = bytes(self._buf[start : start + want])
@@ -408,22 +434,89 @@ class _Pipe(io.RawIOBase):
         return self._pos
 
 
-class _FlacDecoder:
-    """libsndfile decoding a FLAC stream in a thread of its own as its bytes arrive."""
+class _FdPipe:
+    """Bytes written by one thread (`write_bytes`, `close_writing`) and read by libsndfile
+    in another through an OS pipe (`read_fd`), which libsndfile knows it cannot seek: its
+    Ogg reader then reads page by page instead of first seeking to the end for the last
+    page. A thread of its own moves the bytes into the pipe, so `write_bytes` (on the
+    server's event loop) never blocks; only the bytes not yet moved, and those in the
+    kernel's pipe buffer (64 KiB at most), are held."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()  # read_fd: the decoder's to close
+        self._chunks: queue.SimpleQueue = queue.SimpleQueue()  # bytes, then None at the end
+        self._unmoved = 0  # bytes written and not yet in the OS pipe
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._thread = threading.Thread(target=self._move, name="echoic-pipe", daemon=True)
+        self._thread.start()
+
+    def write_bytes(self, data: bytes) -> None:
+        with self._lock:
+            self._unmoved += len(data)
+        self._chunks.put(data)
+
+    def close_writing(self, *, abandon: bool = False) -> None:
+        """No more bytes will come; with `abandon`, the ones not yet moved are dropped."""
+        self._abandoned = self._abandoned or abandon
+        self._chunks.put(None)
+
+    @property
+    def unread(self) -> int:
+        """Bytes written and not yet read by the decoder: not moved yet, or in the pipe."""
+        with self._lock:  # the mover closes the pipe under the lock: the fd stays ours
+            if self._write_fd < 0:
+                return self._unmoved
+            in_pipe = bytearray(4)
+            fcntl.ioctl(self._write_fd, termios.FIONREAD, in_pipe)
+            return self._unmoved + int.from_bytes(in_pipe, sys.byteorder)
+
+    def _move(self) -> None:
+        try:
+            while not self._abandoned:
+                try:
+                    chunk = self._chunks.get(timeout=_STALL)
+                except queue.Empty:
+                    break  # nobody feeds it any more: end here
+                if chunk is None:
+                    break
+                view = memoryview(chunk)
+                while view and not self._abandoned:
+                    view = view[os.write(self._write_fd, view) :]
+                with self._lock:
+                    self._unmoved -= len(chunk)
+        except OSError:
+            pass  # the decoder stopped reading: it reports its own error
+        finally:
+            with self._lock:
+                os.close(self._write_fd)  # the decoder reads the end of the stream
+                self._write_fd = -1
+
+
+class _StreamDecoder:
+    """libsndfile decoding a FLAC or Ogg stream in a thread of its own as its bytes arrive,
+    from `source` (a `_Pipe`, or an `_FdPipe` for Ogg)."""
+
+    def __init__(self, name: str, codec: str, source: _Pipe | _FdPipe) -> None:
         self.name = name
-        self._pipe = _Pipe()
+        self.codec = codec  # "FLAC" or "Ogg", for messages
+        self.format: tuple[int, int] | None = None  # (rate, channels), once the header is read
+        self._source = source
         self._blocks: queue.SimpleQueue = queue.SimpleQueue()  # (N, C) arrays, then None
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, name="echoic-flac", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"echoic-{codec.lower()}", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
+        # libsndfile closes the pipe's read end when the file closes, or fails to open.
+        file = self._source.read_fd if isinstance(self._source, _FdPipe) else self._source
         try:
-            with sf.SoundFile(self._pipe) as f:
+            with sf.SoundFile(file) as f:
+                self.format = (f.samplerate, f.channels)  # set before the first block is put
                 while True:
-                    block = f.read(_FLAC_BLOCK, dtype="float32", always_2d=True)
+                    block = f.read(_DECODER_BLOCK, dtype="float32", always_2d=True)
                     if not len(block):
                         break
                     self._blocks.put(block)
@@ -434,34 +527,108 @@ class _FlacDecoder:
 
     def feed(self, data: bytes) -> None:
         if data:
-            self._pipe.write_bytes(data)
+            self._source.write_bytes(data)
 
     def finish(self) -> None:
-        self._pipe.close_writing()
+        self._source.close_writing()
 
     @property
     def backlog(self) -> int:
-        return self._pipe.unread
+        return self._source.unread
 
     def close(self) -> None:
-        self._pipe.close_writing()
+        if isinstance(self._source, _FdPipe):
+            self._source.close_writing(abandon=True)
+        else:
+            self._source.close_writing()
 
     def take(self, *, wait: bool) -> list[np.ndarray]:
         """The blocks decoded so far; with `wait`, all of them (after `finish`)."""
         blocks = []
         while True:
             try:
-                block = self._blocks.get(block=wait, timeout=_FLAC_STALL if wait else None)
+                block = self._blocks.get(block=wait, timeout=_STALL if wait else None)
             except queue.Empty:
                 break
             if block is None:
                 self._blocks.put(None)  # stays at the end for later calls
                 if self._error is not None:
                     reason = getattr(self._error, "error_string", None) or str(self._error)
-                    raise AudioError(f"{self.name}: cannot decode the FLAC audio ({reason})")
+                    reason = reason.strip().rstrip(".")
+                    raise AudioError(
+                        f"{self.name}: cannot decode the {self.codec} audio ({reason}): "
+                        f"{_DAMAGED_HINT[self.codec]}"
+                    )
                 break
             blocks.append(block)
         return blocks
+
+
+_DAMAGED_HINT = {
+    "FLAC": "the file is damaged or not FLAC; send the whole file as the encoder wrote it",
+    "Ogg": "Ogg with Opus or Vorbis inside is accepted, as the encoder wrote it; the file "
+    "is damaged or holds another codec (send WAV or FLAC then)",
+}
+
+
+class _OggPages:
+    """The Ogg page framing, followed as the bytes pass: each page is a 27-byte header
+    ('OggS', version 0, ..., the segment count), a segment table and a body of the
+    segments' total length. libsndfile decodes what it can of a stream cut inside a page,
+    or of bytes that are not Ogg pages, without a word; this names both."""
+
+    _HEADER = 27  # bytes before the segment table
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._head = bytearray()  # the current page's header and segment table, so far
+        self._body_left = 0  # bytes of the current page's body still to come
+        self._page_start = 0  # stream offset of the current page
+        self._offset = 0  # stream offset of the next byte
+
+    def feed(self, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):
+            if self._body_left:
+                step = min(self._body_left, len(data) - pos)
+                self._body_left -= step
+            else:
+                if not self._head:
+                    self._page_start = self._offset + pos
+                size = self._HEADER + (self._head[26] if len(self._head) > 26 else 0)
+                step = min(size - len(self._head), len(data) - pos)
+                self._head += data[pos : pos + step]
+                self._check_capture()
+                self._close_header()
+            pos += step
+        self._offset += len(data)
+
+    def _close_header(self) -> None:
+        """A complete header and segment table: the body comes next."""
+        head = self._head
+        if len(head) > 26 and len(head) == self._HEADER + head[26]:
+            self._body_left = sum(head[self._HEADER :])
+            self._head = bytearray()
+
+    def _check_capture(self) -> None:
+        head = self._head
+        if head[:4] != b"OggS"[: len(head[:4])] or (len(head) > 4 and head[4] != 0):
+            raise AudioError(
+                f"{self.name}: cannot decode audio: the bytes at offset {self._page_start} "
+                f"are not an Ogg page (they start {bytes(head[:5])!r}, not b'OggS' and "
+                "version 0): the Ogg file is damaged, or other data was sent after it; "
+                "send one whole Ogg file, unchanged"
+            )
+
+    def end(self) -> None:
+        """The bytes have ended: AudioError if they end inside a page (truncated)."""
+        if self._head or self._body_left:
+            got = self._offset - self._page_start
+            raise AudioError(
+                f"{self.name}: the Ogg audio is truncated: it ends inside a page (the last "
+                f"{got} bytes begin a page that is not complete); send the whole file, or "
+                "end a live stream after a whole page"
+            )
 
 
 def _pcm_to_float(raw: bytes, fmt: str, channels: int) -> np.ndarray:

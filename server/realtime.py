@@ -13,8 +13,10 @@ Server -> client: `conversation.created` on connect; `transcription_session.upda
 `is_last_result` on the last one, after `input_audio_buffer.done`); `error`.
 
 Client -> server: `transcription_session.update` (`input_audio_format` "pcm16" =
-raw PCM16 at `input_audio_params.sample_rate_hz`/`num_channels`, or "none" = the
-bytes of a file with its header: WAV streams, FLAC is decoded at the end;
+raw PCM16 at `input_audio_params.sample_rate_hz`/`num_channels`; "g711_ulaw" or
+"g711_alaw" = raw G.711 at 8 kHz, as OpenAI's protocol defines them (telephony);
+or "none" = the bytes of a file with its header: WAV, FLAC and Ogg stream, MP3 is
+decoded at the end;
 `input_audio_transcription.model`/`language`; `recognition_config.enable_word_time_offsets`;
 `endpointing_config.stop_history` = ms of trailing silence that ends an utterance),
 then `input_audio_buffer.append` (base64 audio), `.commit` and `.done`.
@@ -56,6 +58,13 @@ SUBPROTOCOL = "realtime"
 TOKEN_PREFIX = "realtime-token."
 SECRET_SECONDS = 600  # s a minted client secret stays valid for opening a socket
 MAX_SECRETS = 10_000  # minted secrets remembered at once, count (the oldest go first)
+G711_RATE = 8000  # Hz of g711_ulaw and g711_alaw, fixed by OpenAI's protocol
+_ENCODINGS = {  # input_audio_format -> the RecognitionConfig encoding it is
+    "pcm16": pb.RecognitionConfig.LINEAR16,
+    "g711_ulaw": pb.RecognitionConfig.MULAW,
+    "g711_alaw": pb.RecognitionConfig.ALAW,
+    "none": pb.RecognitionConfig.ENCODING_UNSPECIFIED,
+}
 
 
 class ClientMistake(Exception):
@@ -217,7 +226,7 @@ class RealtimeSession:
         finally:
             ending.cancel()
             if self.session is not None:
-                self.session.audio.close()  # a FLAC decoder's thread ends with the socket
+                self.session.audio.close()  # a FLAC or Ogg decoder's threads end with the socket
             if model is not None:
                 self.door._registry.release(model)
 
@@ -312,13 +321,24 @@ class RealtimeSession:
             if isinstance(update.get(section), dict):
                 settings[section].update(update[section])
         fmt = settings["input_audio_format"]
-        if fmt not in ("pcm16", "none"):
+        if not isinstance(fmt, str) or fmt not in _ENCODINGS:
             raise ClientMistake(
                 "invalid_audio_format",
                 f"input_audio_format {fmt!r} is not served: use pcm16 (raw PCM16 at "
-                "input_audio_params.sample_rate_hz) or none (a WAV or FLAC file's bytes)",
+                "input_audio_params.sample_rate_hz), g711_ulaw or g711_alaw (raw G.711 at "
+                "8 kHz), or none (a WAV, FLAC, Ogg or MP3 file's bytes)",
             )
         params = settings["input_audio_params"]
+        if fmt.startswith("g711"):
+            given = update.get("input_audio_params")
+            asked = given.get("sample_rate_hz") if isinstance(given, dict) else None
+            if asked is not None and str(asked) != str(G711_RATE):
+                raise ClientMistake(
+                    "invalid_value",
+                    f"{fmt} is 8 kHz audio, as OpenAI's protocol defines it, not {asked!r} Hz: "
+                    f"leave input_audio_params.sample_rate_hz out, or send {G711_RATE}",
+                )
+            params["sample_rate_hz"] = G711_RATE  # the session echoed back says so
         asr = settings["input_audio_transcription"]
         language = str(asr.get("language") or "en").lower()
         if language != "en" and not language.startswith("en-"):
@@ -341,12 +361,11 @@ class RealtimeSession:
                 "invalid_value", "sample_rate_hz, num_channels and stop_history are integers"
             ) from None
         words = bool(settings["recognition_config"].get("enable_word_time_offsets"))
+        raw = fmt != "none"  # no header: the rate and channels come from the session
         config = pb.RecognitionConfig(
-            encoding=pb.RecognitionConfig.LINEAR16
-            if fmt == "pcm16"
-            else pb.RecognitionConfig.ENCODING_UNSPECIFIED,
-            sample_rate_hertz=rate if fmt == "pcm16" else 0,
-            audio_channel_count=channels if fmt == "pcm16" else 0,
+            encoding=_ENCODINGS[fmt],
+            sample_rate_hertz=rate if raw else 0,
+            audio_channel_count=channels if raw else 0,
             model="" if name in OPENAI_MODELS else name,
             enable_word_time_offsets=words,
             endpointing=pb.EndpointingConfig(

@@ -353,13 +353,13 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     return
         finally:
             if session is not None:
-                session.audio.close()  # a FLAC decoder's thread ends with the call
+                session.audio.close()  # a FLAC or Ogg decoder's threads end with the call
             self._registry.release(model)
 
     def feed_stream(self, session: Session, data: bytes) -> None:
         """A live stream's next bytes, decoded and accepted under the stream limits (any
         door): OUT_OF_RANGE past --max-audio-seconds, or past max_message_bytes of
-        audio buffered until its end (FLAC)."""
+        audio buffered until its end (MP3) or not yet decoded (FLAC, Ogg)."""
         self._accept(session, self._stream_audio(partial(session.audio.feed, data)))
         self._check_stream_limits(session)
 
@@ -387,10 +387,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         if waiting > self._config.max_message_bytes:
             raise RequestError(
                 grpc.StatusCode.OUT_OF_RANGE,
-                f"{waiting} bytes of Ogg/container audio are buffered (it is decoded at the "
-                f"end), or of FLAC not yet decoded, over this server's "
-                f"{self._config.max_message_bytes} bytes: stream FLAC at the pace of its "
-                "audio, or WAV or LINEAR16",
+                f"{waiting} bytes of audio are buffered (MP3 is decoded at the end), or of "
+                f"FLAC or Ogg not yet decoded, over this server's "
+                f"{self._config.max_message_bytes} bytes: stream FLAC or Ogg at the pace of "
+                "its audio, or WAV or LINEAR16",
             )
 
     def _accept(self, session: Session, samples: np.ndarray) -> None:

@@ -35,14 +35,24 @@ LIMIT = 2.0  # the servers' max_audio_seconds here, s
 PIECE = 4096  # bytes per streamed message
 
 
-def _container(seconds: float, rate: int, channels: int, fmt: str, *, tone: bool = False) -> bytes:
-    """`seconds` of silence (or a quiet tone) as a WAV or FLAC file, written a block at a
-    time so that long files cost the test no memory."""
+def _container(
+    seconds: float,
+    rate: int,
+    channels: int,
+    fmt: str,
+    *,
+    tone: bool = False,
+    subtype: str = "PCM_16",
+    compression_level: float | None = None,
+) -> bytes:
+    """`seconds` of silence (or a quiet tone) as a WAV, FLAC or Ogg file, written a block
+    at a time so that long files cost the test no memory."""
     buf = io.BytesIO()
     block = np.zeros((rate, channels), np.float32)
     if tone:
         block[:, :] = 0.1 * np.sin(2 * np.pi * 330 * np.arange(rate) / rate)[:, None]
-    with sf.SoundFile(buf, "w", rate, channels, format=fmt, subtype="PCM_16") as f:
+    level = {} if compression_level is None else {"compression_level": compression_level}
+    with sf.SoundFile(buf, "w", rate, channels, format=fmt, subtype=subtype, **level) as f:
         for _ in range(int(seconds)):
             f.write(block)
     return buf.getvalue()
@@ -95,7 +105,11 @@ TOO_LONG = [
     pytest.param(WAV_10S, Config.WAV, id="wav-length-in-header"),
     pytest.param(_streaming_wav(WAV_10S), Config.WAV, id="wav-length-unknown"),
     pytest.param(_container(10, 8000, 2, "FLAC"), Config.ENCODING_UNSPECIFIED, id="auto-8k-stereo"),
-]
+    pytest.param(_container(10, 48000, 1, "OGG", tone=True, subtype="OPUS"), Config.OGG_OPUS,
+                 id="ogg-opus-length-unknown"),
+    pytest.param(_container(10, 44100, 2, "OGG", tone=True, subtype="VORBIS"),
+                 Config.ENCODING_UNSPECIFIED, id="auto-ogg-vorbis-stereo"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("data", "encoding"), TOO_LONG)
@@ -151,6 +165,31 @@ def test_decoding_memory_is_bounded_by_what_is_accepted(data, limit, ceiling_mb)
     assert peak < ceiling_mb * 2**20, f"peak {peak / 2**20:.0f} MB"
     if samples is not None:
         assert len(samples) == 20 * 16000
+
+
+def test_an_ogg_stream_holds_what_is_not_decoded_not_the_stream() -> None:
+    """A 5-minute Ogg/Opus stream (at Opus's highest bitrate, 10 MB) fed in 16 KiB pieces,
+    each read by the decoder before the next (a client sending at the audio's pace),
+    holds a piece and its decoded samples at a time: peak memory (Python's and numpy's
+    allocations, traced) stays far below the stream's bytes, which buffering it to its
+    end would hold at least."""
+    from echoic.server.audio_input import AudioInput
+
+    data = _container(300, 16000, 1, "OGG", tone=True, subtype="OPUS", compression_level=0.0)
+    audio = AudioInput("ogg", 16000)
+    decoded, piece = 0, 16 * 1024
+    tracemalloc.start()
+    try:
+        for i in range(0, len(data), piece):
+            decoded += len(audio.feed(data[i : i + piece]))
+            wait_until(lambda: audio.undecoded_bytes == 0, what="the decoder to read the piece")
+        decoded += len(audio.finish())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        audio.close()
+    assert decoded == 300 * 16000
+    assert peak < len(data) / 10, f"peak {peak} bytes for a {len(data)}-byte stream"
 
 
 def test_the_header_decides_before_the_audio_arrives(server) -> None:

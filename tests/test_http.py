@@ -32,6 +32,7 @@ pytest.importorskip("aiohttp", reason="the HTTP door needs the serve extra (aioh
 openai = pytest.importorskip("openai", reason="the conformance tests need the dev extra (openai)")
 
 import soundfile as sf  # noqa: E402
+import soxr  # noqa: E402
 from aiohttp import WSMsgType  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
@@ -796,6 +797,69 @@ def test_realtime_mistakes_get_error_events_and_the_socket_goes_on(server, stub,
     assert "".join(deltas) == " ".join(want)
     assert metric(server, "echoic_realtime_errors_total", code="invalid_json") == before + 1
     assert post_form(server, [], [("file", wav)])[0] == 200
+
+
+async def _realtime_events(server: BackgroundServer, session: dict, audio: bytes) -> list[dict]:
+    """One realtime socket: the session update, `audio` in 800-byte appends, done; every
+    event after the update's echo (which comes first), to the last result."""
+    import aiohttp
+
+    url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+    async with aiohttp.ClientSession() as http, http.ws_connect(url, protocols=("realtime",)) as ws:
+        assert (await ws.receive_json(timeout=TIMEOUT))["type"] == "conversation.created"
+        await ws.send_json({"type": "transcription_session.update", "session": session})
+        events = [await ws.receive_json(timeout=TIMEOUT)]
+        if events[0]["type"] == "error":
+            return events
+        for i in range(0, len(audio), 800):
+            chunk = base64.b64encode(audio[i : i + 800]).decode()
+            await ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
+        await ws.send_json({"type": "input_audio_buffer.done"})
+        while not events[-1].get("is_last_result"):
+            events.append(await ws.receive_json(timeout=TIMEOUT))
+        return events
+
+
+@pytest.mark.parametrize(("fmt", "subtype", "encoding"), [
+    pytest.param("g711_ulaw", "ULAW", "mulaw", id="ulaw"),
+    pytest.param("g711_alaw", "ALAW", "alaw", id="alaw"),
+])  # fmt: skip
+def test_realtime_g711_gets_the_transcript_of_its_pcm16(server, clips, fmt, subtype, encoding):
+    """OpenAI's g711_ulaw and g711_alaw (8 kHz telephony) over a real socket: the server's
+    decode of the bytes is soundfile's, sample for sample, and the transcripts equal the
+    pcm16 path's for the same narrowband audio (soundfile's decode of the G.711, as PCM16
+    at 8 kHz). A rate other than 8 kHz is an error event."""
+    from echoic.server.audio_input import AudioInput
+
+    narrow = soxr.resample(clips[2][1], 16000, 8000)
+    buf = io.BytesIO()
+    sf.write(buf, narrow, 8000, format="RAW", subtype=subtype)
+    law = buf.getvalue()
+    reference, _ = sf.read(io.BytesIO(law), dtype="int16", format="RAW", subtype=subtype,
+                           samplerate=8000, channels=1)  # fmt: skip
+    pcm = reference.astype("<i2").tobytes()
+
+    def decoded(data: bytes, kind: str) -> np.ndarray:
+        audio = AudioInput(kind, 16000, sample_rate=8000)
+        return np.concatenate([*(audio.feed(data[i : i + 800]) for i in range(0, len(data), 800)),
+                               audio.finish()])  # fmt: skip
+
+    assert np.array_equal(decoded(law, encoding), decoded(pcm, "linear16"))
+
+    def finals(session: dict, audio: bytes) -> list[str]:
+        events = asyncio.run(_realtime_events(server, session, audio))
+        assert events[0]["type"] == "transcription_session.updated", events[0]
+        assert events[0]["session"]["input_audio_params"]["sample_rate_hz"] == 8000
+        kind = "conversation.item.input_audio_transcription.completed"
+        return [e["transcript"] for e in events if e["type"] == kind]
+
+    want = finals({"input_audio_format": "pcm16", "input_audio_params": {"sample_rate_hz": 8000}},
+                  pcm)  # fmt: skip
+    assert any(want) and finals({"input_audio_format": fmt}, law) == want
+    (error,) = asyncio.run(_realtime_events(
+        server, {"input_audio_format": fmt, "input_audio_params": {"sample_rate_hz": 16000}}, law
+    ))  # fmt: skip
+    assert error["type"] == "error" and "8 kHz" in error["error"]["message"]
 
 
 def test_a_silent_realtime_socket_is_closed_after_the_idle_timeout() -> None:

@@ -78,18 +78,19 @@ def stream_messages(
     interim: bool = False,
     interval_ms: int = 0,
     pause: tuple[int, threading.Event] | None = None,
+    chunk: int = CHUNK,
 ) -> Iterator[pb.StreamingRecognizeRequest]:
-    """Config, then audio in CHUNK-byte messages; with `pause` = (byte offset, event),
+    """Config, then audio in `chunk`-byte messages; with `pause` = (byte offset, event),
     wait for the event before sending the bytes from that offset on."""
     yield pb.StreamingRecognizeRequest(
         streaming_config=pb.StreamingRecognitionConfig(
             config=config, interim_results=interim, interim_interval_ms=interval_ms
         )
     )
-    for i in range(0, len(audio), CHUNK):
+    for i in range(0, len(audio), chunk):
         if pause is not None and i >= pause[0] and not pause[1].is_set():
             assert pause[1].wait(RPC_TIMEOUT), "the test never released the stream"
-        yield pb.StreamingRecognizeRequest(audio_content=audio[i : i + CHUNK])
+        yield pb.StreamingRecognizeRequest(audio_content=audio[i : i + chunk])
 
 
 def stream(stub, audio: bytes, config: Config, **kw) -> list[pb.StreamingRecognizeResponse]:
@@ -489,56 +490,103 @@ def test_g711_decodes_as_it_arrives(clips, fmt, subtype, encoding, rate) -> None
     assert np.array_equal(np.concatenate([*early, audio.finish()]), whole)
 
 
-@pytest.mark.parametrize(("rate", "channels"), [(16000, 1), (44100, 2), (48000, 1)])
-def test_flac_decodes_as_it_arrives(clips, rate, channels) -> None:
-    """A FLAC stream's samples come out while it arrives (interim results are possible),
-    all of them equal to the whole file's decode, and memory holds only what the decoder
-    has not reached."""
+STREAMED_CONTAINERS = [
+    pytest.param("FLAC", "PCM_16", 16000, 1, id="flac-16k"),
+    pytest.param("FLAC", "PCM_16", 44100, 2, id="flac-44.1k-stereo"),
+    pytest.param("FLAC", "PCM_16", 48000, 1, id="flac-48k"),
+    pytest.param("OGG", "OPUS", 16000, 1, id="ogg-opus-16k"),
+    pytest.param("OGG", "OPUS", 48000, 2, id="ogg-opus-48k-stereo"),
+    pytest.param("OGG", "VORBIS", 44100, 2, id="ogg-vorbis-44.1k-stereo"),
+    pytest.param("OGG", "VORBIS", 16000, 1, id="ogg-vorbis-16k"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "subtype", "rate", "channels"), STREAMED_CONTAINERS)
+def test_flac_and_ogg_decode_as_they_arrive(clips, fmt, subtype, rate, channels) -> None:
+    """A FLAC or Ogg stream's samples come out while it arrives (interim results are
+    possible), all of them equal to the whole file's decode, and memory holds only what
+    the decoder has not reached."""
     from echoic.server.audio_input import AudioInput
 
     samples = soxr.resample(clips[0][1], 16000, rate)
     if channels == 2:
         samples = np.stack([samples, 0.5 * samples], axis=1)
-    data = container(samples, rate, "FLAC")
-    audio = AudioInput("flac", 16000)
+    data = container(samples, rate, fmt, subtype)
+    audio = AudioInput(fmt.lower(), 16000)
+    piece = max(len(data) // 40, 100)  # an Ogg is a tenth of its FLAC: pieces of 2.5 %
     early = []
-    for i in range(0, len(data), 1000):
-        early.append(audio.feed(data[i : i + 1000]))
+    for i in range(0, len(data), piece):
+        early.append(audio.feed(data[i : i + piece]))
         time.sleep(0.001)  # the decoder runs in its own thread
     whole = decode_audio(data, 16000)
     assert sum(map(len, early)) > 0.3 * len(whole) and audio.undecoded_bytes < len(data)
     assert np.array_equal(np.concatenate([*early, audio.finish()]), whole)
 
 
-def test_an_abandoned_flac_stream_frees_its_decoder(clips) -> None:
+@pytest.mark.parametrize("subtype", ["OPUS", "VORBIS"])
+def test_ogg_streams_equal_soundfiles_own_decode(clips, subtype) -> None:
+    """At the model's rate (no resampling), an Ogg stream fed 50 bytes at a time gives
+    libsndfile's own samples of the whole file, as soundfile reads them (clipped to
+    [-1, 1], as all audio is)."""
     from echoic.server.audio_input import AudioInput
 
-    data = container(clips[0][1], 16000, "FLAC")
+    data = container(clips[1][1], 16000, "OGG", subtype)
+    audio = AudioInput("ogg", 16000)
+    got = [audio.feed(data[i : i + 50]) for i in range(0, len(data), 50)]
+    got = np.concatenate([*got, audio.finish()])
+    want, rate = sf.read(io.BytesIO(data), dtype="float32")
+    assert rate == 16000 and np.array_equal(got, np.clip(want, -1.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "subtype", "threads"),
+    [pytest.param("FLAC", "PCM_16", 1, id="flac"), pytest.param("OGG", "OPUS", 2, id="ogg")],
+)
+def test_an_abandoned_stream_frees_its_decoder(clips, fmt, subtype, threads) -> None:
+    """A call that ends early ends its decoder's threads (an Ogg decoder has two: libsndfile
+    reading an OS pipe, and the thread that fills it)."""
+    from echoic.server.audio_input import AudioInput
+
+    data = container(clips[0][1], 16000, fmt, subtype)
     before = threading.active_count()
-    inputs = [AudioInput("flac", 16000) for _ in range(5)]
+    inputs = [AudioInput(fmt.lower(), 16000) for _ in range(5)]
     for audio in inputs:
         audio.feed(data[: len(data) // 2])
-    assert threading.active_count() == before + 5
+    assert threading.active_count() == before + 5 * threads
     for audio in inputs:
         audio.close()
     wait_until(lambda: threading.active_count() == before, what="the decoder threads to end")
 
 
-def test_a_flac_stream_gets_interim_results(stub, recognizer, clips) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "subtype", "encoding", "chunk"),
+    [
+        pytest.param("FLAC", "PCM_16", Config.FLAC, CHUNK, id="flac"),
+        pytest.param("OGG", "OPUS", Config.OGG_OPUS, 400, id="ogg-opus"),
+    ],
+)
+def test_a_flac_or_ogg_stream_gets_interim_results(
+    stub, recognizer, clips, fmt, subtype, encoding, chunk
+) -> None:
     """Through the server: interim results before the end, and the final transcript of
-    the whole file."""
-    data = container(clips[2][1], 16000, "FLAC")
-    responses = stream(stub, data, Config(encoding=Config.FLAC), interim=True)
+    the whole file, as Recognize gives it for the same bytes."""
+    data = container(clips[2][1], 16000, fmt, subtype)
+    config = Config(encoding=encoding)
+    responses = stream(stub, data, config, interim=True, chunk=chunk)
     results = [r.results[0] for r in responses if r.results]
     assert any(not r.is_final for r in results[:-1]), "no interim result before the end"
     want = recognizer.transcribe([decode_audio(data, 16000)])[0].text
-    assert finals(responses) == [want]
+    assert finals(responses) == [want] == texts(recognize(stub, data, config))
 
 
 # ---------------------------------------------------------------- bad input
 
 TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.float32))
 WAV_GARBAGE = b"RIFF\x24\x00\x00\x00WAVEjunkjunkjunkjunk" + bytes(64)
+OGG = container(0.3 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000), 16000, "OGG", "OPUS")
+OGG_CUT = OGG[: len(OGG) * 2 // 3]  # a truncated upload: ends inside a page
+OGG_CUT_HALVES = (OGG_CUT[:500], OGG_CUT[500:])
+OGG_GARBAGE = b"OggS" + bytes(range(1, 200))  # the capture pattern, then not an Ogg page
 
 
 def _config_message(config: Config) -> pb.StreamingRecognizeRequest:
@@ -568,6 +616,16 @@ BAD_STREAMS = [
         "decode",
         id="flac-garbage",
     ),  # fmt: skip
+    pytest.param(
+        [_config_message(Config(encoding=Config.OGG_OPUS)), *map(_audio_message, OGG_CUT_HALVES)],
+        "truncated",
+        id="ogg-truncated",
+    ),
+    pytest.param(
+        [_config_message(Config(encoding=Config.OGG_OPUS)), _audio_message(OGG_GARBAGE)],
+        "not an Ogg page",
+        id="ogg-garbage",
+    ),
     pytest.param([_config_message(linear16(model="nope"))], "unknown model", id="unknown-model"),
     pytest.param(
         [_config_message(linear16()), _audio_message(TONE[:-1])], "stray", id="half-a-sample"
@@ -594,6 +652,10 @@ BAD_REQUESTS = [
     pytest.param(Config(encoding=Config.FLAC), b"fLaC" + bytes(300), "decode", id="flac-garbage"),
     pytest.param(Config(encoding=Config.FLAC), container(np.zeros(800), 16000, "WAV"), "WAV",
                  id="wav-sent-as-flac"),
+    pytest.param(Config(encoding=Config.OGG_OPUS), OGG_CUT, "truncated", id="ogg-truncated"),
+    pytest.param(Config(), OGG_GARBAGE, "not an Ogg page", id="ogg-garbage"),
+    pytest.param(Config(encoding=Config.OGG_OPUS), OGG + b"junk", "not an Ogg page",
+                 id="ogg-with-junk-after"),
     pytest.param(Config(), TONE, "LINEAR16", id="raw-pcm-without-encoding"),
     pytest.param(linear16(), b"", "empty", id="no-audio"),
     pytest.param(linear16(model="nope"), TONE, "unknown model", id="unknown-model"),
