@@ -1,7 +1,7 @@
 """Streaming load, measured from outside: how many real-time streams one server sustains.
 
     python bench/serve_load.py [--model DIR] [--streams 32,128,192,256] [--seconds 20]
-                               [--clients 2] [--server-args "--max-batch 64"] [--unbatched]
+                               [--clients 2] [--server-args="--max-batch 64"] [--unbatched]
                                [--manifest FILE] [--profile SECONDS]
 
 Starts `echoic serve` in a subprocess on free loopback ports with its default

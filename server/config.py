@@ -96,6 +96,14 @@ class ServerConfig:
         "ONNX Runtime threads inside one operator, count; 0 = onnxruntime's default",
         Flag("threads", "N"),
     )
+    ort_spin_wait: bool = setting(
+        True,
+        "ONNX Runtime's idle threads spin for the next call instead of sleeping (its "
+        "default: fastest when the cores are otherwise idle)",
+        Flag("no-ort-spin", switch=False,
+             help="ONNX Runtime's idle threads sleep between calls instead of spinning, "
+                  "leaving the cores to the server's own threads"),
+    )  # fmt: skip
     providers: tuple[str, ...] = setting(
         CPU,
         "ONNX Runtime execution providers, the first preferred",

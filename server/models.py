@@ -325,8 +325,9 @@ class ModelRegistry:
         cfg = self._config
         log.info("loading %s", path)
         engine = await asyncio.to_thread(
-            Engine, path, providers=cfg.providers, intra_op_threads=cfg.intra_op_threads
-        )
+            Engine, path, providers=cfg.providers, intra_op_threads=cfg.intra_op_threads,
+            spin_wait=cfg.ort_spin_wait,
+        )  # fmt: skip
         name = name or engine.card.name
         version = version or engine.card.version
         if (engine.card.name, engine.card.version) != (name, version):
