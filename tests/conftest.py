@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -208,11 +209,19 @@ def words_heard(
     return hits, total
 
 
-def sigint_default() -> None:
-    """For `subprocess.Popen(preexec_fn=...)` in tests that interrupt a child with SIGINT:
-    a process started in the background by a non-interactive shell (as a CI runner may
-    start the suite) inherits SIGINT ignored, and Python then leaves it ignored; the
-    child gets the default back, as a terminal user's would have it."""
+@contextmanager
+def sigint_deliverable() -> Iterator[None]:
+    """Around the `subprocess.Popen` of a child that a test interrupts with SIGINT: a
+    process started in the background by a non-interactive shell (as a CI runner may
+    start the suite) has SIGINT ignored, which its children inherit and Python then
+    keeps; for the moment of the Popen this process handles SIGINT instead, so the child
+    starts with the default, as a terminal user's would. (Not `preexec_fn`: Python code
+    between fork and exec in a process with running threads, a gRPC server's for one,
+    can crash the child before it starts.)"""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

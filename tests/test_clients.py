@@ -504,7 +504,7 @@ def test_an_interrupted_server_job_exits_130_and_resumes(
     import signal
 
     from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
-    from tests.conftest import sigint_default
+    from tests.conftest import sigint_deliverable
     from tests.test_server import _held_stream, channel_to, running, wait_until
 
     out = tmp_path / "out.jsonl"
@@ -518,8 +518,9 @@ def test_an_interrupted_server_job_exits_130_and_resumes(
         wait_until(lambda: srv.server.service.active == 1, what="the held stream")
         registry = srv.server.metrics.registry
         labels = {"method": "Recognize", "code": "RESOURCE_EXHAUSTED"}
-        process = subprocess.Popen([*job, "--server", srv.address], stderr=subprocess.PIPE,
-                                   text=True, preexec_fn=sigint_default)  # fmt: skip
+        with sigint_deliverable():
+            process = subprocess.Popen([*job, "--server", srv.address],
+                                       stderr=subprocess.PIPE, text=True)  # fmt: skip
 
         def refused_twice() -> bool:
             assert process.poll() is None, f"the job ended first: {process.communicate()[1]}"

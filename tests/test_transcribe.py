@@ -678,14 +678,15 @@ def test_interrupted_job_exits_130_and_resumes(
     exit 130 and no traceback; the rerun does the whole job."""
     import signal
 
-    from tests.conftest import sigint_default
+    from tests.conftest import sigint_deliverable
 
     out = tmp_path / "out.jsonl"
-    job = subprocess.Popen(
-        [*ECHOIC, "transcribe", "--files-from", "-", "--model", str(tiny_model_dir),
-         "--output", str(out), "--no-progress"],
-        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default,
-    )  # fmt: skip
+    with sigint_deliverable():
+        job = subprocess.Popen(
+            [*ECHOIC, "transcribe", "--files-from", "-", "--model", str(tiny_model_dir),
+             "--output", str(out), "--no-progress"],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
     job.stdin.write(str(out_audio(two_folders)) + "\n")
     job.stdin.flush()
     time.sleep(1.0)  # the signal may come before or after the interpreter is up: both 130
