@@ -174,3 +174,13 @@ def sigint_default() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="session")
+def hf_wav2vec2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Wav2Vec2ForCTC (layer-norm front end, attention mask), as its
+    `save_pretrained` writes it (tests/tiny_hf.py)."""
+    pytest.importorskip("transformers", reason="the import extra is not installed")
+    from tests.tiny_hf import save_tiny_ctc
+
+    return save_tiny_ctc(tmp_path_factory.mktemp("hf") / "tiny-wav2vec2")
