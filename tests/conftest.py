@@ -184,3 +184,11 @@ def hf_wav2vec2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_hf import save_tiny_ctc
 
     return save_tiny_ctc(tmp_path_factory.mktemp("hf") / "tiny-wav2vec2")
+
+
+@pytest.fixture(scope="session")
+def hf_imported_dir(hf_wav2vec2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`hf_wav2vec2_dir` imported by `echoic import-model huggingface`: a model directory."""
+    from echoic.model.nn.hf_import import import_huggingface
+
+    return import_huggingface(hf_wav2vec2_dir, tmp_path_factory.mktemp("hf-model") / "w2v" / "1")

@@ -32,7 +32,12 @@ from echoic.model.core.decoding import (
     StreamingDecoder,
     Transcript,
 )
-from echoic.model.core.features import FeatureStream, batch_features, compute_features
+from echoic.model.core.features import (
+    FeatureStream,
+    batch_features,
+    compute_features,
+    normalize_utterance,
+)
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
@@ -97,13 +102,19 @@ class Recognizer:
 
     # ---- offline -------------------------------------------------------------------
 
+    def model_input(self, audio: np.ndarray) -> np.ndarray:
+        """What model.onnx takes for one utterance, as the card says: its features, or
+        (an imported model) its samples, normalised when the card asks."""
+        audio = np.asarray(audio, dtype=np.float32)
+        if self.card.input == "features":
+            return compute_features(audio, self.card.features)
+        audio = audio.reshape(-1)
+        return normalize_utterance(audio) if self.card.normalize == "utterance" else audio
+
     def log_probs(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Log-probs (T', V) of each utterance (float32 mono at `sample_rate`): their
-        features, then one padded batch through model.onnx."""
-        feats = [
-            compute_features(np.asarray(a, dtype=np.float32), self.card.features) for a in audios
-        ]
-        return self.engine.offline(feats)
+        features (or samples), then one padded batch through model.onnx."""
+        return self.engine.offline([self.model_input(a) for a in audios])
 
     def decode(self, log_probs: np.ndarray, n_best: int = 1) -> Transcript:
         """One utterance's transcript from its log-probs (T', V); with beam search and

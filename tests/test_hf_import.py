@@ -1,0 +1,134 @@
+"""`echoic import-model huggingface`: a tiny random Wav2Vec2ForCTC built with the real
+transformers classes (tests/tiny_hf.py), imported, and checked against transformers
+itself: its ONNX log-probs, and what a real server answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the import extra is not installed")
+torch = pytest.importorskip("torch")
+
+from echoic.model.runtime.card import read_card  # noqa: E402
+from echoic.model.runtime.recognizer import Recognizer  # noqa: E402
+from echoic.model.runtime.repository import incomplete  # noqa: E402
+from tests.tiny_hf import SPECIAL, VOCAB  # noqa: E402
+
+RATE = 16000
+TOLERANCE = 1e-4  # max |log-prob difference| between ONNX Runtime and transformers
+
+
+def audio(seconds: float, seed: int) -> np.ndarray:
+    """A few seconds of something speech-like enough: tones that glide, and noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * RATE)) / RATE
+    pitch = 120 + 80 * np.sin(2 * np.pi * rng.uniform(0.5, 2) * t)
+    voiced = np.sin(2 * np.pi * np.cumsum(pitch) / RATE) * (0.5 + 0.5 * np.sin(7 * t))
+    return (0.3 * voiced + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def transformers_log_probs(src: Path, audios: list[np.ndarray]) -> list[np.ndarray]:
+    """Log-probs (T', V_source) per utterance, as transformers computes them on a padded
+    batch: its own processor (normalisation, padding, attention mask) and model."""
+    processor = transformers.Wav2Vec2Processor.from_pretrained(src)
+    model = transformers.Wav2Vec2ForCTC.from_pretrained(src).eval()
+    inputs = processor(audios, sampling_rate=RATE, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(inputs.input_values, attention_mask=inputs.attention_mask).logits
+    frames = model._get_feat_extract_output_lengths(inputs.attention_mask.sum(-1))
+    log_probs = torch.log_softmax(logits, dim=-1)
+    return [lp[: int(n)].numpy() for lp, n in zip(log_probs, frames, strict=True)]
+
+
+def test_the_card_describes_a_waveform_model(hf_imported_dir: Path) -> None:
+    card = read_card(hf_imported_dir / "model.onnx")
+    assert (card.input, card.normalize, card.batch_padding) == ("waveform", "utterance", "masked")
+    assert card.source == "huggingface:Wav2Vec2ForCTC"
+    assert card.sample_rate == RATE
+    # 5 * 2^6 samples per output frame; one frame sees 400 samples (25 ms), as wav2vec2's
+    assert (card.time_stride, card.output_frame_ms, card.receptive_field) == (320, 20.0, 400)
+    letters = [t for t in VOCAB if len(t) == 1 and t != "|"]
+    assert card.vocabulary == ("<blank>", " ", *(t.lower() for t in letters))
+    assert card.source_tokens == ("<pad>", "|", *letters)
+    assert incomplete(hf_imported_dir) is None  # the repository would load it
+    report = json.loads((hf_imported_dir / "export.json").read_text())
+    assert report["source"]["folded_into_blank"] == list(SPECIAL)
+    assert report["source"]["transformers"] == transformers.__version__
+
+
+def test_onnx_equals_transformers_on_a_batch_of_different_lengths(
+    hf_wav2vec2_dir: Path, hf_imported_dir: Path
+) -> None:
+    audios = [audio(2.0, 1), audio(0.7, 2), audio(1.31, 3)]
+    want = transformers_log_probs(hf_wav2vec2_dir, audios)
+    got = Recognizer(hf_imported_dir).log_probs(audios)  # one padded ONNX batch
+    blank = [VOCAB["<pad>"], *(VOCAB[t] for t in SPECIAL)]
+    others = [i for i in VOCAB.values() if i not in blank]
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == (len(w), len(others) + 1)
+        np.testing.assert_allclose(g[:, 1:], w[:, others], atol=TOLERANCE, rtol=0)
+        folded = np.logaddexp.reduce(w[:, blank], axis=1)
+        np.testing.assert_allclose(g[:, 0], folded, atol=TOLERANCE, rtol=0)
+
+
+def test_the_command_imports_and_summarises(hf_wav2vec2_dir: Path, tmp_path: Path, capsys) -> None:
+    from echoic.cli.main import main
+
+    out = tmp_path / "w2v" / "7"
+    assert main(["import-model", "huggingface", str(hf_wav2vec2_dir), str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["name"], summary["version"]) == ("tiny-wav2vec2", "7")
+    assert summary["files"] == ["export.json", "model.onnx"]
+    assert summary["output_frame_ms"] == 20.0
+    assert max(c["max_abs_diff"] for c in summary["parity"]["offline"]) <= TOLERANCE
+    card = read_card(out / "model.onnx")
+    assert (card.name, card.version) == ("tiny-wav2vec2", "7")
+
+
+def _break(src: Path, dst: Path, change: str) -> None:
+    """A copy of the save_pretrained directory `src` with one thing wrong."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    vocab = json.loads((dst / "vocab.json").read_text())
+    if change == "no-vocab":
+        (dst / "vocab.json").unlink()
+    elif change == "not-ctc":
+        config["architectures"] = ["Wav2Vec2Model"]
+    elif change == "subwords":
+        vocab["TH"] = vocab.pop("Z")
+    elif change == "vocab-size":
+        config["vocab_size"] += 1
+    elif change == "upper-and-lower":
+        vocab["e"] = vocab.pop("Z")
+    (dst / "config.json").write_text(json.dumps(config))
+    if (dst / "vocab.json").exists():
+        (dst / "vocab.json").write_text(json.dumps(vocab))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param("no-vocab", "vocab.json: missing", id="no-vocab"),
+        pytest.param("not-ctc", "include none that echoic imports", id="not-ctc"),
+        pytest.param("subwords", "'TH' (id 31) is not one character", id="subwords"),
+        pytest.param("vocab-size", "vocab_size 33", id="vocab-size"),
+        pytest.param("upper-and-lower", "duplicate symbols: 'e'", id="upper-and-lower"),
+    ],
+)
+def test_a_model_echoic_cannot_import_is_one_line_naming_why(
+    hf_wav2vec2_dir: Path, tmp_path: Path, capsys, change: str, message: str
+) -> None:
+    from echoic.cli.main import main
+
+    src = tmp_path / "src"
+    _break(hf_wav2vec2_dir, src, change)
+    assert main(["import-model", "huggingface", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("echoic import-model: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
