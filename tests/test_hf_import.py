@@ -75,6 +75,48 @@ def test_onnx_equals_transformers_on_a_batch_of_different_lengths(
         np.testing.assert_allclose(g[:, 0], folded, atol=TOLERANCE, rtol=0)
 
 
+Words = list[tuple[str, float, float]]  # (word, start s, end s)
+
+
+def transformers_greedy(src: Path, samples: np.ndarray) -> tuple[str, Words]:
+    """transformers' own greedy decode of its logits: the text (lower-cased, as echoic
+    spells it) and each word with its start and end time, s (its tokenizer's offsets)."""
+    processor = transformers.Wav2Vec2Processor.from_pretrained(src)
+    model = transformers.Wav2Vec2ForCTC.from_pretrained(src).eval()
+    inputs = processor(samples, sampling_rate=RATE, return_tensors="pt")
+    with torch.no_grad():
+        ids = model(inputs.input_values).logits.argmax(-1)[0]
+    out = processor.tokenizer.decode(ids, output_word_offsets=True)
+    seconds = model.config.inputs_to_logits_ratio / RATE  # per output frame
+    words = [
+        (w["word"].lower(), w["start_offset"] * seconds, w["end_offset"] * seconds)
+        for w in out.word_offsets
+    ]
+    # Its text keeps a space per delimiter run ("A| |B" is "A  B"); echoic joins words by one.
+    return " ".join(out.text.lower().split()), words
+
+
+def test_the_server_answers_transformers_greedy_decode(
+    hf_wav2vec2_dir: Path, hf_imported_dir: Path
+) -> None:
+    from tests.test_server import channel_to, linear16, pb_grpc, pcm16, recognize, running
+
+    samples = audio(2.5, 4)
+    wire = pcm16(samples)
+    sent = np.frombuffer(wire, "<i2").astype(np.float32) / 32768  # what the server decodes
+    text, words = transformers_greedy(hf_wav2vec2_dir, sent)
+    assert len(words) >= 3, "the fixture should spell several words"
+    with running(hf_imported_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        response = recognize(stub, wire, linear16(enable_word_time_offsets=True))
+    (result,) = response.results
+    best = result.alternatives[0]
+    assert best.transcript == text
+    got = [(w.word, w.start_time, w.end_time) for w in best.words]
+    assert [g[0] for g in got] == [w[0] for w in words]
+    np.testing.assert_allclose([g[1:] for g in got], [w[1:] for w in words], atol=1e-9)
+
+
 def test_the_command_imports_and_summarises(hf_wav2vec2_dir: Path, tmp_path: Path, capsys) -> None:
     from echoic.cli.main import main
 
