@@ -32,14 +32,27 @@ def audio(seconds: float, seed: int) -> np.ndarray:
 
 
 def transformers_log_probs(src: Path, audios: list[np.ndarray]) -> list[np.ndarray]:
-    """Log-probs (T', V_source) per utterance, as transformers computes them on a padded
-    batch: its own processor (normalisation, padding, attention mask) and model."""
+    """Log-probs (T', V_source) per utterance, as transformers computes them: its own
+    processor (normalisation, padding, attention mask) and model, on one padded batch,
+    or an utterance at a time for a model fed no attention mask (padding would change
+    its group norm's statistics: by 2.6 in log-prob on the tiny one)."""
     processor = transformers.Wav2Vec2Processor.from_pretrained(src)
-    model = transformers.Wav2Vec2ForCTC.from_pretrained(src).eval()
+    model = transformers.AutoModelForCTC.from_pretrained(src).eval()
+    if not processor.feature_extractor.return_attention_mask:
+        # A model fed no mask (group norm) runs an utterance at a time, as echoic runs it.
+        alone = [processor(a, sampling_rate=RATE, return_tensors="pt") for a in audios]
+        return [_log_probs(model, inputs)[0] for inputs in alone]
     inputs = processor(audios, sampling_rate=RATE, padding=True, return_tensors="pt")
+    return _log_probs(model, inputs)
+
+
+def _log_probs(model, inputs) -> list[np.ndarray]:
+    """transformers' log-probs of a processed batch, each row trimmed to its frames."""
+    mask = inputs.get("attention_mask")
     with torch.no_grad():
-        logits = model(inputs.input_values, attention_mask=inputs.attention_mask).logits
-    frames = model._get_feat_extract_output_lengths(inputs.attention_mask.sum(-1))
+        logits = model(inputs.input_values, attention_mask=mask).logits
+    lengths = mask.sum(-1) if mask is not None else torch.tensor([inputs.input_values.shape[1]])
+    frames = model._get_feat_extract_output_lengths(lengths)
     log_probs = torch.log_softmax(logits, dim=-1)
     return [lp[: int(n)].numpy() for lp, n in zip(log_probs, frames, strict=True)]
 
@@ -60,12 +73,12 @@ def test_the_card_describes_a_waveform_model(hf_imported_dir: Path) -> None:
     assert report["source"]["transformers"] == transformers.__version__
 
 
-def test_onnx_equals_transformers_on_a_batch_of_different_lengths(
-    hf_wav2vec2_dir: Path, hf_imported_dir: Path
-) -> None:
+def check_equal(src: Path, model_dir: Path) -> None:
+    """model_dir's ONNX log-probs equal transformers' on a batch of different lengths:
+    echoic's symbols against the source's, the blank against its folded tokens."""
     audios = [audio(2.0, 1), audio(0.7, 2), audio(1.31, 3)]
-    want = transformers_log_probs(hf_wav2vec2_dir, audios)
-    got = Recognizer(hf_imported_dir).log_probs(audios)  # one padded ONNX batch
+    want = transformers_log_probs(src, audios)
+    got = Recognizer(model_dir).log_probs(audios)  # one padded ONNX batch
     blank = [VOCAB["<pad>"], *(VOCAB[t] for t in SPECIAL)]
     others = [i for i in VOCAB.values() if i not in blank]
     for w, g in zip(want, got, strict=True):
@@ -73,6 +86,33 @@ def test_onnx_equals_transformers_on_a_batch_of_different_lengths(
         np.testing.assert_allclose(g[:, 1:], w[:, others], atol=TOLERANCE, rtol=0)
         folded = np.logaddexp.reduce(w[:, blank], axis=1)
         np.testing.assert_allclose(g[:, 0], folded, atol=TOLERANCE, rtol=0)
+
+
+def test_onnx_equals_transformers_on_a_batch_of_different_lengths(
+    hf_wav2vec2_dir: Path, hf_imported_dir: Path
+) -> None:
+    check_equal(hf_wav2vec2_dir, hf_imported_dir)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "layer_norm", "padding"),
+    [
+        pytest.param("HubertForCTC", True, "masked", id="hubert"),
+        # wav2vec2-base's front end: group norm over time, which padding would change
+        pytest.param("Wav2Vec2ForCTC", False, "alone", id="wav2vec2-group-norm"),
+    ],
+)
+def test_other_families_import_equal_to_transformers(
+    tmp_path: Path, architecture: str, layer_norm: bool, padding: str
+) -> None:
+    from echoic.model.nn.hf_import import import_huggingface
+    from tests.tiny_hf import save_tiny_ctc
+
+    src = save_tiny_ctc(tmp_path / "src", architecture, layer_norm=layer_norm)
+    model_dir = import_huggingface(src, tmp_path / "out")
+    card = read_card(model_dir / "model.onnx")
+    assert (card.source, card.batch_padding) == (f"huggingface:{architecture}", padding)
+    check_equal(src, model_dir)
 
 
 Words = list[tuple[str, float, float]]  # (word, start s, end s)
