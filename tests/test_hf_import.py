@@ -214,3 +214,131 @@ def test_a_model_echoic_cannot_import_is_one_line_naming_why(
     err = capsys.readouterr().err
     assert err.startswith("echoic import-model: error: ") and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- overlapped chunks
+
+
+@pytest.mark.parametrize(
+    ("chunk_ms", "left_ms", "right_ms", "seconds"),
+    [
+        pytest.param(1000.0, 1000.0, 500.0, 3.33, id="defaults"),
+        pytest.param(200.0, 0.0, 0.0, 1.0, id="no-context"),
+        pytest.param(500.0, 2000.0, 120.0, 0.41, id="shorter-than-a-chunk"),
+        pytest.param(1000.0, 0.0, 0.0, 0.02, id="under-one-frame"),
+    ],
+)
+def test_overlapped_windows_keep_every_frame_once_with_their_context(
+    hf_imported_dir: Path, chunk_ms: float, left_ms: float, right_ms: float, seconds: float
+) -> None:
+    """Samples that say their own index: each window's first sample tells where it
+    starts, so its kept frames and their context can be checked against the geometry."""
+    from echoic.model.runtime.chunking import ChunkConfig, ChunkFeeder
+
+    card = read_card(hf_imported_dir / "model.onnx")
+    stride, field = card.time_stride, card.receptive_field
+    n = int(seconds * RATE)
+    total = (n - field) // stride + 1 if n >= field else 0
+    ramp = np.arange(n, dtype=np.float32)  # exact below 2^24
+    feeder = ChunkFeeder(card, ChunkConfig(chunk_ms, left_ms, right_ms))
+    left, right = feeder.left, feeder.right
+    rng = np.random.default_rng(0)
+    fed, kept = 0, []
+    while not feeder.done:
+        if fed < n:
+            step = int(rng.integers(1, 4000))
+            feeder.accept(ramp[fed : fed + step])
+            fed += step
+            if fed >= n:
+                feeder.finish()
+        elif not feeder.finished:
+            feeder.finish()
+        while feeder.ready():
+            window, first, keep = feeder.next_window()
+            start = int(window[0])
+            assert window.tolist() == list(range(start, start + len(window)))  # contiguous
+            assert start % stride == 0
+            frames = (len(window) - field) // stride + 1  # the model's output frames
+            begin = start // stride + first  # the first kept frame in the utterance
+            assert first == min(left, begin)  # L frames before it, fewer at the start
+            assert frames - first - keep == min(right, total - begin - keep)  # R after it
+            kept += range(begin, begin + keep)
+    assert kept == list(range(total))
+
+
+def chunk_streamed(model_dir: Path, samples: np.ndarray, decoder=None) -> str:  # noqa: ANN001
+    """The transcript of `samples` streamed in process, 100 ms at a time, by the default
+    overlapped chunks (decoder: a DecoderConfig; greedy by default)."""
+    recognizer = Recognizer(model_dir, decoder)
+    stream = recognizer.stream()
+    for start in range(0, len(samples), 1600):
+        stream.accept_audio(samples[start : start + 1600])
+        while recognizer.step([stream]):
+            pass
+    stream.finish()
+    while recognizer.step([stream]):
+        pass
+    return stream.result().text
+
+
+def test_the_server_streams_a_full_context_model_by_overlapped_chunks(
+    hf_imported_dir: Path,
+) -> None:
+    from tests.test_server import (
+        RPC_TIMEOUT,
+        channel_to,
+        finals,
+        linear16,
+        pb,
+        pb_grpc,
+        pcm16,
+        recognize,
+        running,
+        stream,
+    )
+
+    wire = pcm16(audio(4.0, 7))
+    sent = np.frombuffer(wire, "<i2").astype(np.float32) / 32768
+    streamed, offline = chunk_streamed(hf_imported_dir, sent), Recognizer(hf_imported_dir)
+    offline = offline.transcribe([sent])[0].text
+    assert streamed != offline, "this audio should show what the chunks' context costs"
+    with running(hf_imported_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        (info,) = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT).models
+        responses = stream(stub, wire, linear16(), interim=True)
+        whole = recognize(stub, wire, linear16()).results[0].alternatives[0].transcript
+    assert (info.streamable, info.chunk_seconds, info.lookahead_seconds) == (True, 1.0, 0.5)
+    interims = [r for r in responses if r.results and not r.results[0].is_final]
+    assert len(interims) >= 2  # a chunk a second for four seconds, before the end
+    assert finals(responses) == [streamed]
+    assert whole == offline  # Recognize runs the utterance whole, with its full context
+
+
+def test_beam_search_on_an_imported_model(hf_imported_dir: Path) -> None:
+    pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-text")
+    from echoic.model.core.decoding import DecoderConfig
+    from tests.test_server import (
+        channel_to,
+        finals,
+        linear16,
+        pb,
+        pb_grpc,
+        pcm16,
+        recognize,
+        running,
+        stream,
+    )
+
+    wire = pcm16(audio(3.0, 8))
+    sent = np.frombuffer(wire, "<i2").astype(np.float32) / 32768
+    beam = DecoderConfig(kind="beam", beam_size=8)
+    whole = Recognizer(hf_imported_dir, beam).transcribe([sent])[0].text
+    streamed = chunk_streamed(hf_imported_dir, sent, beam)
+    assert whole and streamed
+    config = linear16(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8))
+    with running(hf_imported_dir) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        assert [r.alternatives[0].transcript for r in recognize(stub, wire, config).results] == [
+            whole
+        ]
+        assert finals(stream(stub, wire, config, interim=True)) == [streamed]
