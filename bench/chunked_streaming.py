@@ -72,7 +72,8 @@ def cer(ref: str, hyp: str) -> tuple[int, int]:
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
+    out = fn()  # warm-up: ONNX Runtime sizes its buffers on the first runs
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()

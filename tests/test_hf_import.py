@@ -342,3 +342,21 @@ def test_beam_search_on_an_imported_model(hf_imported_dir: Path) -> None:
             whole
         ]
         assert finals(stream(stub, wire, config, interim=True)) == [streamed]
+
+
+def test_the_http_door_answers_the_same_as_recognize(
+    hf_wav2vec2_dir: Path, hf_imported_dir: Path
+) -> None:
+    """OpenAI's own client on the HTTP door: the same whole-utterance decode."""
+    from tests.test_http import http_server, openai_client
+    from tests.test_server import container
+
+    samples = audio(2.5, 4)
+    wav = container(samples, RATE, "WAV")
+    sent = np.frombuffer(container(samples, RATE, "RAW"), "<i2").astype(np.float32) / 32768
+    text, _ = transformers_greedy(hf_wav2vec2_dir, sent)
+    with http_server(model_dir=hf_imported_dir) as server:
+        got = openai_client(server).audio.transcriptions.create(
+            model="whisper-1", file=("speech.wav", wav)
+        )
+    assert text and got.text == text
