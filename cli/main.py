@@ -24,6 +24,7 @@ COMMANDS = (
     "import_corpus",
     "train",
     "export",
+    "import_model",
     "deploy",
     "models",
     "transcribe",

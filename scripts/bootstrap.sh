@@ -30,13 +30,13 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest" 2>/dev/null \
+if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest, transformers" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.echoic-installed ]; then
   echo "bootstrap: installing Python packages into .venv" >&2
   .venv/bin/pip install -q --upgrade pip >/dev/null
   # The CPU build of torch; a GPU machine can install a CUDA build instead.
   .venv/bin/pip install -q "torch==${ECHOIC_TORCH_VERSION:-2.13.0}"
-  .venv/bin/pip install -q -e ".[train,serve,riva,ray,dev]"
+  .venv/bin/pip install -q -e ".[train,serve,riva,ray,import,dev]"
   touch .venv/.echoic-installed
 fi
 

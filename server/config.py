@@ -104,6 +104,21 @@ class ServerConfig:
              help="ONNX Runtime's idle threads sleep between calls instead of spinning, "
                   "leaving the cores to the server's own threads"),
     )  # fmt: skip
+    # Streaming a full-context waveform model (an imported wav2vec2) by overlapped chunks.
+    chunk_ms: float = setting(
+        1000.0,
+        "ms of audio each overlapped window adds to a full-context imported model's stream; "
+        "0 = such models do not stream (Recognize only)",
+        Flag(metavar="MS"),
+    )
+    chunk_left_ms: float = setting(
+        1000.0, "ms of audio before the chunk each overlapped window sees again", Flag(metavar="MS")
+    )
+    chunk_right_ms: float = setting(
+        500.0,
+        "ms of audio after the chunk each overlapped window waits for (latency)",
+        Flag(metavar="MS"),
+    )
     providers: tuple[str, ...] = setting(
         CPU,
         "ONNX Runtime execution providers, the first preferred",
@@ -183,6 +198,8 @@ class ServerConfig:
         checks = [
             (self.model_dir is None or self.model_repo is None, "give a model or a model repo"),
             (self.poll_seconds >= 0, "poll_seconds must be >= 0"),
+            (self.chunk_ms >= 0, "chunk_ms must be >= 0"),
+            (self.chunk_left_ms >= 0 and self.chunk_right_ms >= 0, "chunk contexts must be >= 0"),
             (0 <= self.port <= 65535, "port must be in 0-65535"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "bad metrics_port"),
             (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),

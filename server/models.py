@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from echoic.model.core.decoding import DecoderConfig, Transcript
+from echoic.model.runtime.chunking import ChunkConfig
 from echoic.model.runtime.engine import Engine
 from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
 from echoic.model.runtime.repository import (
@@ -95,6 +96,14 @@ class LoadedModel:
     def streamable(self) -> bool:
         return self.greedy.streamable
 
+    @property
+    def streams_exactly(self) -> bool:
+        """Streaming gives Recognize's log-probs (stream.onnx), not overlapped chunks'."""
+        return self.greedy.streams_exactly
+
+    def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
+        return Recognizer(self.greedy.engine, decoder, chunking=self.greedy.chunking)
+
     async def recognizer(self, decoder: DecoderConfig) -> Recognizer:
         """The recognizer for a decoder config (sharing this version's engine), built once."""
         if decoder.kind == "greedy":
@@ -103,14 +112,12 @@ class LoadedModel:
             # from the cached decoder without them, which holds it (loaded once, shared)
             await self.recognizer(replace(decoder, boost=()))
             try:
-                return await asyncio.to_thread(Recognizer, self.greedy.engine, decoder)
+                return await asyncio.to_thread(self._recognizer, decoder)
             except ValueError as e:
                 raise DecoderError(f"decoder.boosts: {e}") from None
         async with self._lock:
             if decoder not in self._recognizers:
-                self._recognizers[decoder] = await asyncio.to_thread(
-                    Recognizer, self.greedy.engine, decoder
-                )
+                self._recognizers[decoder] = await asyncio.to_thread(self._recognizer, decoder)
             return self._recognizers[decoder]
 
     async def step(self, stream: Stream) -> None:
@@ -335,7 +342,12 @@ class ModelRegistry:
                 "%s: served as %s version %s (its card says %s version %s)",
                 path, name, version, engine.card.name, engine.card.version,
             )  # fmt: skip
-        greedy = Recognizer(engine)
+        chunking = (
+            ChunkConfig(cfg.chunk_ms, cfg.chunk_left_ms, cfg.chunk_right_ms)
+            if cfg.chunk_ms > 0
+            else None
+        )
+        greedy = Recognizer(engine, chunking=chunking)
         dispatcher = Dispatcher(
             greedy,
             max_batch=cfg.max_batch,

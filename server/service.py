@@ -215,8 +215,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         try:
             recognizer = await model.recognizer(opts.decoder)
             session = Session(
-                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds
-            )
+                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds,
+                whole=True,
+            )  # fmt: skip
             await asyncio.to_thread(self._decode_whole, session, audio)
             ended = time.perf_counter()
             results = await session.advance()
@@ -311,7 +312,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         if not model.streamable:
             raise invalid(
                 f"model {model.name!r} version {model.version!r} cannot stream (a full-context "
-                "BiRNN without stream.onnx): send the whole audio with Recognize instead"
+                "model without stream.onnx, and for an imported one, echoic serve --chunk-ms 0):"
+                " send the whole audio with Recognize instead"
             )
         self._registry.acquire(model)
         session = None
@@ -530,6 +532,17 @@ def _ref(model: LoadedModel) -> pb.ModelRef:
     return pb.ModelRef(name=model.name, version=model.version)
 
 
+def _chunk_seconds(model: LoadedModel) -> tuple[float, float]:
+    """(chunk, lookahead) of a streaming step, s: stream.onnx's, or overlapped chunks'."""
+    frame = model.card.output_frame_ms / 1000.0
+    if model.streams_exactly:
+        return model.card.chunk_frames * frame, model.card.context_frames * frame
+    if model.streamable:
+        chunk, _, right = model.greedy.chunking.frames(model.card)
+        return chunk * frame, right * frame
+    return 0.0, 0.0
+
+
 def _info(model: LoadedModel, *, expose_path: bool) -> pb.ModelInfo:
     """What ListModels tells of a version; its directory only when the server is told to."""
     card = model.card
@@ -542,8 +555,8 @@ def _info(model: LoadedModel, *, expose_path: bool) -> pb.ModelInfo:
         streamable=model.streamable,
         vocabulary_size=len(card.vocabulary),
         frame_seconds=frame,
-        chunk_seconds=card.chunk_frames * frame if model.streamable else 0.0,
-        lookahead_seconds=card.context_frames * frame if model.streamable else 0.0,
+        chunk_seconds=_chunk_seconds(model)[0],
+        lookahead_seconds=_chunk_seconds(model)[1],
         has_language_model=model.has_lm,
         active_streams=model.active,
         path=str(model.path) if expose_path else "",

@@ -272,7 +272,10 @@ class Session:
         name: str,
         *,
         max_seconds: float = 0.0,
+        whole: bool = False,
     ) -> None:
+        """whole: all the audio comes at once (Recognize); a model that streams only by
+        overlapped chunks then runs it whole instead, with the whole utterance as context."""
         self.model = model
         self.options = options
         self.audio = AudioInput(
@@ -284,7 +287,8 @@ class Session:
             max_seconds=max_seconds,
         )
         self._recognizer = recognizer
-        self.stream = UtteranceStream(recognizer) if model.streamable else None
+        streams = model.streamable and (model.streams_exactly or not whole)
+        self.stream = UtteranceStream(recognizer) if streams else None
         if self.stream is not None:
             self.stream.n_best = options.alternatives
             # A beam search is decoded in the decoder pool, not in the shared batch.

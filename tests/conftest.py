@@ -225,3 +225,21 @@ def sigint_deliverable() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="session")
+def hf_wav2vec2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Wav2Vec2ForCTC (layer-norm front end, attention mask), as its
+    `save_pretrained` writes it (tests/tiny_hf.py)."""
+    pytest.importorskip("transformers", reason="the import extra is not installed")
+    from tests.tiny_hf import save_tiny_ctc
+
+    return save_tiny_ctc(tmp_path_factory.mktemp("hf") / "tiny-wav2vec2")
+
+
+@pytest.fixture(scope="session")
+def hf_imported_dir(hf_wav2vec2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`hf_wav2vec2_dir` imported by `echoic import-model huggingface`: a model directory."""
+    from echoic.model.nn.hf_import import import_huggingface
+
+    return import_huggingface(hf_wav2vec2_dir, tmp_path_factory.mktemp("hf-model") / "w2v" / "1")

@@ -191,6 +191,16 @@ def compute_features(samples: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
     return _features(samples, num_frames(samples.size, cfg), cfg)
 
 
+def normalize_utterance(samples: np.ndarray) -> np.ndarray:
+    """Zero mean and unit variance over the utterance's own samples: the waveform input
+    of an imported wav2vec2-style model (its feature extractor's `do_normalize`, with
+    the same 1e-7 added to the variance). float32 (S,)."""
+    x = _as_samples(samples).astype(np.float64)
+    if not x.size:
+        return x.astype(np.float32)
+    return ((x - x.mean()) / np.sqrt(x.var() + 1e-7)).astype(np.float32)
+
+
 class FeatureStream:
     """Incremental `compute_features`: the concatenated outputs of `accept` over any
     chunking equal `compute_features` on the whole audio, bit for bit.

@@ -12,11 +12,12 @@ window and state shapes) is an error naming the file, never a guess.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from echoic.model.core.configs import ConfigError, from_dict, to_dict
 from echoic.model.core.features import FeatureConfig
@@ -72,6 +73,20 @@ class ModelCard:
     model_config_hash: str  # hash of the model config alone
     training_step: int  # optimizer steps the checkpoint had taken
     opset: int  # ONNX opset of both graphs
+    # What an imported model (`echoic import-model`) needs said; echoic's own models keep
+    # the defaults, which `to_json` leaves out, so their cards are the bytes they were.
+    input: Literal["features", "waveform"] = "features"  # what model.onnx takes: "features"
+    # (B, T, F) frames of `features` with lengths in frames; "waveform": (B, S) samples at
+    # sample_rate with lengths in samples (`features` then frames single samples: F = 1)
+    normalize: Literal["none", "utterance"] = "none"  # waveform scaling before the model:
+    # "utterance" = zero mean and unit variance over each utterance's own samples
+    batch_padding: Literal["masked", "alone"] = "masked"  # "masked": the graph masks each
+    # row's padding (lengths), so batch-mates never change a row; "alone": it cannot (a
+    # wav2vec2 with group norm), so each utterance runs as a batch of one
+    token_type: Literal["chars"] = "chars"  # each vocabulary symbol is one character
+    source: str = "echoic"  # the weights' origin: "echoic", or "huggingface:<class>"
+    source_tokens: tuple[str, ...] = ()  # the source model's token for each vocabulary id,
+    # e.g. "<pad>" for the blank and "|" (its word delimiter) for " "; () for echoic's own
 
     def __post_init__(self) -> None:
         if self.format != CARD_FORMAT:
@@ -87,7 +102,19 @@ class ModelCard:
             (self.time_stride >= 1 and self.receptive_field >= 1, "bad time_stride/field"),
             (self.output_frame_ms == self.hop_ms * self.time_stride, "bad output_frame_ms"),
             (0 <= self.pad_left < self.receptive_field, "pad_left must be < receptive_field"),
+            (
+                not self.source_tokens or len(self.source_tokens) == len(self.vocabulary),
+                "source_tokens needs one token per vocabulary symbol",
+            ),
         ]
+        if self.input == "waveform":
+            one_sample = f.window_samples == f.hop_samples == 1
+            checks += [
+                (one_sample and self.num_features == 1, "a waveform input frames single samples"),
+                (not self.streamable, "a waveform-input model has no stream.onnx (yet)"),
+            ]
+        else:
+            checks.append((self.normalize == "none", "normalize applies to waveform input only"))
         if self.streamable:
             w = (self.chunk_frames + self.context_frames - 1) * self.time_stride
             w += self.receptive_field
@@ -114,7 +141,11 @@ class ModelCard:
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): the same card always gives the same bytes."""
-        return json.dumps(to_dict(self), sort_keys=True, ensure_ascii=False)
+        data = to_dict(self)
+        for name, default in _IMPORT_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
+        return json.dumps(data, sort_keys=True, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str, source: str | Path = "model card") -> ModelCard:
@@ -134,6 +165,15 @@ class ModelCard:
             return from_dict(cls, data)
         except (ConfigError, TextError, ValueError) as e:
             raise ModelError(f"{source}: invalid model card: {e}") from e
+
+
+# The fields imported models added, at the values echoic's own models have.
+_IMPORT_FIELDS = ("input", "normalize", "batch_padding", "token_type", "source", "source_tokens")
+_IMPORT_DEFAULTS = {
+    f.name: json.loads(json.dumps(f.default))  # as to_dict writes it: () becomes []
+    for f in dataclasses.fields(ModelCard)
+    if f.name in _IMPORT_FIELDS
+}
 
 
 # ---------------------------------------------------------------- reading from ONNX
@@ -182,7 +222,8 @@ def read_card(onnx_path: str | Path) -> ModelCard:
 
 def check_graph(card: ModelCard, session: Any, path: str | Path, *, stream: bool) -> None:
     """Raise ModelError naming `path` unless the session's graph is the one the card
-    describes: offline (`model.onnx`) or streaming (`stream.onnx`) inputs and outputs."""
+    describes: offline (`model.onnx`, on features or a waveform) or streaming
+    (`stream.onnx`) inputs and outputs."""
     inputs = {a.name: a for a in session.get_inputs()}
     outputs = {a.name: a for a in session.get_outputs()}
     v, f = len(card.vocabulary), card.num_features
@@ -195,6 +236,9 @@ def check_graph(card: ModelCard, session: Any, path: str | Path, *, stream: bool
         }
         shapes |= {s.input: list(s.shape) for s in card.states}
         shapes |= {s.output: list(s.shape) for s in card.states}
+    elif card.input == "waveform":
+        want_in, want_out = {"waveform", "lengths"}, {"log_probs", "out_lengths"}
+        shapes = {"waveform": [BATCH, "samples"], "log_probs": [BATCH, "out_frames", v]}
     else:
         want_in, want_out = {"features", "lengths"}, {"log_probs", "out_lengths"}
         shapes = {"features": [BATCH, "frames", f], "log_probs": [BATCH, "out_frames", v]}

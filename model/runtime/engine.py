@@ -4,6 +4,7 @@ numpy and onnxruntime only: this is what the server runs. An `Engine` loads a
 model directory as written by `echoic export`:
 
     model.onnx   features (B, T, F), lengths (B,) -> log_probs (B, T', V), out_lengths (B,)
+                 (an imported model: waveform (B, S), lengths (B,) -> the same outputs)
     stream.onnx  features (B, W, F), out_frames (B,), state_* -> log_probs (B, C, V), next_state_*
 
 and reads everything else (vocabulary, feature config, chunk sizes, state shapes)
@@ -131,30 +132,41 @@ class Engine:
 
     # ---- offline ---------------------------------------------------------------
 
-    def offline(self, features_list: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def offline(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Log-probs of whole utterances, run as one padded batch.
 
-        features_list: raw features (T_i, F) from `model.features`. Returns one
-        (T'_i, V) float32 array per utterance, trimmed to its output frames.
+        inputs: per utterance what the card's `input` says: raw features (T_i, F) from
+        `model.features`, or samples (S_i,) already scaled as its `normalize` says.
+        Returns one (T'_i, V) float32 array per utterance, trimmed to its output frames.
+        A model whose graph cannot mask padding (`batch_padding` "alone") runs each
+        utterance as a batch of its own, so a transcript never depends on its batch-mates.
         """
+        waveform = self.card.input == "waveform"
         f = self.card.num_features
-        feats = [np.asarray(x, dtype=np.float32) for x in features_list]
-        for i, x in enumerate(feats):
-            if x.ndim != 2 or x.shape[1] != f:
+        rows = [np.asarray(x, dtype=np.float32) for x in inputs]
+        for i, x in enumerate(rows):
+            if waveform and x.ndim != 1:
+                raise ValueError(f"waveform[{i}] must have shape (S,), got {x.shape}")
+            if not waveform and (x.ndim != 2 or x.shape[1] != f):
                 raise ValueError(f"features[{i}] must have shape (T, {f}), got {x.shape}")
-        if not feats:
+        if self.card.batch_padding == "alone" and len(rows) > 1:
+            return [out for x in rows for out in self.offline([x])]
+        if not rows:
             return []
-        lengths = np.array([len(x) for x in feats], dtype=np.int64)
+        lengths = np.array([len(x) for x in rows], dtype=np.int64)
         vocab = len(self.card.vocabulary)
-        if lengths.max() == 0:
-            return [np.zeros((0, vocab), dtype=np.float32) for _ in feats]
-        batch = np.zeros((len(feats), int(lengths.max()), f), dtype=np.float32)
-        for row, x in zip(batch, feats, strict=True):
+        # Below one output frame's worth of input a graph has nothing to give (a wav2vec2's
+        # convolutions would fail on it): those rows get no frames and stay out of the batch.
+        if lengths.max() < (self.card.receptive_field if waveform else 1):
+            return [np.zeros((0, vocab), dtype=np.float32) for _ in rows]
+        batch = np.zeros((len(rows), int(lengths.max()), *rows[0].shape[1:]), dtype=np.float32)
+        for row, x in zip(batch, rows, strict=True):
             row[: len(x)] = x
+        name = "waveform" if waveform else "features"
         log_probs, out_lengths = self.offline_session.run(
-            ["log_probs", "out_lengths"], {"features": batch, "lengths": lengths}
+            ["log_probs", "out_lengths"], {name: batch, "lengths": lengths}
         )
-        return [lp[: int(n)].copy() for lp, n in zip(log_probs, out_lengths, strict=True)]
+        return [lp[: max(int(n), 0)].copy() for lp, n in zip(log_probs, out_lengths, strict=True)]
 
     # ---- streaming --------------------------------------------------------------
 

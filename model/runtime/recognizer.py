@@ -32,7 +32,13 @@ from echoic.model.core.decoding import (
     StreamingDecoder,
     Transcript,
 )
-from echoic.model.core.features import FeatureStream, batch_features, compute_features
+from echoic.model.core.features import (
+    FeatureStream,
+    batch_features,
+    compute_features,
+    normalize_utterance,
+)
+from echoic.model.runtime.chunking import ChunkConfig, ChunkFeeder, can_chunk
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
@@ -54,7 +60,10 @@ class Recognizer:
         *,
         intra_op_threads: int = 0,
         providers: Sequence[str] = ("CPUExecutionProvider",),
+        chunking: ChunkConfig | None = ChunkConfig(),  # noqa: B008 - frozen
     ) -> None:
+        """chunking: how a full-context waveform model (an imported wav2vec2) streams, by
+        overlapped chunks (`chunking.py`); None: it does not stream. Other models ignore it."""
         if isinstance(model, Engine):
             self.engine = model
         else:
@@ -67,6 +76,7 @@ class Recognizer:
         self.vocab = self.card.vocab
         self.frame_seconds = self.card.output_frame_ms / 1000.0
         self.decoder_config = decoder or DecoderConfig()
+        self.chunking = chunking if can_chunk(self.card) else None
         self.lm_path: str | None = None  # the word LM in use (beam search)
         self._decoder = self._make_decoder(self.decoder_config)
 
@@ -76,6 +86,12 @@ class Recognizer:
 
     @property
     def streamable(self) -> bool:
+        """Streams: through stream.onnx (equal to offline), or by overlapped chunks."""
+        return self.engine.streamable or self.chunking is not None
+
+    @property
+    def streams_exactly(self) -> bool:
+        """Streaming gives offline's log-probs (stream.onnx); overlapped chunks do not."""
         return self.engine.streamable
 
     def _make_decoder(self, cfg: DecoderConfig) -> GreedyDecoder | BeamSearchDecoder:
@@ -97,13 +113,19 @@ class Recognizer:
 
     # ---- offline -------------------------------------------------------------------
 
+    def model_input(self, audio: np.ndarray) -> np.ndarray:
+        """What model.onnx takes for one utterance, as the card says: its features, or
+        (an imported model) its samples, normalised when the card asks."""
+        audio = np.asarray(audio, dtype=np.float32)
+        if self.card.input == "features":
+            return compute_features(audio, self.card.features)
+        audio = audio.reshape(-1)
+        return normalize_utterance(audio) if self.card.normalize == "utterance" else audio
+
     def log_probs(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Log-probs (T', V) of each utterance (float32 mono at `sample_rate`): their
-        features, then one padded batch through model.onnx."""
-        feats = [
-            compute_features(np.asarray(a, dtype=np.float32), self.card.features) for a in audios
-        ]
-        return self.engine.offline(feats)
+        features (or samples), then one padded batch through model.onnx."""
+        return self.engine.offline([self.model_input(a) for a in audios])
 
     def decode(self, log_probs: np.ndarray, n_best: int = 1) -> Transcript:
         """One utterance's transcript from its log-probs (T', V); with beam search and
@@ -161,7 +183,13 @@ class Recognizer:
             return 0
         Stream.compute_pending_features(ready)
         stepping = [s for s in ready if s.has_window()]
-        if stepping:
+        if stepping and self.chunking is not None:
+            windows, firsts, keeps = zip(*(s.next_window() for s in stepping), strict=True)
+            # Each window normalised over its own samples: the whole utterance is not here.
+            outs = self.engine.offline([self.model_input(w) for w in windows])
+            for stream, rows, first, keep in zip(stepping, outs, firsts, keeps, strict=True):
+                stream.accept_step(rows[first : first + keep], {})
+        elif stepping:
             windows, frames = zip(*(s.next_window() for s in stepping), strict=True)
             states = self.engine.gather_states([s.state for s in stepping])
             log_probs, new_states = self.engine.stream_step(
@@ -188,9 +216,15 @@ class Stream:
 
     def __init__(self, recognizer: Recognizer) -> None:
         self.recognizer = recognizer
-        self._features = FeatureStream(recognizer.card.features)
-        self._feeder: WindowFeeder = recognizer.engine.feeder()
-        self._state: StreamState = recognizer.engine.initial_state(1)
+        self._feeder: WindowFeeder | ChunkFeeder
+        self._features: FeatureStream | None = None  # none for a waveform model: samples
+        if recognizer.chunking is not None:  # go straight to its feeder
+            self._feeder = ChunkFeeder(recognizer.card, recognizer.chunking)
+            self._state: StreamState = {}
+        else:
+            self._features = FeatureStream(recognizer.card.features)
+            self._feeder = recognizer.engine.feeder()
+            self._state = recognizer.engine.initial_state(1)
         self._decoder: StreamingDecoder = recognizer.decoder_stream()
         self._n_best = 1
         self._result = Transcript("", (), 0.0)
@@ -211,7 +245,10 @@ class Stream:
         with self._lock:
             if self._ended:
                 raise RuntimeError("accept_audio() after finish()")
-            self._features.push(samples)
+            if self._features is None:
+                self._feeder.accept(samples)
+            else:
+                self._features.push(samples)
             self.samples_in += len(samples)
 
     def finish(self, *, features_now: bool = False) -> None:
@@ -233,7 +270,8 @@ class Stream:
         with self._lock:
             if self._ended and not self._feeder.finished:
                 return True  # the last frames, and finishing the feeder, are a step's work
-            return self._feeder.ready(self._features.frames_pending)
+            pending = self._features.frames_pending if self._features is not None else 0
+            return self._feeder.ready(pending)
 
     @property
     def is_final(self) -> bool:
@@ -305,7 +343,7 @@ class Stream:
         with ExitStack() as locks:
             for s in sorted(streams, key=id):
                 locks.enter_context(s._lock)
-            waiting = [s for s in streams if s._features.frames_pending]
+            waiting = [s for s in streams if s._features is not None and s._features.frames_pending]
             feats = batch_features([s._features for s in waiting])
             for s, f in zip(waiting, feats, strict=True):
                 s._feeder.accept(f)
@@ -318,8 +356,9 @@ class Stream:
         with self._lock:
             return self._feeder.ready()
 
-    def next_window(self) -> tuple[np.ndarray, int]:
-        """The next window (W, F) and its valid output frames (`WindowFeeder.next_window`)."""
+    def next_window(self) -> tuple[np.ndarray, int] | tuple[np.ndarray, int, int]:
+        """The next window (W, F) and its valid output frames (`WindowFeeder.next_window`),
+        or for overlapped chunks its samples and kept frames (`ChunkFeeder.next_window`)."""
         with self._lock:
             return self._feeder.next_window()
 
