@@ -91,9 +91,12 @@ class ServerConfig:
         "ms a dispatcher waits for a fuller batch; 0 = run whatever is ready at once",
         Flag(metavar="MS"),
     )
+    # 1 by measurement (bench/serve_load.py, README "Benchmarks"): the server's Python
+    # threads need a core of their own, and batched calls of this size gain little from
+    # a second ONNX Runtime thread; more cores serve more streams as more replicas.
     intra_op_threads: int = setting(
-        0,
-        "ONNX Runtime threads inside one operator, count; 0 = onnxruntime's default",
+        1,
+        "ONNX Runtime threads inside one operator, count; 0 = onnxruntime's default (one per core)",
         Flag("threads", "N"),
     )
     ort_spin_wait: bool = setting(

@@ -20,7 +20,8 @@ from echoic.server.config import CUDA_THEN_CPU, ServerConfig
 FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
     "--metrics-port", "--http-port",
-    "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--gpu", "--max-streams",
+    "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--gpu",
+    "--max-streams",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
     "--max-message-bytes", "--max-upload-mb",
