@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from echoic.model.core.configs import config_hash
-from echoic.model.core.files import fsync_directory, write_durably
+from echoic.model.core.files import staged_directory, write_durably
 from echoic.model.nn.network import DeepSpeech2, count_parameters
 from echoic.model.runtime.card import (
     BATCH,
@@ -375,10 +372,7 @@ def export_model(
         raise ExportError(str(e)) from e
     card = build_card(model, ckpt, name=name, version=version, chunk=chunk)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server may run as another user
+    with staged_directory(out_dir) as tmp:
         write_durably(tmp / OFFLINE_FILE, _export_offline(model, card))
         if card.streamable:
             write_durably(tmp / STREAM_FILE, _export_stream(model, card))
@@ -392,13 +386,6 @@ def export_model(
         report = {"model_card": json.loads(card.to_json()), "parity": asdict(parity)}
         report_text = json.dumps(report, indent=2, sort_keys=True) + "\n"
         write_durably(tmp / REPORT_FILE, report_text.encode())
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_directory(out_dir.parent)
     return out_dir
 
 

@@ -34,9 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from echoic.model.core.features import FeatureConfig, normalize_utterance
-from echoic.model.core.files import fsync_directory, write_durably
+from echoic.model.core.files import staged_directory, write_durably
 from echoic.model.core.text import BLANK, TextError, Vocabulary
 from echoic.model.nn.export import (
     OPSET,
@@ -350,10 +347,7 @@ def import_huggingface(
     )  # fmt: skip
     graph = _CTCGraph(model, kept, folded, source.attention_mask).eval()
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server may run as another user
+    with staged_directory(out_dir) as tmp:
         write_durably(tmp / OFFLINE_FILE, _export_graph(graph, card))
         parity = check_parity(graph, tmp, source.normalize)
         bad = [p for p in parity if not p["max_abs_diff"] <= tolerance]
@@ -376,13 +370,6 @@ def import_huggingface(
         }
         text = json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         write_durably(tmp / REPORT_FILE, text.encode())
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_directory(out_dir.parent)
     return out_dir
 
 
