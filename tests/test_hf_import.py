@@ -31,6 +31,14 @@ def audio(seconds: float, seed: int) -> np.ndarray:
     return (0.3 * voiced + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
 
 
+def audio_as_sent(seconds: float, seed: int) -> tuple[bytes, np.ndarray]:
+    """`audio` as LINEAR16 on the wire, and the samples the server decodes from it."""
+    from tests.test_server import pcm16
+
+    wire = pcm16(audio(seconds, seed))
+    return wire, np.frombuffer(wire, "<i2").astype(np.float32) / 32768
+
+
 def transformers_log_probs(src: Path, audios: list[np.ndarray]) -> list[np.ndarray]:
     """Log-probs (T', V_source) per utterance, as transformers computes them: its own
     processor (normalisation, padding, attention mask) and model, on one padded batch,
@@ -139,11 +147,9 @@ def transformers_greedy(src: Path, samples: np.ndarray) -> tuple[str, Words]:
 def test_the_server_answers_transformers_greedy_decode(
     hf_wav2vec2_dir: Path, hf_imported_dir: Path
 ) -> None:
-    from tests.test_server import channel_to, linear16, pb_grpc, pcm16, recognize, running
+    from tests.test_server import channel_to, linear16, pb_grpc, recognize, running
 
-    samples = audio(2.5, 4)
-    wire = pcm16(samples)
-    sent = np.frombuffer(wire, "<i2").astype(np.float32) / 32768  # what the server decodes
+    wire, sent = audio_as_sent(2.5, 4)
     text, words = transformers_greedy(hf_wav2vec2_dir, sent)
     assert len(words) >= 3, "the fixture should spell several words"
     with running(hf_imported_dir) as server, channel_to(server) as channel:
@@ -291,14 +297,12 @@ def test_the_server_streams_a_full_context_model_by_overlapped_chunks(
         linear16,
         pb,
         pb_grpc,
-        pcm16,
         recognize,
         running,
         stream,
     )
 
-    wire = pcm16(audio(4.0, 7))
-    sent = np.frombuffer(wire, "<i2").astype(np.float32) / 32768
+    wire, sent = audio_as_sent(4.0, 7)
     streamed, offline = chunk_streamed(hf_imported_dir, sent), Recognizer(hf_imported_dir)
     offline = offline.transcribe([sent])[0].text
     assert streamed != offline, "this audio should show what the chunks' context costs"
@@ -323,14 +327,12 @@ def test_beam_search_on_an_imported_model(hf_imported_dir: Path) -> None:
         linear16,
         pb,
         pb_grpc,
-        pcm16,
         recognize,
         running,
         stream,
     )
 
-    wire = pcm16(audio(3.0, 8))
-    sent = np.frombuffer(wire, "<i2").astype(np.float32) / 32768
+    wire, sent = audio_as_sent(3.0, 8)
     beam = DecoderConfig(kind="beam", beam_size=8)
     whole = Recognizer(hf_imported_dir, beam).transcribe([sent])[0].text
     streamed = chunk_streamed(hf_imported_dir, sent, beam)
