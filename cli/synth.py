@@ -102,6 +102,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="SNR range of the noise, dB (default 10 30)",
     )
     p.add_argument(
+        "--espeak-formants",
+        nargs=2,
+        type=float,
+        default=(1.0, 1.0),
+        metavar=("LO", "HI"),
+        help="range of a per-utterance factor on espeak-ng's formant frequencies, a vocal "
+        "tract's length (e.g. 0.88 1.12; default 1 1: the voices' own)",
+    )
+    p.add_argument(
         "--relative-paths",
         action="store_true",
         help="manifest paths relative to the manifest's directory (default absolute)",
@@ -173,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         variant_seed=args.variant_seed,
         noise_prob=args.noise_prob,
         snr_db=tuple(args.snr_db),
+        espeak_formants=tuple(args.espeak_formants),
     )
     summary = synthesize_corpus(
         args.text,

@@ -379,3 +379,89 @@ def test_three_engines_and_the_corpus_record(tmp_path: Path) -> None:
     assert {"kal_diphone", "ked_diphone"} <= set(record["voices"]["festival"])
     assert sum(record["utterances_per_voice"].values()) == len(rows)
     assert record["config"]["engines"] == ["espeak", "flite", "festival"]
+
+
+def _centroid_hz(audio: np.ndarray, rate: int) -> float:
+    """Spectral centroid of the voiced part (frames above -30 dB of the loudest)."""
+    frames = np.lib.stride_tricks.sliding_window_view(audio, 512)[::256] * np.hanning(512)
+    power = np.abs(np.fft.rfft(frames, axis=1)) ** 2
+    energy = power.sum(axis=1)
+    power = power[energy > energy.max() * 1e-3].sum(axis=0)
+    freqs = np.fft.rfftfreq(512, 1 / rate)
+    return float((power * freqs).sum() / power.sum())
+
+
+KLATT = {"adam", "benjamin", "caleb", "david", "edward", "klatt", "klatt2", "klatt3", "klatt4"}
+KLATT |= {"klatt6"}
+
+
+@needs_espeak
+def test_espeak_formant_factor_moves_the_spectrum_not_the_timing(tmp_path: Path) -> None:
+    """A per-utterance formant factor (a shorter or longer vocal tract) renders each
+    espeak-ng voice, its variant's own formants included, with its formants moved: the
+    same words at the same speed, with the spectrum shifted the factor's way (Klatt
+    variants, which ignore formant settings, keep factor 1). The factor
+    is drawn apart from the other settings (voices, speeds and pitches stay as they were)
+    and is in the manifest and the file name; factor 1 keeps the names files had."""
+    text = write_text(tmp_path / "s.txt", ["the quick brown fox jumps over the lazy dog"] * 6)
+    plain = SynthConfig(engines=("espeak",), voices_per_sentence=2, seed=8)
+    rows = {}
+    for name, formants in (("plain", (1.0, 1.0)), ("low", (0.85, 0.85)), ("high", (1.15, 1.15))):
+        config = SynthConfig(**{**plain.__dict__, "espeak_formants": formants})
+        summary = synthesize_corpus(text, tmp_path / name, config, jobs=2)
+        rows[name] = read_manifest(summary.manifest)
+    keep = ("voice", "speed", "pitch", "duration")
+    for name in ("low", "high"):
+        assert [{k: r[k] for k in keep} for r in rows[name]] == [
+            {k: r[k] for k in keep} for r in rows["plain"]
+        ]
+    klatt = [i for i, r in enumerate(rows["high"]) if "formant" not in r]
+    assert all(r["voice"].split("+")[-1] in KLATT for r in (rows["high"][i] for i in klatt))
+    assert all("formant" not in r for r in rows["plain"])
+    moved = [i for i in range(len(rows["plain"])) if i not in klatt]
+    assert {rows["high"][i]["formant"] for i in moved} == {1.15} and len(moved) >= 4
+    names = {Path(r["audio_filepath"]).name for v in rows.values() for r in v}
+    assert len(names) == 12 + 2 * len(moved)  # factor 1 keeps its files' names
+    assert any("+" in rows["plain"][i]["voice"] for i in moved)  # variants' own formants
+    for i in moved:
+        row = rows["plain"][i]
+        centroid = {}
+        for name in rows:
+            audio, rate = sf.read(rows[name][i]["audio_filepath"])
+            centroid[name] = _centroid_hz(audio, rate)
+        assert centroid["low"] < centroid["plain"] < centroid["high"], (row["voice"], centroid)
+
+
+def test_formant_variant_scales_formants_one_to_five() -> None:
+    from echoic.training.synth import formant_variant
+
+    base = "name male3\ngender male\nformant 0 100 100 100\nformant 1  96  97 100\n"
+    lines = formant_variant(base, 1.1).splitlines()
+    assert lines[:4] == [
+        "name male3",
+        "gender male",
+        "formant 0 100 100 100",
+        "formant 1 106 97 100",
+    ]
+    assert lines[4:] == [f"formant {n} 110 100 100" for n in range(2, 6)]
+    assert formant_variant(None, 0.9).splitlines()[1] == "formant 1 90 100 100"
+    with pytest.raises(Exception, match="espeak_formants"):
+        SynthConfig(espeak_formants=(0.3, 1.0))
+
+
+@needs_espeak
+def test_every_espeak_accent_takes_its_variants(tmp_path: Path) -> None:
+    """Each accent with a variant sounds unlike the accent alone (a voice named by its
+    language code, `en-gb+m3`, silently drops the variant)."""
+    from echoic.training.synth import Utterance, espeak_voices, render
+
+    program = find_programs(["espeak"])["espeak"]
+    voices = espeak_voices(program)
+    accents = sorted({v.split("+")[0] for v in voices})
+    assert len(accents) >= 5 and len(voices) == len(set(voices))
+    for accent in accents:
+        audio = {}
+        for voice in (accent, f"{accent}+m3", f"{accent}+f2"):
+            utt = Utterance(1, 0, "hello there", "espeak", voice, 1.0, 50.0, None, None, 0)
+            audio[voice] = render(utt, program, 16000, str(tmp_path)).tobytes()
+        assert len(set(audio.values())) == 3, accent

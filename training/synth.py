@@ -92,6 +92,8 @@ class SynthConfig:
     variant_seed: int = 0  # epoch knob: a new value re-draws every voice and noise
     speed: tuple[float, float] = (0.75, 1.2)  # tempo factor range, 1.0 = engine default
     espeak_pitch: tuple[int, int] = (30, 70)  # espeak-ng -p range, 0-99 (50 = default)
+    espeak_formants: tuple[float, float] = (1.0, 1.0)  # espeak-ng formant frequency factor
+    # range, x the voice's own (a vocal-tract length: 0.9 longer, 1.1 shorter); 1 1 = off
     flite_f0_scale: tuple[float, float] = (0.85, 1.2)  # flite and festival mean F0 range,
     # x the voice's own
     noise_prob: float = 0.0  # chance that an utterance gets additive noise, 0-1
@@ -110,18 +112,21 @@ class SynthConfig:
         bad_noise = [k for k in self.noise_kinds if k not in NOISE_KINDS]
         if bad_noise or not self.noise_kinds:
             raise ConfigError(f"noise_kinds: {bad_noise or 'none'} (from {NOISE_KINDS})")
-        for name in ("speed", "espeak_pitch", "flite_f0_scale", "snr_db"):
+        for name in ("speed", "espeak_pitch", "espeak_formants", "flite_f0_scale", "snr_db"):
             lo, hi = getattr(self, name)
             if lo > hi:
                 raise ConfigError(f"{name}: low {lo} is above high {hi}")
         if min(self.speed) <= 0 or min(self.flite_f0_scale) <= 0:
             raise ConfigError("speed and flite_f0_scale must be positive")
+        if not 0.5 <= min(self.espeak_formants) <= max(self.espeak_formants) <= 2.0:
+            raise ConfigError(f"espeak_formants must lie in [0.5, 2], got {self.espeak_formants}")
 
 
 @dataclass(frozen=True)
 class Voice:
     engine: str  # "espeak" or "flite"
-    name: str  # espeak-ng -v argument (e.g. "en-gb-x-rp+f2") or flite -voice name
+    name: str  # espeak-ng -v argument (e.g. "gmw/en-GB-x-rp+f2") or flite -voice name
+    formants: bool = False  # whether a formant factor moves it (espeak-ng, not Klatt)
 
 
 @dataclass(frozen=True)
@@ -136,10 +141,14 @@ class Utterance:
     noise: str | None  # noise colour, or None for clean audio
     snr_db: float | None  # speech-to-noise ratio, dB
     noise_seed: int  # seed of the noise samples
+    formant: float = 1.0  # espeak-ng formant frequency factor, x the voice's own (1: none)
 
     @property
     def name(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if self.formant == 1.0:  # the names files had before formants could vary
+            del fields["formant"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:20]
 
 
@@ -184,13 +193,15 @@ def _run(cmd: Sequence[str], stdin: bytes | None = None) -> str:
 
 
 def espeak_voices(program: str) -> list[str]:
-    """English espeak-ng voices (no MBROLA) crossed with the installed human-like variants."""
+    """English espeak-ng voices (no MBROLA) crossed with the installed human-like variants.
+    A voice is named by its file (`gmw/en-US+m3`): by language code, `en-gb+m3` would be
+    British English without the variant, since no voice file is called `en-gb`."""
     accents: list[str] = []
     for row in _run([program, "--voices=en"]).splitlines()[1:]:
         cols = row.split()
         if len(cols) >= 5 and cols[1] != "variant" and not cols[4].startswith("mb/"):
-            if cols[1] not in accents:
-                accents.append(cols[1])
+            if cols[4] not in accents:
+                accents.append(cols[4])
     installed = set()
     for row in _run([program, "--voices=variant"]).splitlines()[1:]:
         match = re.search(r"!v/(\S+)", row)
@@ -242,15 +253,87 @@ def discover_voices(programs: dict[str, str]) -> dict[str, list[Voice]]:
         names = listers[engine](program)
         if not names:
             raise SynthError(f"{PROGRAMS[engine]} reports none of the English voices used here")
-        pools[engine] = [Voice(engine, name) for name in names]
+        klatt = klatt_variants(program) if engine == "espeak" else set()
+        pools[engine] = [
+            Voice(engine, name, engine == "espeak" and name.partition("+")[2] not in klatt)
+            for name in names
+        ]
     return pools
 
 
-def synth_command(utt: Utterance, program: str, wav_path: str) -> list[str]:
+def espeak_data_dir(program: str) -> Path:
+    """Where espeak-ng reads its voices and dictionaries (`espeak-ng --version` says)."""
+    match = re.search(r"Data at:\s*(\S+)", _run([program, "--version"]))
+    if match is None or not Path(match.group(1), "voices").is_dir():
+        raise SynthError(f"{program} --version does not say where its espeak-ng-data is")
+    return Path(match.group(1))
+
+
+def espeak_overlay(program: str, root: str | Path) -> Path:
+    """A copy of espeak-ng's data directory made of links, under `root`, whose voice
+    variants (`voices/!v`) directory is a real one: `espeak-ng --path=<returned>` then
+    finds the variants written there (`formant_variant`) beside the installed ones."""
+    data = espeak_data_dir(program)
+    top = Path(root) / "espeak-overlay"
+    voices = top / "espeak-ng-data" / "voices"
+    (voices / "!v").mkdir(parents=True, exist_ok=True)
+    for entry in data.iterdir():
+        if entry.name != "voices":
+            (top / "espeak-ng-data" / entry.name).symlink_to(entry)
+    for entry in (data / "voices").iterdir():
+        if entry.name != "!v":
+            (voices / entry.name).symlink_to(entry)
+    for entry in (data / "voices" / "!v").iterdir():
+        (voices / "!v" / entry.name).symlink_to(entry)
+    return top
+
+
+def klatt_variants(program: str) -> set[str]:
+    """The installed espeak-ng variants that use its Klatt synthesizer, which does not
+    read a voice's formant settings (a formant factor would change nothing)."""
+    variants = espeak_data_dir(program) / "voices" / "!v"
+    klatt = set()
+    for path in variants.iterdir():
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        if any(line.split()[:1] == ["klatt"] for line in text.splitlines()):
+            klatt.add(path.name)
+    return klatt
+
+
+FORMANTS = range(1, 6)  # the espeak-ng formants a vocal-tract factor moves (0 is a base)
+
+
+def formant_variant(base: str | None, factor: float) -> str:
+    """An espeak-ng voice variant file: `base` (the installed variant's text, or None for
+    the accent's own voice) with formants 1-5 moved to `factor` x their frequency."""
+    lines, seen = [], set()
+    for line in (base or "language variant\n").splitlines():
+        cols = line.split()
+        if len(cols) == 5 and cols[0] == "formant" and int(cols[1]) in FORMANTS:
+            cols[2] = str(round(int(cols[2]) * factor))
+            seen.add(int(cols[1]))
+            line = " ".join(cols)
+        lines.append(line)
+    lines += [f"formant {n} {round(100 * factor)} 100 100" for n in FORMANTS if n not in seen]
+    return "\n".join(lines) + "\n"
+
+
+def synth_command(
+    utt: Utterance, program: str, wav_path: str, espeak_path: Path | None = None
+) -> list[str]:
+    """The command line that renders `utt`; an espeak-ng utterance with a formant factor
+    names its variant `echoic-<name>`, which `render` writes under `espeak_path`."""
     if utt.engine == "espeak":
         wpm = round(ESPEAK_DEFAULT_WPM * utt.speed)
         pitch = str(int(utt.pitch))
-        return [program, "-v", utt.voice, "-s", str(wpm), "-p", pitch, "-w", wav_path, "--stdin"]
+        voice, data = utt.voice, []
+        if utt.formant != 1.0:
+            if espeak_path is None:
+                raise ValueError("an espeak-ng formant factor needs the overlay's path")
+            voice, data = f"{utt.voice.split('+')[0]}+x{utt.name[:12]}", [f"--path={espeak_path}"]
+        return [
+            program, *data, "-v", voice, "-s", str(wpm), "-p", pitch, "-w", wav_path, "--stdin"
+        ]  # fmt: skip
     if utt.engine == "festival":  # the text comes on stdin
         evals = [f"(voice_{utt.voice})", f"(Parameter.set 'Duration_Stretch {1.0 / utt.speed:.4f})"]
         if FESTIVAL_VOICES[utt.voice] is not None:
@@ -307,6 +390,10 @@ def plan_sentence(
         noisy = rng.random() < config.noise_prob
         noise = str(rng.choice(config.noise_kinds)) if noisy else None
         snr = round(float(rng.uniform(*config.snr_db)), 2) if noisy else None
+        formant = 1.0  # drawn apart, so that the other draws are what they were without it
+        if voice.formants and config.espeak_formants != (1.0, 1.0):
+            key = ("formant", config.seed, config.variant_seed, sentence.line, copy)
+            formant = round(float(_rng(*key).uniform(*config.espeak_formants)), 3)
         plan.append(
             Utterance(
                 line=sentence.line,
@@ -319,6 +406,7 @@ def plan_sentence(
                 noise=noise,
                 snr_db=snr,
                 noise_seed=int(rng.integers(2**62)),
+                formant=formant,
             )
         )
     return plan
@@ -356,19 +444,31 @@ def _fit_range(audio: np.ndarray, peak: float = 0.99) -> np.ndarray:
     return (audio * np.float32(peak / top) if top > peak else audio).astype(np.float32)
 
 
-def render(utt: Utterance, program: str, sample_rate: int, tmp_dir: str) -> np.ndarray:
-    """One utterance as float32 mono at `sample_rate`."""
+def render(
+    utt: Utterance, program: str, sample_rate: int, tmp_dir: str, espeak_path: Path | None = None
+) -> np.ndarray:
+    """One utterance as float32 mono at `sample_rate` (`espeak_path`: `espeak_overlay`'s
+    directory, needed for an espeak-ng formant factor)."""
     fd, raw_path = tempfile.mkstemp(suffix=".wav", dir=tmp_dir)
     os.close(fd)
+    variant = None
+    if utt.engine == "espeak" and utt.formant != 1.0 and espeak_path is not None:
+        variants = espeak_path / "espeak-ng-data" / "voices" / "!v"
+        base = utt.voice.split("+")[1] if "+" in utt.voice else None
+        text = (variants / base).read_text(errors="replace") if base else None
+        variant = variants / f"x{utt.name[:12]}"
+        variant.write_text(formant_variant(text, utt.formant))
     try:
         stdin = utt.text.encode() if utt.engine in ("espeak", "festival") else None
-        _run(synth_command(utt, program, raw_path), stdin=stdin)
+        _run(synth_command(utt, program, raw_path, espeak_path), stdin=stdin)
         try:
             audio, rate = sf.read(raw_path, dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError) as e:
             raise SynthError(f"{PROGRAMS[utt.engine]} wrote unreadable audio: {e}") from e
     finally:
         os.unlink(raw_path)
+        if variant is not None:
+            variant.unlink()
     audio = audio.mean(axis=1)
     if audio.size == 0:
         raise SynthError(f"{PROGRAMS[utt.engine]} produced no audio for line {utt.line}")
@@ -415,6 +515,7 @@ def manifest_entry(utt: Utterance, audio_path: str, duration: float) -> dict[str
         "noise": utt.noise,
         "snr_db": utt.snr_db,
         "line": utt.line,
+        **({"formant": utt.formant} if utt.formant != 1.0 else {}),
     }
 
 
@@ -473,9 +574,9 @@ def synthesize_corpus(
         else:
             durations[i] = found
 
-    def work(i: int, tmp_dir: str) -> float:
+    def work(i: int, tmp_dir: str, espeak_path: Path | None) -> float:
         utt = plan[i]
-        audio = render(utt, programs[utt.engine], config.sample_rate, tmp_dir)
+        audio = render(utt, programs[utt.engine], config.sample_rate, tmp_dir, espeak_path)
         write_wav_atomic(wav_dir / f"{utt.name}.wav", audio, config.sample_rate)
         return len(audio) / config.sample_rate
 
@@ -486,7 +587,9 @@ def synthesize_corpus(
             tqdm(total=len(todo), desc="synth", unit="utt", disable=not progress) as bar,
             ThreadPoolExecutor(max_workers=jobs) as pool,
         ):
-            futures = {pool.submit(work, i, tmp_dir): i for i in todo}
+            moved = any(plan[i].formant != 1.0 for i in todo)
+            overlay = espeak_overlay(programs["espeak"], tmp_dir) if moved else None
+            futures = {pool.submit(work, i, tmp_dir, overlay): i for i in todo}
             try:
                 for future in as_completed(futures):
                     durations[futures[future]] = future.result()
