@@ -151,3 +151,51 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_missing_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lm", str(tmp_path / "nope.txt"), str(tmp_path / "lm.arpa")]) == 1
     assert "nope.txt" in capsys.readouterr().err
+
+
+WORDNET_LINES = [
+    "  1 This software and database is being provided to you, the LICENSEE, by  ",
+    "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived or known or "
+    "inferred to have its own distinct existence (living or nonliving)  ",
+    "00002724 29 v 01 choke 0 002 @ 00001740 v 0000 | breathe with great difficulty, as "
+    'when experiencing a strong emotion; "She choked with emotion when she spoke"; '
+    '"the cat sat on the mat"  ',
+]
+
+
+def test_cli_several_sources_wordnet_and_exclusions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Text files and WordNet's examples and definitions go into one model; a sentence of
+    an --exclude file (held-out text) is never counted, from any source."""
+    one, two, held = (tmp_path / name for name in ("one.txt", "two.txt", "held.txt"))
+    one.write_text("the cat sat\nthe dog ran away\n", encoding="utf-8")
+    two.write_text("a bird flew over the house\n", encoding="utf-8")
+    held.write_text("The dog ran away!\nthe cat sat on the mat\n", encoding="utf-8")
+    wordnet = tmp_path / "wordnet"
+    wordnet.mkdir()
+    (wordnet / "data.noun").write_text("\n".join(WORDNET_LINES) + "\n", encoding="latin-1")
+    out = tmp_path / "lm.arpa"
+    args = ["lm", str(one), str(two), "--wordnet", "--wordnet-dir", str(wordnet)]
+    args += ["--exclude", str(held)]
+    assert main([*args, str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    words = set(arpa_words(out))
+    assert {"bird", "choked", "emotion", "breathe", "difficulty", "cat"} <= words
+    assert "away" not in words and "mat" not in words  # excluded wherever they came from
+    assert "perceived" not in words  # a definition with brackets is not plain prose
+    assert summary["sentences"] == 4  # cat sat, bird, one definition, one example
+    assert main(["lm", str(out)]) == 1
+    assert "no text" in capsys.readouterr().err
+    assert main(["lm", "--wordnet", "--wordnet-dir", str(tmp_path / "none"), str(out)]) == 1
+    assert "wordnet-base" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/usr/share/wordnet/data.noun").is_file(), reason="no WordNet")
+def test_wordnet_sentences_are_clean_and_distinct() -> None:
+    from echoic.training.corpus import wordnet_sentences
+
+    sentences = wordnet_sentences()
+    assert len(sentences) > 100_000 and len(set(sentences)) == len(sentences)
+    assert "she was able to program her computer" in sentences
+    assert all(s == s.lower() and "(" not in s and '"' not in s for s in sentences)

@@ -185,6 +185,48 @@ def fortune_sentences(
     return sentences
 
 
+DEFAULT_WORDNET_DIR = Path("/usr/share/wordnet")
+
+
+def wordnet_sentences(
+    directory: str | Path = DEFAULT_WORDNET_DIR,
+    min_words: int = 3,
+    max_words: int = 30,
+    vocabulary: Vocabulary | None = None,
+) -> list[str]:
+    """WordNet's example sentences and glosses (package `wordnet-base`), clean and distinct
+    by normalised text: plain modern English beyond the fortunes, for a language model.
+    A gloss ("breathe with great difficulty, as when ...") holds its examples in quotes;
+    each example and each `;`-separated definition is one sentence."""
+    directory = Path(directory)
+    files = sorted(directory.glob("data.*"))
+    if not files:
+        hint = "apt-get install wordnet-base"
+        raise FileNotFoundError(f"no WordNet data.* files in {directory} ({hint})")
+    vocabulary = vocabulary or Vocabulary()
+    seen: set[str] = set()
+    sentences: list[str] = []
+    for path in files:
+        for line in path.read_text(encoding="latin-1").splitlines():
+            if line.startswith("  ") or "|" not in line:  # the licence header
+                continue
+            gloss = line.split("|", 1)[1]
+            examples = re.findall(r'"([^"]+)"', gloss)
+            definitions = re.sub(r'"[^"]*"', "", gloss).split(";")
+            for sentence in (*examples, *definitions):
+                sentence = sentence.strip()
+                if sentence and sentence[-1] not in ".!?":
+                    sentence += "."  # a definition has no full stop of its own
+                if not is_clean_sentence(sentence, min_words, max_words):
+                    continue
+                key = clean_transcript(sentence, vocabulary)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                sentences.append(key)
+    return sentences
+
+
 def split_corpus(sentences: Sequence[str], held_out: int, seed: int) -> tuple[list[str], list[str]]:
     """Shuffle with `seed` and hold out `held_out` sentences: (train, held_out), disjoint."""
     if not 0 <= held_out <= len(sentences):
