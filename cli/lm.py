@@ -40,7 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prune-singletons",
         action="store_true",
-        help="drop n-grams of order 2 and up seen only once (smaller model)",
+        help="drop n-grams of order 2 and up seen only once (smaller model; --min-count 2)",
+    )
+    p.add_argument(
+        "--min-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="drop n-grams of order 2 and up seen fewer than N times (default 1: none)",
     )
     p.add_argument(
         "--wordnet",
@@ -96,14 +103,18 @@ def run(args: argparse.Namespace) -> int:
     named = " + ".join([*args.text, *(["WordNet"] if args.wordnet else [])])
     try:
         stats = build_arpa(
-            sentences, args.out, order=args.order, prune_singletons=args.prune_singletons
+            sentences,
+            args.out,
+            order=args.order,
+            prune_singletons=args.prune_singletons,
+            min_count=args.min_count,
         )
-    except ValueError as e:  # no usable sentences
+    except ValueError as e:  # no usable sentences, a bad --min-count
         raise UserError(f"{named}: {e}") from e
     if args.json:
         print(json.dumps({"out": args.out, **dataclasses.asdict(stats)}))
         return 0
     counts = ", ".join(f"{n}-grams {c:,}" for n, c in enumerate(stats.ngrams, start=1))
-    pruned = f" ({stats.pruned:,} singletons pruned)" if args.prune_singletons else ""
+    pruned = f" ({stats.pruned:,} rare n-grams pruned)" if stats.pruned else ""
     print(f"{stats.sentences:,} sentences, {stats.words:,} words -> {args.out}: {counts}{pruned}")
     return 0

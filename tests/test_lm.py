@@ -68,19 +68,18 @@ def _random_corpus(n: int, seed: int) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("order", "prune"),
+    ("order", "min_count"),
     [
-        pytest.param(1, False, id="unigram"),
-        pytest.param(2, False, id="bigram"),
-        pytest.param(3, False, id="trigram"),
-        pytest.param(4, False, id="4-gram"),
-        pytest.param(3, True, id="trigram-pruned"),
+        pytest.param(1, 1, id="unigram"),
+        pytest.param(2, 1, id="bigram"),
+        pytest.param(3, 1, id="trigram"),
+        pytest.param(4, 1, id="4-gram"),
+        pytest.param(3, 2, id="trigram-pruned"),
+        pytest.param(3, 4, id="trigram-pruned-below-4"),
     ],
 )
-def test_every_distribution_sums_to_one(tmp_path: Path, order: int, prune: bool) -> None:
-    model, _ = _build(
-        tmp_path, _random_corpus(200, seed=order), order=order, prune_singletons=prune
-    )
+def test_every_distribution_sums_to_one(tmp_path: Path, order: int, min_count: int) -> None:
+    model, _ = _build(tmp_path, _random_corpus(200, seed=order), order=order, min_count=min_count)
     vocabulary = [w for w in model.vocabulary if w != BOS]
     contexts = [(), (BOS,), ("the",), (BOS, "the"), ("cat", "sat"), ("home", "home", "home")]
     contexts += [("zebra",), ("zebra", "the"), ("the", "zebra")]  # unknown words back off
@@ -96,6 +95,12 @@ def test_pruning_drops_singletons(tmp_path: Path) -> None:
     assert pruned.ngrams[0] == full.ngrams[0]
     assert pruned.ngrams[2] < full.ngrams[2]
     assert sum(full.ngrams) - sum(pruned.ngrams) == pruned.pruned > 0
+    same = build_arpa(corpus, tmp_path / "same.arpa", order=3, min_count=2)
+    assert (tmp_path / "same.arpa").read_bytes() == (tmp_path / "pruned.arpa").read_bytes()
+    fewer = build_arpa(corpus, tmp_path / "fewer.arpa", order=3, min_count=4)
+    assert fewer.ngrams[0] == full.ngrams[0] and fewer.ngrams[1:] < pruned.ngrams[1:]
+    with pytest.raises(ValueError, match="min_count"):
+        build_arpa(corpus, tmp_path / "bad.arpa", min_count=0)
 
 
 def test_text_is_normalised(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ class ArpaStats:
     words: int  # running words, </s> excluded
     ngrams: tuple[int, ...]  # entries per order, unigrams first
     discounts: tuple[tuple[float, float, float], ...]  # (D1, D2, D3+) per order
-    pruned: int  # n-grams dropped by prune_singletons
+    pruned: int  # n-grams dropped by min_count
 
 
 def build_arpa(
@@ -63,10 +63,16 @@ def build_arpa(
     *,
     order: int = 3,
     prune_singletons: bool = False,
+    min_count: int = 1,
 ) -> ArpaStats:
-    """Estimate an interpolated modified Kneser-Ney model of `order` and write it as ARPA."""
+    """Estimate an interpolated modified Kneser-Ney model of `order` and write it as ARPA.
+    N-grams of order 2 and up seen fewer than `min_count` times are pruned (and the
+    back-offs renormalised); `prune_singletons` is `min_count=2`."""
     if order < 1:
         raise ValueError(f"order must be at least 1, got {order}")
+    if min_count < 1:
+        raise ValueError(f"min_count must be at least 1, got {min_count}")
+    min_count = max(min_count, 2 if prune_singletons else 1)
     raw, n_sentences, n_words = _count(sentences, order)
     if not n_sentences:
         raise ValueError("no words to build a language model from (all sentences are empty)")
@@ -84,9 +90,9 @@ def build_arpa(
         gammas.append(gamma)
 
     pruned = 0
-    if prune_singletons:
+    if min_count > 1:
         for n in range(2, order + 1):
-            keep = {g: lp for g, lp in log10p[n - 1].items() if raw[n - 1][g] > 1}
+            keep = {g: lp for g, lp in log10p[n - 1].items() if raw[n - 1][g] >= min_count}
             pruned += len(log10p[n - 1]) - len(keep)
             log10p[n - 1] = keep
         backoff = _renormalised_backoffs(log10p)
