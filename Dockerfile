@@ -49,7 +49,7 @@ WORKDIR /home/echoic
 EXPOSE 50051 8000 9090
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; r = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=4); sys.exit(r.status != h.HealthCheckResponse.SERVING)"]
-ENTRYPOINT ["echoic", "serve", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8000", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--gpu"]
+ENTRYPOINT ["echoic", "serve", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8000", "--metrics-port", "9090", "--metrics-host", "0.0.0.0", "--device", "cuda"]
 
 # ---------------------------------------------------------------- serve: CPU (default target)
 FROM ${PYTHON_IMAGE} AS serve

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import NoReturn
 
 EXAMPLES = """\
@@ -13,6 +14,10 @@ examples:
 
   # a unidirectional model streamed in steps of 8 output frames, report as JSON
   echoic export runs/uni/last.pt models/uni/1 --stream-chunk 8 --json
+
+  # int8 convolutions and output layer, scales calibrated on a manifest's audio (an
+  # existing model directory: echoic quantize); README "Benchmarks" says what it gains
+  echoic export runs/ds2/last.pt models/echoic-ds2/4 --quantize int8 --calibration dev.jsonl
 
 OUT_DIR must not exist (or be empty). It gets model.onnx (offline), stream.onnx
 (streaming step; streamable models only), both carrying the model card, and
@@ -46,6 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="output frames per streaming step of a unidirectional model (default 16); "
         "a chunked BiRNN always uses its trained chunk",
     )
+    p.add_argument(
+        "--quantize",
+        choices=("int8",),
+        help="quantize the graphs once their parity is proved: int8 = ONNX Runtime's static "
+        "quantization of convolutions and matrix products (the recurrent layers stay fp32)",
+    )
+    add_calibration(p, required=False)
     p.add_argument("--json", action="store_true", help="print a one-line JSON summary")
     p.set_defaults(func=run)
 
@@ -59,6 +71,54 @@ def _explain_missing(e: ModuleNotFoundError) -> NoReturn:
     raise e
 
 
+def add_calibration(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument(
+        "--calibration",
+        metavar="MANIFEST",
+        required=required,
+        help="JSON-lines manifest (audio_filepath) of speech like what the model will hear: "
+        "the first 32 utterances fix the int8 activation scales"
+        + ("" if required else " (needed with --quantize)"),
+    )
+
+
+def calibration_audio(manifest: str, sample_rate: int) -> list:
+    """The first utterances of a manifest, as float32 samples at `sample_rate`."""
+    from echoic.cli.errors import UserError
+    from echoic.model.core.audio import AudioError, load_audio
+    from echoic.model.nn.quantize import CALIBRATION_UTTERANCES
+
+    path = Path(manifest)
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the calibration manifest ({e.strerror})") from e
+    audio = []
+    for number, line in enumerate(lines[:CALIBRATION_UTTERANCES], start=1):
+        try:
+            audio_path = path.parent / json.loads(line)["audio_filepath"]
+            audio.append(load_audio(audio_path, sample_rate))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(
+                f"{path}:{number}: not a manifest line with an audio_filepath ({e})"
+            ) from e
+        except (AudioError, OSError) as e:
+            raise UserError(f"{path}:{number}: {e}") from e
+    if not audio:
+        raise UserError(f"{path}: no utterances to calibrate on")
+    return audio
+
+
+def quantization_line(quantization: dict) -> str:
+    """What quantization did, as `echoic export --quantize` and `echoic quantize` say it."""
+    parts = []
+    for graph, info in sorted(quantization["graphs"].items()):
+        done = ", ".join(f"{n} {op}" for op, n in sorted(info["quantized"].items()))
+        kept = ", ".join(f"{n} {op}" for op, n in sorted(info["left_fp32"].items()))
+        parts.append(f"{graph}: {done or 'nothing'} to int8 ({kept or 'nothing'} left fp32)")
+    return f"{quantization['scheme']}: " + "; ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     from echoic.cli.errors import UserError
     from echoic.model.runtime.card import ModelError
@@ -67,13 +127,24 @@ def run(args: argparse.Namespace) -> int:
         from echoic.model.nn.export import ExportError, export_model, read_report
     except ModuleNotFoundError as e:
         _explain_missing(e)
+    if bool(args.quantize) != bool(args.calibration):
+        raise UserError("--quantize int8 and --calibration MANIFEST go together")
     try:
+        audio = None
+        if args.quantize:
+            from echoic.model.nn.checkpoint import load_model
+
+            audio = calibration_audio(
+                args.calibration, load_model(args.checkpoint)[0].cfg.features.sample_rate
+            )
         path = export_model(
             args.checkpoint,
             args.out_dir,
             name=args.name,
             version=args.version,
             stream_chunk=args.stream_chunk,
+            quantize=args.quantize,
+            calibration=audio,
         )
     except ModuleNotFoundError as e:  # onnx and onnxruntime are imported when needed
         _explain_missing(e)
@@ -92,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             "files": files,
             "streamable": card["streamable"],
             "chunk_frames": card["chunk_frames"],
+            "precision": card.get("precision", "fp32"),
             "parity": parity,
         }
         print(json.dumps(summary))
@@ -108,5 +180,7 @@ def run(args: argparse.Namespace) -> int:
             f"streaming: stream.onnx step by step ({parity['stream']['steps']} batched steps, "
             f"chunk {card['chunk_frames']}) vs model.onnx max |diff| {stream:.2e}"
         )
+    if "quantization" in report:
+        print(quantization_line(report["quantization"]))
     print(f"wrote {card['name']} version {card['version']} to {path} ({', '.join(files)})")
     return 0

@@ -24,6 +24,7 @@ COMMANDS = (
     "import_corpus",
     "train",
     "export",
+    "quantize",
     "import_model",
     "deploy",
     "models",

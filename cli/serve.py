@@ -121,6 +121,11 @@ def add_flags(parser: argparse.ArgumentParser, config: type) -> None:
             if f.default is not None:
                 text += f" (default {_shown(f.default)})"
         target.add_argument(f"--{name}", dest=f.name, default=f.default, help=text, **how)
+        if flag.alias is not None:
+            alias, value, alias_help = flag.alias
+            target.add_argument(
+                f"--{alias}", dest=f.name, action="store_const", const=value, help=alias_help
+            )
 
 
 def from_flags(config: type[C], args: argparse.Namespace) -> C:

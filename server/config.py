@@ -29,6 +29,8 @@ class Flag:
     exclusive: str = ""  # flags with the same tag exclude each other; "" = none
     switch: Any = None  # not None: the flag takes no value and sets the field to this
     help: str = ""  # the flag's help where it differs from the field's (a switch); "" = same
+    alias: tuple[str, Any, str] | None = None  # (NAME, value, help): --NAME, a switch setting
+    # the field to value, kept for command lines written before the flag existed
 
 
 def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa: B008 - frozen
@@ -38,7 +40,7 @@ def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa
 
 CPU = ("CPUExecutionProvider",)
 CUDA_THEN_CPU = ("CUDAExecutionProvider", "CPUExecutionProvider")
-_GPU_HELP = "run on CUDA, CPU as fallback (needs onnxruntime-gpu: pip install 'echoic[gpu]')"
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,12 @@ class ServerConfig:
         "ms of audio after the chunk each overlapped window waits for (latency)",
         Flag(metavar="MS"),
     )
-    providers: tuple[str, ...] = setting(
-        CPU,
-        "ONNX Runtime execution providers, the first preferred",
-        Flag("gpu", switch=CUDA_THEN_CPU, help=_GPU_HELP),
+    device: str = setting(
+        "cpu",
+        "where the models run: cpu, or cuda (ONNX Runtime's CUDA execution provider, its "
+        "CPU provider for the ops CUDA lacks, streaming states kept on the GPU between "
+        "steps; needs onnxruntime-gpu: pip install 'echoic[gpu]')",
+        Flag(metavar="DEVICE", alias=("gpu", "cuda", "the same as --device cuda")),
     )
 
     # Limits.
@@ -197,8 +201,14 @@ class ServerConfig:
         Flag(metavar="PEM"),
     )
 
+    @property
+    def providers(self) -> tuple[str, ...]:
+        """ONNX Runtime execution providers for `device`, the first preferred."""
+        return CUDA_THEN_CPU if self.device == "cuda" else CPU
+
     def __post_init__(self) -> None:
         checks = [
+            (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
             (self.model_dir is None or self.model_repo is None, "give a model or a model repo"),
             (self.poll_seconds >= 0, "poll_seconds must be >= 0"),
             (self.chunk_ms >= 0, "chunk_ms must be >= 0"),

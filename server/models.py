@@ -333,7 +333,7 @@ class ModelRegistry:
         log.info("loading %s", path)
         engine = await asyncio.to_thread(
             Engine, path, providers=cfg.providers, intra_op_threads=cfg.intra_op_threads,
-            spin_wait=cfg.ort_spin_wait,
+            spin_wait=cfg.ort_spin_wait, io_binding=cfg.device == "cuda",
         )  # fmt: skip
         name = name or engine.card.name
         version = version or engine.card.version

@@ -543,3 +543,39 @@ def test_recalibrated_norms_keep_the_function_and_fit_training_mode(tmp_path: Pa
     gap_before = float((before_train - before_eval).abs().mean())
     gap_after = float((after_train - after_eval).abs().mean())
     assert gap_after < gap_before / 3, (gap_before, gap_after)
+
+
+@pytest.mark.parametrize("model_id", ["bigru-chunk4-ctx2", "unigru-rowconv3", "bilstm-chunk3-ctx2"])
+def test_export_quantize_int8(
+    exported, speech_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], model_id
+) -> None:
+    """int8 straight from a checkpoint: the card says so, streamed log-probs equal the
+    offline graph's (both graphs quantize with the same scales), and the int8 graphs
+    stay near the fp32 export on speech."""
+    from echoic.model.core.audio import load_audio
+    from echoic.model.nn.export import _stream_all
+
+    ckpt, fp32_dir = exported(model_id)
+    out = tmp_path / model_id / "2"
+    args = ["export", str(ckpt), str(out), "--quantize", "int8", "--calibration"]
+    assert main([*args, str(speech_corpus), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "int8"
+    engine, fp32 = Engine(out), Engine(fp32_dir)
+    assert engine.card.precision == "int8" and engine.card == read_card(out / "stream.onnx")
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()[:4]]
+    audio = [load_audio(speech_corpus.parent / r["audio_filepath"], 16000) for r in rows]
+    feats = [compute_features(a, engine.card.features) for a in audio]
+    offline = engine.offline(feats)
+    streamed, _ = _stream_all(engine, feats, np.random.default_rng(0))
+    for s, o, f in zip(streamed, offline, fp32.offline(feats), strict=True):
+        assert np.abs(s - o).max() <= 1e-4
+        assert np.abs(np.exp(o) - np.exp(f)).max() <= 0.35
+
+
+def test_export_quantize_needs_calibration(exported, tmp_path: Path, capsys) -> None:
+    ckpt, _ = exported("bigru-chunk4-ctx2")
+    assert main(["export", str(ckpt), str(tmp_path / "q"), "--quantize", "int8"]) == 1
+    assert "--calibration MANIFEST" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="calibration audio"):
+        export_model(ckpt, tmp_path / "q", quantize="int8")
+    assert not (tmp_path / "q").exists()

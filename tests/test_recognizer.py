@@ -125,3 +125,35 @@ def test_empty_audio_gives_an_empty_transcript(recognizer: Recognizer) -> None:
     while recognizer.step([s]):
         pass
     assert s.is_final and s.result().text == ""
+
+
+def test_io_binding_keeps_states_on_the_device(tiny_model_dir: Path, corpus_audio) -> None:
+    """The path `echoic serve --device cuda` takes, on the CPU provider: transcripts and
+    states equal the plain engine's; a batch of the same streams as the last step reuses
+    the device states (no host copy), any other batch regathers them with one copy."""
+    from echoic.model.runtime.engine import DeviceRows, Engine
+
+    plain = Recognizer(tiny_model_dir, intra_op_threads=1)
+    engine = Engine(tiny_model_dir, intra_op_threads=1, io_binding=True)
+    bound = Recognizer(engine)
+    audios = [a for _, a in corpus_audio[:3]]
+    assert [stream_all(bound, a).text for a in audios] == [
+        stream_all(plain, a).text for a in audios
+    ]
+    copies = engine.host_state_copies
+    streams = {r: [r.stream() for _ in audios] for r in (plain, bound)}
+    for r, ss in streams.items():
+        for s, a in zip(ss, audios, strict=True):
+            s.accept_audio(a[:32000])  # 2 s each: several steps of the three together
+        steps = 0
+        while r.step(ss):
+            steps += 1
+        assert steps > 1
+    assert all(isinstance(s.state, DeviceRows) for s in streams[bound])
+    assert engine.host_state_copies == copies  # every step was the same three streams
+    order = [2, 0, 1]
+    got = engine.gather_states([streams[bound][i].state for i in order])
+    want = plain.engine.gather_states([streams[plain][i].state for i in order])
+    assert engine.host_state_copies == copies + 1
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value)

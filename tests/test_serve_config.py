@@ -14,13 +14,14 @@ import pytest
 
 from echoic.cli.main import build_parser, main
 from echoic.cli.serve import from_flags
-from echoic.server.config import CUDA_THEN_CPU, ServerConfig
+from echoic.server.config import CPU, CUDA_THEN_CPU, ServerConfig
 
 # The flags README.md, the Dockerfile, bench/ and the tests use: each must stay.
 FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
     "--metrics-port", "--http-port",
-    "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--gpu",
+    "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--device",
+    "--gpu",
     "--max-streams",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
@@ -63,7 +64,9 @@ def test_the_default_command_line_is_the_default_config() -> None:
         pytest.param(["--metrics-port", "9090"], "metrics_port", 9090, id="optional-int"),
         pytest.param(["--host", "0.0.0.0"], "host", "0.0.0.0", id="str"),
         pytest.param(["--model", "models/m/3"], "model_dir", Path("models/m/3"), id="path"),
-        pytest.param(["--gpu"], "providers", CUDA_THEN_CPU, id="switch"),
+        pytest.param(["--no-ort-spin"], "ort_spin_wait", False, id="switch"),
+        pytest.param(["--device", "cuda"], "device", "cuda", id="device"),
+        pytest.param(["--gpu"], "device", "cuda", id="alias"),
     ],
 )  # fmt: skip
 def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: Any) -> None:
@@ -76,6 +79,16 @@ def test_help_shows_the_config_defaults() -> None:
     for shown in ("(default 50051)", "(default 5)", "(default 33554432)", "unset = off"):
         assert shown in text
     assert "(default None)" not in text
+
+
+def test_device_picks_the_providers() -> None:
+    assert _config().providers == CPU
+    assert _config("--device", "cuda").providers == _config("--gpu").providers == CUDA_THEN_CPU
+
+
+def test_an_unknown_device_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--device", "tpu"]) == 1
+    assert capsys.readouterr().err == "echoic serve: error: device must be one of cpu, cuda\n"
 
 
 def test_model_and_model_repo_exclude_each_other() -> None:

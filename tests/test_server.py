@@ -1137,3 +1137,22 @@ def test_echoic_serve_drains_open_streams_on_sigterm(tiny_model_dir, clips, expe
             assert finals([first, *call]) == [expected[0]]  # the open stream's final result
         assert process.wait(timeout=30) == 0
     assert any("SIGTERM: draining open streams for up to 20 s" in line for line in log), log
+
+
+@pytest.mark.gpu
+def test_cuda_serving_equals_cpu(tiny_model_dir: Path, clips, expected) -> None:
+    """`--device cuda`: the CUDA provider with the streaming states kept on the GPU
+    (I/O binding) gives the CPU's transcripts, streamed several at once and whole."""
+    import concurrent.futures
+
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("no CUDA GPU (or no onnxruntime-gpu: pip install 'echoic[gpu]')")
+    with running(tiny_model_dir, device="cuda") as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        config = Config(encoding=Config.WAV)
+        with concurrent.futures.ThreadPoolExecutor(len(clips)) as pool:
+            got = list(pool.map(lambda c: finals(stream(stub, c[0], config)), clips))
+        assert got == [[want] for want in expected]
+        assert texts(recognize(stub, clips[0][0], config)) == [expected[0]]

@@ -7,6 +7,9 @@
                  [+ state_c.{i} for LSTM] -> log_probs (B, C, V), next_state_h.{i} ...
     export.json  what the export checked (parity numbers), for people
 
+With quantize="int8" the graphs are quantized after their parity is proved
+(`echoic.model.nn.quantize`, whose docstring says what that covers and costs).
+
 Both graphs carry the model card (`echoic.model.runtime.card`) in their metadata. The
 features are the raw log spectrogram of `model.features`: the graphs normalise
 with the training statistics themselves.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +39,7 @@ from torch import Tensor, nn
 from echoic.model.core.configs import config_hash
 from echoic.model.core.files import staged_directory, write_durably
 from echoic.model.nn.network import DeepSpeech2, count_parameters
+from echoic.model.nn.quantize import QUANTIZE_SCHEMES, QuantizeError, int8_card, quantize_graphs
 from echoic.model.runtime.card import (
     BATCH,
     CARD_FORMAT,
@@ -343,6 +348,8 @@ def export_model(
     version: str | None = None,
     stream_chunk: int | None = None,
     tolerance: float = PARITY_TOLERANCE,
+    quantize: str | None = None,
+    calibration: Sequence[np.ndarray] = (),
 ) -> Path:
     """Export a checkpoint to `out_dir` (which must not exist, or be empty).
 
@@ -350,7 +357,9 @@ def export_model(
     a number (MODEL_REPO/<name>/<version>/), else "1". stream_chunk: output frames per
     streaming step of a unidirectional model (default 16); a chunked BiRNN streams
     with the chunk it was trained with. Raises ExportError, writing nothing, when the
-    ONNX graphs differ from torch by more than `tolerance`.
+    ONNX graphs differ from torch by more than `tolerance`. quantize="int8": the graphs,
+    once their fp32 parity is proved, are quantized (`echoic.model.nn.quantize`) with
+    activation scales from `calibration` (float32 samples at the model's rate).
     """
     from echoic.model.nn.checkpoint import load_model
 
@@ -371,6 +380,10 @@ def export_model(
     except ValueError as e:
         raise ExportError(str(e)) from e
     card = build_card(model, ckpt, name=name, version=version, chunk=chunk)
+    if quantize not in (None, *QUANTIZE_SCHEMES):
+        raise ExportError(f"unknown quantization {quantize!r}; choose from {QUANTIZE_SCHEMES}")
+    if quantize and not calibration:
+        raise ExportError("quantization needs calibration audio (--calibration MANIFEST)")
 
     with staged_directory(out_dir) as tmp:
         write_durably(tmp / OFFLINE_FILE, _export_offline(model, card))
@@ -383,7 +396,14 @@ def export_model(
                 f"ONNX Runtime does not reproduce the checkpoint (tolerance {tolerance:g}): "
                 + "; ".join(failures)
             )
-        report = {"model_card": json.loads(card.to_json()), "parity": asdict(parity)}
+        report: dict[str, Any] = {"parity": asdict(parity)}
+        if quantize:
+            card = int8_card(card)
+            try:
+                report["quantization"] = quantize_graphs(tmp, card, calibration)
+            except QuantizeError as e:
+                raise ExportError(str(e)) from e
+        report["model_card"] = json.loads(card.to_json())
         report_text = json.dumps(report, indent=2, sort_keys=True) + "\n"
         write_durably(tmp / REPORT_FILE, report_text.encode())
     return out_dir

@@ -87,6 +87,9 @@ class ModelCard:
     source: str = "echoic"  # the weights' origin: "echoic", or "huggingface:<class>"
     source_tokens: tuple[str, ...] = ()  # the source model's token for each vocabulary id,
     # e.g. "<pad>" for the blank and "|" (its word delimiter) for " "; () for echoic's own
+    precision: Literal["fp32", "int8"] = "fp32"  # the graphs' weights: "int8" = ONNX Runtime's
+    # dynamic quantization of the convolutions and matrix products (`echoic quantize`;
+    # the recurrent layers stay fp32), activations quantized per call
 
     def __post_init__(self) -> None:
         if self.format != CARD_FORMAT:
@@ -142,7 +145,7 @@ class ModelCard:
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): the same card always gives the same bytes."""
         data = to_dict(self)
-        for name, default in _IMPORT_DEFAULTS.items():
+        for name, default in _LATER_DEFAULTS.items():
             if data[name] == default:
                 del data[name]
         return json.dumps(data, sort_keys=True, ensure_ascii=False)
@@ -167,12 +170,15 @@ class ModelCard:
             raise ModelError(f"{source}: invalid model card: {e}") from e
 
 
-# The fields imported models added, at the values echoic's own models have.
-_IMPORT_FIELDS = ("input", "normalize", "batch_padding", "token_type", "source", "source_tokens")
-_IMPORT_DEFAULTS = {
+# The fields added after the first cards (imported models, quantization), at the values
+# an fp32 echoic model has: left out of the JSON there, so such cards keep their bytes.
+_LATER_FIELDS = (
+    "input", "normalize", "batch_padding", "token_type", "source", "source_tokens", "precision",
+)  # fmt: skip
+_LATER_DEFAULTS = {
     f.name: json.loads(json.dumps(f.default))  # as to_dict writes it: () becomes []
     for f in dataclasses.fields(ModelCard)
-    if f.name in _IMPORT_FIELDS
+    if f.name in _LATER_FIELDS
 }
 
 

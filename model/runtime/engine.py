@@ -16,11 +16,21 @@ exactly as `network.stream_utterance` pads them, so the streamed log-probs equal
 `Engine.offline` on the whole utterance. Batching is the caller's: take the ready
 windows of many streams, `gather_states` their states, run one `stream_step`, and
 `scatter_states` the new states back.
+
+With `io_binding` (what `echoic serve --device cuda` uses) `stream.onnx` runs through
+ONNX Runtime's I/O binding: the new states are bound to outputs on the engine's device
+and stay there. A stream's state is then `DeviceRows` (its row of the batch's device
+tensors); when the next step is the same streams in the same order, as under steady
+load, `gather_states` hands the device tensors back as they are, with no copy to the
+host; any other batch is regathered through host memory (counted in
+`host_state_copies`). The windows go to the device and the log-probs come back each
+step, as they must.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +46,19 @@ from echoic.model.runtime.card import (
     open_session,
 )
 
-__all__ = ["Engine", "ModelCard", "ModelError", "StreamState", "WindowFeeder"]
+__all__ = ["DeviceRows", "Engine", "ModelCard", "ModelError", "StreamState", "WindowFeeder"]
 
-StreamState = dict[str, np.ndarray]  # stream.onnx state input name -> (1, B, H) float32
+
+@dataclass(frozen=True, eq=False)
+class DeviceRows:
+    """One stream's recurrent state left on the device by an I/O-bound step: row `row`
+    of the batch's state tensors `values` (state input name -> OrtValue (1, B, H))."""
+
+    values: dict[str, Any]
+    row: int
+
+
+StreamState = dict[str, np.ndarray] | DeviceRows  # state input name -> (1, B, H) float32
 
 
 class Engine:
@@ -52,6 +72,7 @@ class Engine:
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
         spin_wait: bool = True,
+        io_binding: bool = False,
     ) -> None:
         """Load `model_dir`/model.onnx (and stream.onnx when present).
 
@@ -59,6 +80,9 @@ class Engine:
         cores); inter_op_threads: operators run at once (1 = sequential execution);
         spin_wait: onnxruntime's idle threads spin for the next work (its default)
         rather than sleep, which is fastest when nothing else wants the cores.
+        io_binding: streaming steps keep the recurrent states on the first provider's
+        device between steps (module docstring); on the CPU provider it changes nothing
+        but the path, which is how it is tested without a GPU.
         """
         import onnxruntime as ort
 
@@ -71,6 +95,9 @@ class Engine:
                 f"{offline_path}: missing; a model directory comes from `echoic export`"
             )
         self.providers = tuple(providers)
+        self.io_binding = io_binding
+        self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
+        self.host_state_copies = 0  # state batches copied device -> host to regather (I/O binding)
         available = ort.get_available_providers()
         missing = [p for p in self.providers if p not in available]
         if missing:
@@ -197,17 +224,46 @@ class Engine:
         }
 
     def gather_states(self, states: Sequence[StreamState]) -> StreamState:
-        """Stack per-stream states (each for one or more streams) into one batch."""
+        """Stack per-stream states (each for one or more streams) into one batch.
+
+        States an I/O-bound step left on the device come back as they are when they are
+        exactly that step's batch, in order; otherwise they are copied to the host first.
+        """
+        if states and all(isinstance(st, DeviceRows) for st in states):
+            values = states[0].values
+            rows = [st.row for st in states]
+            same = all(st.values is values for st in states)
+            if same and rows == list(range(self._batch_of(values))):
+                return values
         axis = self.card.state_batch_axis
+        on_host: dict[int, dict[str, np.ndarray]] = {}  # each device batch copied once
+
+        def host(st: StreamState) -> dict[str, np.ndarray]:
+            if not isinstance(st, DeviceRows):
+                return st
+            if id(st.values) not in on_host:
+                on_host[id(st.values)] = {k: v.numpy() for k, v in st.values.items()}
+                self.host_state_copies += 1
+            return {k: np.take(v, [st.row], axis=axis) for k, v in on_host[id(st.values)].items()}
+
+        hosted = [host(st) for st in states]
         return {
-            s.input: np.concatenate([st[s.input] for st in states], axis=axis)
+            s.input: np.concatenate([st[s.input] for st in hosted], axis=axis)
             for s in self.card.states
         }
 
+    def _batch_of(self, values: dict[str, Any]) -> int:
+        first = next(iter(values.values()))
+        shape = first.shape() if callable(first.shape) else first.shape  # OrtValue or array
+        return int(shape[self.card.state_batch_axis])
+
     def scatter_states(self, state: StreamState) -> list[StreamState]:
-        """Split a batched state into one state per stream (each with batch 1)."""
+        """Split a batched state into one state per stream (each with batch 1); states on
+        the device stay there (`DeviceRows`)."""
+        n = self._batch_of(state)
+        if not all(isinstance(v, np.ndarray) for v in state.values()):
+            return [DeviceRows(state, i) for i in range(n)]
         axis = self.card.state_batch_axis
-        n = next(iter(state.values())).shape[axis]
         return [
             {k: np.ascontiguousarray(np.take(v, [i], axis=axis)) for k, v in state.items()}
             for i in range(n)
@@ -234,12 +290,37 @@ class Engine:
         out_frames = np.asarray(out_frames, dtype=np.int64).reshape(-1)
         if out_frames.shape[0] != windows.shape[0]:
             raise ValueError(f"out_frames must have shape ({windows.shape[0]},)")
+        if self.io_binding:
+            return self._bound_step(windows, out_frames, states)
         feeds: dict[str, np.ndarray] = {"features": windows, "out_frames": out_frames}
         for s in card.states:
             feeds[s.input] = np.asarray(states[s.input], dtype=np.float32)
         names = ["log_probs", *(s.output for s in card.states)]
         log_probs, *new = self.stream_session.run(names, feeds)
         return log_probs, {s.input: v for s, v in zip(card.states, new, strict=True)}
+
+    def _bound_step(
+        self, windows: np.ndarray, out_frames: np.ndarray, states: StreamState
+    ) -> tuple[np.ndarray, StreamState]:
+        """`stream_step` through I/O binding: states in and out as OrtValues on the device."""
+        import onnxruntime as ort
+
+        binding = self.stream_session.io_binding()
+        binding.bind_cpu_input("features", windows)
+        binding.bind_cpu_input("out_frames", out_frames)
+        for s in self.card.states:
+            value = states[s.input]
+            if isinstance(value, np.ndarray):  # a new stream's zeros, or a regathered batch
+                value = ort.OrtValue.ortvalue_from_numpy(
+                    np.ascontiguousarray(value, dtype=np.float32), self.device, 0
+                )
+            binding.bind_ortvalue_input(s.input, value)
+        binding.bind_output("log_probs", "cpu")
+        for s in self.card.states:
+            binding.bind_output(s.output, self.device, 0)
+        self.stream_session.run_with_iobinding(binding)
+        log_probs, *new = binding.get_outputs()
+        return log_probs.numpy(), {s.input: v for s, v in zip(self.card.states, new, strict=True)}
 
 
 class WindowFeeder:
