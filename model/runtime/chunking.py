@@ -53,10 +53,23 @@ class ChunkConfig:
 
 
 def can_chunk(card: ModelCard) -> bool:
-    """Whether overlapped chunks can stream this model: a waveform-input one without
-    stream.onnx (echoic's own full-context BiRNNs are not: their features and
-    normalisation are a stream.onnx matter)."""
-    return card.input == "waveform" and not card.streamable
+    """Whether overlapped chunks can stream this model: an imported one (waveform input,
+    or NeMo's features computed from each window's samples) without stream.onnx
+    (echoic's own full-context BiRNNs are not: their features and normalisation are a
+    stream.onnx matter)."""
+    imported = card.input == "waveform" or card.nemo_features is not None
+    return imported and not card.streamable
+
+
+def output_frames(card: ModelCard, samples: int) -> int:
+    """Output frames model.onnx gives for `samples` samples of a model `can_chunk` takes."""
+    if card.nemo_features is not None:  # NeMo's frames, then its encoder's strides (ceil)
+        return -(-card.nemo_features.num_frames(samples) // card.time_stride)
+    return (
+        (samples - card.receptive_field) // card.time_stride + 1
+        if samples >= card.receptive_field
+        else 0
+    )
 
 
 class ChunkFeeder:
@@ -65,14 +78,19 @@ class ChunkFeeder:
     Output frame t of the model covers samples [t * S, t * S + F) (S = time_stride,
     F = receptive_field), so a window starting at frame a holds frames a, a + 1, ...
     as far as its samples reach. Window n starts at frame max(0, nC - L) and its kept
-    frames are [nC, nC + C) of the utterance.
+    frames are [nC, nC + C) of the utterance. For a NeMo-recipe model S and F are
+    time_stride feature hops (frames are centred on their hop, so a window starting on
+    an output frame's first sample holds the utterance's frames from that one on).
     """
 
     def __init__(self, card: ModelCard, cfg: ChunkConfig) -> None:
         if not can_chunk(card):
             raise ModelError(f"model {card.name!r} cannot stream by overlapped chunks")
+        self.card = card
         self.chunk, self.left, self.right = cfg.frames(card)
         self.stride, self.field = card.time_stride, card.receptive_field
+        if card.nemo_features is not None:  # in samples, as the feeder counts
+            self.stride = self.field = card.time_stride * card.nemo_features.hop_samples
         self._buffer = np.zeros(0, dtype=np.float32)  # samples from _offset on
         self._offset = 0  # sample index of _buffer[0]
         self.samples_in = 0  # samples accepted
@@ -94,8 +112,7 @@ class ChunkFeeder:
         """Output frames of the whole stream, known once it is finished."""
         if not self.finished:
             return None
-        n = self.samples_in
-        return (n - self.field) // self.stride + 1 if n >= self.field else 0
+        return output_frames(self.card, self.samples_in)
 
     def _end(self, first: int) -> int:
         """Samples a window needs to hold frames up to chunk `first`'s right context."""
