@@ -193,9 +193,7 @@ def record(model, name: str, clip: np.ndarray) -> None:
     lengths = np.array([len(clip), len(short)], dtype=np.int64)
     with torch.no_grad():
         signal, signal_lengths = torch.from_numpy(samples), torch.from_numpy(lengths)
-        features, feature_lengths = model.preprocessor(
-            input_signal=signal, length=signal_lengths
-        )
+        features, feature_lengths = model.preprocessor(input_signal=signal, length=signal_lengths)
         log_probs, out_lengths, _ = model.forward(
             input_signal=signal, input_signal_length=signal_lengths
         )
@@ -240,8 +238,7 @@ def main() -> int:
     import nemo
 
     (OUT / "VERSIONS.json").write_text(
-        json.dumps({"nemo_toolkit": nemo.__version__, "torch": torch.__version__}, indent=2)
-        + "\n"
+        json.dumps({"nemo_toolkit": nemo.__version__, "torch": torch.__version__}, indent=2) + "\n"
     )
     for path in sorted(OUT.iterdir()):
         print(f"{path.name}: {path.stat().st_size} bytes")
