@@ -34,11 +34,13 @@ examples:
   echoic serve --model models/w2v-base/1
   echoic deploy models/w2v-base/1 --repo /srv/models
 
-For huggingface, SOURCE is a local directory with config.json, the weights, vocab.json and (for the
-sampling rate and normalisation) preprocessor_config.json or processor_config.json.
-OUT_DIR must not exist (or be empty). It gets model.onnx (waveform in, log-probs over
-the model's characters out, the model card in its metadata) and export.json. Nothing
-is written unless ONNX Runtime reproduces transformers on batches of several lengths.
+For huggingface, SOURCE is a local directory with config.json, the weights, vocab.json
+and (for the sampling rate and normalisation) preprocessor_config.json or
+processor_config.json. OUT_DIR must not exist (or be empty). It gets model.onnx
+(waveform in, log-probs over the model's characters out, the model card in its metadata)
+and export.json. Nothing is written unless ONNX Runtime reproduces transformers on
+batches of several lengths.
+
 For nemo, SOURCE is a .nemo file, or NeMo's ONNX export with --config
 model_config.yaml or --nemo (the .nemo holding the config and a BPE model's tokenizer);
 model.onnx then takes NeMo's features, which echoic computes (the card's feature recipe),

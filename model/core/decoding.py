@@ -37,11 +37,11 @@ Beam search is flashlight-text's lexicon-free CTC decoder (the `serve` and
 out. Its LM hook is asked about every character, so a word n-gram model
 (KenLM, ARPA) is put behind an adapter that scores each word when a space or
 the end closes it; words the LM lacks pay `unk_penalty` as soon as their
-spelling leaves every known word's prefix (a subword vocabulary goes through the same
-adapter: a token adds its piece to the word, and a "▁" token closes the word before it).
-flashlight's lexicon decoder was the
-alternative: it cannot spell a word outside the LM's unigrams, which turns
-"zebra sat" into "a sat" when the LM has never seen "zebra".
+spelling leaves every known word's prefix. A subword vocabulary goes through the same
+adapter: a token adds its piece to the word, and a "▁" token closes the word before
+it. flashlight's lexicon decoder was the alternative: it cannot spell a word outside
+the LM's unigrams, which turns "zebra sat" into "a sat" when the LM has never seen
+"zebra".
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ with the blank last) and the model's config (`model_config.yaml`) with, for a BP
 its tokenizer's vocabulary. Both come from the `.nemo` file (a tar of
 `model_config.yaml`, `model_weights.ckpt` and the tokenizer files), read with the
 standard library and PyYAML; the ONNX is made from the `.nemo` by NeMo's own `export()`
-when `nemo_toolkit` is installed, or given beside it (`--onnx`) when it is not.
+when `nemo_toolkit` is installed, or given as the source with the `.nemo` (or the config)
+beside it when it is not.
 
 echoic then wraps NeMo's graph, unchanged inside, in its own offline signature
 

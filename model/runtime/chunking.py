@@ -1,4 +1,4 @@
-"""Streaming a full-context waveform model (an imported wav2vec2) by overlapped chunks.
+"""Streaming a full-context imported model (a wav2vec2, a NeMo CTC model) by overlapped chunks.
 
 Such a model has no stream.onnx: every output frame may look at the whole
 utterance. To stream it anyway, each step runs model.onnx on a window of audio and
@@ -7,13 +7,14 @@ keeps only the window's middle:
     window n:  | left context L | chunk C (kept) | right context R |
     window n+1:                 | left context L | chunk C (kept) | right context R |
 
-in output frames (20 ms for wav2vec2). Chunk n's frames are final once the audio
-through its right context has arrived, so a word shows up at most C + R after it was
-said (plus a step's compute). The cost, measured in the README ("Serving other
-models"): each frame sees L + C + R of context instead of the whole utterance, each
-window is normalised over its own samples (an "utterance" card's statistics need the
-whole utterance), and the model runs (L + C + R) / C times the audio. Recognize (whole
-audio) does not stream: it runs the utterance whole, as offline.
+in output frames (20 ms for wav2vec2, 40 ms for a Conformer-CTC). A NeMo model's window
+is its samples too: its features (NeMo's recipe) are computed on the window. Chunk n's
+frames are final once the audio through its right context has arrived, so a word shows
+up at most C + R after it was said (plus a step's compute). The cost, measured in the
+README ("Serving other models"): each frame sees L + C + R of context instead of the
+whole utterance, each window is normalised over its own samples (an "utterance" card's
+statistics need the whole utterance), and the model runs (L + C + R) / C times the
+audio. Recognize (whole audio) does not stream: it runs the utterance whole, as offline.
 
 A `ChunkFeeder` is the per-stream side (samples in, windows out), as `WindowFeeder`
 is for stream.onnx; `Recognizer.step` batches the windows of many streams into one
