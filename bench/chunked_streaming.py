@@ -2,8 +2,8 @@
 
     python bench/chunked_streaming.py MODEL_DIR [--manifest M] [--clips 6] [--seconds 8]
 
-MODEL_DIR: a model directory from `echoic import-model` (a waveform model without
-stream.onnx). The audio: the first --clips utterances of a manifest (JSON lines with
+MODEL_DIR: a model directory from `echoic import-model` (a waveform model, or a NeMo
+one, without stream.onnx). The audio: the first --clips utterances of a manifest (JSON lines with
 audio_filepath), else --clips synthetic clips of --seconds (gliding tones and noise).
 
 One row per chunk geometry (chunk / left / right context, ms): the most a word

@@ -17,17 +17,18 @@ EXAMPLES = """\
 examples:
   # the bundled model as the default repository holds it, int8, as its version 2
   echoic quantize ~/.local/share/echoic/models/echoic-en-default/1 \
-      ~/.local/share/echoic/models/echoic-en-default/2
+      ~/.local/share/echoic/models/echoic-en-default/2 --calibration data/train/manifest.jsonl
 
   # any export, summary as JSON
-  echoic quantize models/echoic-ds2/3 models/echoic-ds2/4 --json
+  echoic quantize models/echoic-ds2/3 models/echoic-ds2/4 --calibration cal.jsonl --json
 
 MODEL_DIR is a directory written by `echoic export` (fp32); OUT_DIR must not exist (or
-be empty). It gets model.onnx and stream.onnx with the convolutions and matrix products
-quantized by ONNX Runtime's dynamic quantization (the recurrent layers stay fp32), the
-card saying precision int8, the other files of MODEL_DIR (lm.arpa), and export.json.
+be empty). It gets model.onnx and stream.onnx with the convolutions and the output layer
+quantized by ONNX Runtime's static quantization (QDQ; activation scales from the first
+32 utterances of --calibration; the recurrent layers stay fp32), the card saying
+precision int8, the other files of MODEL_DIR (lm.arpa), and export.json.
 A checkpoint goes straight to int8 with `echoic export --quantize int8`.
-On the bundled model int8 is slower than fp32 on x86 CPUs: README "Benchmarks".
+On the bundled model int8 is no faster than fp32 on x86 CPUs: README "Benchmarks".
 """
 
 

@@ -27,14 +27,21 @@ decoder. `Transcript.stable_words` counts the leading words later partials are
 not expected to change: for greedy, every word a space has closed; for beam
 search, the words that stayed the same over the last few partials.
 
+Subword vocabularies (SentencePiece/BPE, `Vocabulary.token_type` "bpe") decode the
+same way: a "symbol" above is a token, and a word begins at each token whose piece
+starts with "▁" (where a character vocabulary has a space), so "▁the", "▁ca", "t"
+are the words "the" and "cat", timed and scored as above.
+
 Beam search is flashlight-text's lexicon-free CTC decoder (the `serve` and
 `train` extras; greedy decoding needs numpy alone), so any spelling can come
 out. Its LM hook is asked about every character, so a word n-gram model
 (KenLM, ARPA) is put behind an adapter that scores each word when a space or
 the end closes it; words the LM lacks pay `unk_penalty` as soon as their
-spelling leaves every known word's prefix. flashlight's lexicon decoder was the
-alternative: it cannot spell a word outside the LM's unigrams, which turns
-"zebra sat" into "a sat" when the LM has never seen "zebra".
+spelling leaves every known word's prefix. A subword vocabulary goes through the same
+adapter: a token adds its piece to the word, and a "▁" token closes the word before
+it. flashlight's lexicon decoder was the alternative: it cannot spell a word outside
+the LM's unigrams, which turns "zebra sat" into "a sat" when the LM has never seen
+"zebra".
 """
 
 from __future__ import annotations
@@ -162,8 +169,9 @@ class _Alignment:
         self.lowest = min(self.lowest, float(path_log_probs.min()))
 
     def transcript(self, vocab: Vocabulary, frame_seconds: float) -> tuple[Transcript, int]:
-        """The transcript, and how many of its words a space has closed."""
-        space = vocab.index.get(" ")
+        """The transcript, and how many of its words a word boundary has closed (a space,
+        or a subword token that begins the next word)."""
+        pieces = vocab.pieces
         words: list[Word] = []
         closed = 0
         chars: list[str] = []
@@ -173,15 +181,17 @@ class _Alignment:
         for symbol, run_first, run_last, peak in runs:
             if symbol == vocab.blank_id:
                 continue
-            if symbol == space:
+            starts_word, text = pieces[symbol]
+            if starts_word:
                 if chars:
                     words.append(_word(chars, first, last, lowest, frame_seconds))
                     chars = []
                 closed = len(words)
-                continue
+                if not text:
+                    continue
             if not chars:
                 first, lowest = run_first, peak
-            chars.append(vocab.symbols[symbol])
+            chars.append(text)
             last, lowest = run_last, min(lowest, peak)
         if chars:
             words.append(_word(chars, first, last, lowest, frame_seconds))
@@ -344,7 +354,8 @@ class DecoderConfig:
 
 
 class BeamSearchDecoder(_Decoder):
-    """CTC prefix beam search over characters, optionally with a word n-gram LM (ARPA).
+    """CTC prefix beam search over characters or subword tokens, optionally with a word
+    n-gram LM (ARPA).
 
     Hypotheses score, in nats,
 
@@ -376,7 +387,7 @@ class BeamSearchDecoder(_Decoder):
     ) -> None:
         self.vocab = vocab
         self.frame_seconds = _check_frame_seconds(frame_seconds)
-        if " " not in vocab.index:
+        if vocab.token_type == "chars" and " " not in vocab.index:
             raise ValueError("beam search needs a space symbol in the vocabulary to separate words")
         if beam_size < 1 or (token_beam is not None and token_beam < 1) or beam_threshold <= 0:
             raise ValueError(
@@ -395,7 +406,8 @@ class BeamSearchDecoder(_Decoder):
         )
         self.lm = None if lm_path is None else _KenLM.shared(lm_path)  # shared by all decoders
         self._lm_weights = (lm_weight, word_bonus, unk_penalty)
-        bad = [w for w, _ in boost if any(c not in vocab.index for c in w)]
+        letters = {c for _, text in vocab.pieces for c in text}
+        bad = [w for w, _ in boost if any(c not in letters for c in w)]
         if bad:
             raise ValueError(f"boosted word {bad[0]!r} has characters outside the vocabulary")
         self._boost = _Boost(dict(boost)) if boost else None
@@ -405,7 +417,9 @@ class BeamSearchDecoder(_Decoder):
         if stable_after < 1:
             raise ValueError(f"stable_after must be at least 1, got {stable_after}")
         fl = _flashlight()
-        space = self.vocab.index[" "]
+        # flashlight's "silence" token scores nothing here (sil_score 0): the space of a
+        # character vocabulary, the blank of a subword one (its words begin at "▁" tokens).
+        space = self.vocab.index.get(" ", self.vocab.blank_id)
         if self.lm is None and self._boost is None:
             lm = fl.ZeroLM()
         else:
@@ -583,7 +597,8 @@ def _words_lm_class() -> type:
     fl = _flashlight()
 
     class WordsFromCharacters(fl.LM):
-        """Scores whole words at each space and at the end; characters in between score 0.
+        """Scores whole words at each word boundary (a space, or a subword token that
+        begins a word) and at the end; the symbols in between score 0.
 
         flashlight's lexicon-free decoder asks its LM about every symbol it emits,
         so a word model cannot be handed to it directly. Each decoder state maps to
@@ -609,8 +624,7 @@ def _words_lm_class() -> type:
             fl.LM.__init__(self)
             self._kenlm = kenlm  # None: no LM, only boosted words score
             self._boost = boost
-            self._symbols = vocab.symbols
-            self._space = vocab.index[" "]
+            self._pieces = vocab.pieces
             weight, self._bonus, self._unk_penalty = weights
             self._weight = weight * _LN10  # KenLM scores are log10
             self._states: dict[Any, tuple[Any, str, float, bool]] = {}
@@ -631,18 +645,18 @@ def _words_lm_class() -> type:
             known = self._states.get(child)
             if known is None:
                 ken, spelled, _, charged = self._states[state]
-                if token != self._space:
-                    before, spelled = spelled, spelled + self._symbols[token]
-                    gain = self._boost.step(before, spelled) if self._boost else 0.0
-                    if charged or self._known(spelled):
-                        known = (ken, spelled, gain, charged)
-                    else:
-                        known = (ken, spelled, gain - self._unk_penalty, True)
-                elif spelled:
-                    ken, word_score = self._word(ken, spelled, charged)
-                    known = (ken, "", word_score, False)
-                else:
-                    known = (ken, "", 0.0, False)
+                starts_word, text = self._pieces[token]
+                gain = 0.0
+                if starts_word:  # a space, or a subword token that begins a word
+                    if spelled:
+                        ken, gain = self._word(ken, spelled, charged)
+                    spelled, charged = "", False
+                if text:
+                    before, spelled = spelled, spelled + text
+                    gain += self._boost.step(before, spelled) if self._boost else 0.0
+                    if not charged and not self._known(spelled):
+                        gain, charged = gain - self._unk_penalty, True
+                known = (ken, spelled, gain, charged)
                 self._states[child] = known
             return child, known[2]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -260,3 +261,146 @@ def batch_features(streams: list[FeatureStream]) -> list[np.ndarray]:
     frames = [s.take_frames() for s in streams]
     counts = np.cumsum([len(f) for f in frames])[:-1]
     return np.split(frame_features(np.concatenate(frames), cfg), counts)
+
+
+# ---------------------------------------------------------------- NeMo's recipe
+
+
+@dataclass(frozen=True)
+class NemoFeatureConfig:
+    """NVIDIA NeMo's log-mel features (`AudioToMelSpectrogramPreprocessor`, whose work
+    is `FilterbankFeatures`) at inference, for a model imported from NeMo: the card's
+    `feature_recipe` "nemo". The values are the preprocessor's config, in its terms.
+
+    Per utterance: pre-emphasis; a centred STFT (zero padding of n_fft // 2 each side)
+    with a symmetric window of `window_samples` in the middle of `n_fft`; magnitude to
+    the power `mag_power`; mel filters (librosa's: Slaney's mel scale, area-normalised
+    with `mel_norm` "slaney"); the log with a zero guard; then per-utterance
+    normalisation over the valid frames. NeMo counts (S + 2 * (n_fft // 2) - n_fft) //
+    hop valid frames, one fewer than the STFT gives: the last is dropped, as NeMo masks
+    it. Dither is a training-time augmentation in NeMo and is not applied. Padding to a
+    multiple of `pad_to` frames is the graph's (see model/nn/nemo_import.py), not this.
+    """
+
+    sample_rate: int = 16000  # Hz
+    window_samples: int = 400  # analysis window (NeMo's window_size * sample_rate), samples
+    hop_samples: int = 160  # frame shift (window_stride * sample_rate), samples
+    n_fft: int = 512  # FFT size, samples (>= window_samples)
+    window: Literal["hann", "hamming", "blackman", "bartlett"] = "hann"  # symmetric (torch's
+    # periodic=False)
+    preemph: float = 0.97  # x[t] - preemph * x[t-1]; 0 = none
+    mel_bins: int = 80  # NeMo's `features` (nfilt)
+    low_hz: float = 0.0  # lowest mel filter edge, Hz (lowfreq)
+    high_hz: float = 0.0  # highest mel filter edge, Hz (highfreq); 0 = sample_rate / 2
+    mel_norm: Literal["slaney", "none"] = "slaney"  # filter area normalisation
+    mag_power: float = 2.0  # |STFT| ** mag_power (2: power, 1: magnitude)
+    log: bool = True  # take the log of the mel energies
+    log_guard: Literal["add", "clamp"] = "add"  # log(x + g), or log(max(x, g))
+    log_guard_value: float = 2.0**-24  # g ("tiny"/"eps" in NeMo: float32's, written here)
+    normalize: Literal["per_feature", "all_features", "none"] = "per_feature"  # statistics
+    # over each utterance's valid frames: per mel bin, or over all values
+
+    def __post_init__(self) -> None:
+        if self.sample_rate <= 0 or self.window_samples <= 0 or self.hop_samples <= 0:
+            raise ValueError("sample_rate, window_samples and hop_samples must be positive")
+        if self.n_fft < self.window_samples:
+            raise ValueError(f"n_fft ({self.n_fft}) must be at least the window length")
+        if self.mel_bins <= 0 or not 0 <= self.low_hz < self.top_hz <= self.sample_rate / 2:
+            raise ValueError(
+                f"mel filters need mel_bins >= 1 and 0 <= low_hz < high_hz <= sample_rate / 2, "
+                f"got {self.mel_bins}, {self.low_hz}, {self.high_hz}"
+            )
+        if not self.log_guard_value > 0:
+            raise ValueError(f"log_guard_value must be positive, got {self.log_guard_value}")
+
+    @property
+    def top_hz(self) -> float:
+        return self.high_hz or self.sample_rate / 2
+
+    @property
+    def hop_ms(self) -> float:
+        return 1000.0 * self.hop_samples / self.sample_rate
+
+    def num_frames(self, num_samples: int) -> int:
+        """Valid frames of `num_samples` samples, as NeMo counts them."""
+        return max(0, (num_samples + 2 * (self.n_fft // 2) - self.n_fft) // self.hop_samples)
+
+
+def _slaney_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale (librosa's default, `htk=False`): linear below 1 kHz, log above."""
+    hz = np.asarray(hz, dtype=np.float64)
+    step = math.log(6.4) / 27.0
+    return np.where(hz >= 1000.0, 15.0 + np.log(np.maximum(hz, 1e-10) / 1000.0) / step, hz * 0.015)
+
+
+def _slaney_hz(mel: np.ndarray) -> np.ndarray:
+    step = math.log(6.4) / 27.0
+    return np.where(mel >= 15.0, 1000.0 * np.exp(step * (mel - 15.0)), mel / 0.015)
+
+
+@lru_cache(maxsize=8)
+def nemo_mel_filters(cfg: NemoFeatureConfig) -> np.ndarray:
+    """The filterbank (M, n_fft//2+1) float32 NeMo builds with `librosa.filters.mel`."""
+    bin_hz = np.linspace(0.0, cfg.sample_rate / 2, cfg.n_fft // 2 + 1)
+    edges = _slaney_mel(np.array([cfg.low_hz, cfg.top_hz]))
+    corners = _slaney_hz(np.linspace(edges[0], edges[1], cfg.mel_bins + 2))  # (M + 2,)
+    widths = np.diff(corners)
+    ramps = corners[:, None] - bin_hz[None, :]  # (M + 2, F)
+    rising = -ramps[:-2] / widths[:-1, None]
+    falling = ramps[2:] / widths[1:, None]
+    filters = np.maximum(0.0, np.minimum(rising, falling))  # (M, F)
+    if cfg.mel_norm == "slaney":
+        filters *= (2.0 / (corners[2:] - corners[:-2]))[:, None]
+    filters = filters.astype(np.float32)
+    filters.flags.writeable = False
+    return filters
+
+
+@lru_cache(maxsize=8)
+def _nemo_window(kind: str, length: int, n_fft: int) -> np.ndarray:
+    """torch's symmetric window of `length`, centred in `n_fft` zeros (torch.stft's)."""
+    n = np.arange(length) / max(length - 1, 1)
+    window = {
+        "hann": 0.5 - 0.5 * np.cos(2 * np.pi * n),
+        "hamming": 0.54 - 0.46 * np.cos(2 * np.pi * n),
+        "blackman": 0.42 - 0.5 * np.cos(2 * np.pi * n) + 0.08 * np.cos(4 * np.pi * n),
+        "bartlett": 1.0 - np.abs(2.0 * n - 1.0),
+    }[kind]
+    left = (n_fft - length) // 2
+    padded = np.zeros(n_fft)
+    padded[left : left + length] = window
+    padded.flags.writeable = False
+    return padded
+
+
+def nemo_features(samples: np.ndarray, cfg: NemoFeatureConfig) -> np.ndarray:
+    """NeMo's features of one utterance (mono float in [-1, 1]): (T, M) float32, T =
+    `cfg.num_frames(len(samples))`, normalised over the utterance (see NemoFeatureConfig).
+    Computed in float64; NeMo's float32 agrees to about 1e-4 (tests/test_nemo_import.py)."""
+    x = _as_samples(samples).astype(np.float64)
+    count = cfg.num_frames(x.size)
+    if count == 0:
+        return np.zeros((0, cfg.mel_bins), dtype=np.float32)
+    if cfg.preemph:
+        x = np.concatenate([x[:1], x[1:] - cfg.preemph * x[:-1]])
+    half = cfg.n_fft // 2
+    x = np.pad(x, (half, half))
+    frames = sliding_window_view(x, cfg.n_fft)[
+        : (count - 1) * cfg.hop_samples + 1 : cfg.hop_samples
+    ]
+    window = _nemo_window(cfg.window, cfg.window_samples, cfg.n_fft)
+    spectrum = np.abs(np.fft.rfft(frames * window, axis=1))  # (T, F)
+    if cfg.mag_power != 1.0:
+        spectrum = spectrum**cfg.mag_power
+    mel = spectrum @ nemo_mel_filters(cfg).T.astype(np.float64)  # (T, M)
+    if cfg.log:
+        g = cfg.log_guard_value
+        mel = np.log(mel + g) if cfg.log_guard == "add" else np.log(np.maximum(mel, g))
+    if cfg.normalize == "per_feature":
+        mean = mel.mean(axis=0)
+        std = np.sqrt(((mel - mean) ** 2).sum(axis=0) / (count - 1)) if count > 1 else 0.0
+        mel = (mel - mean) / (std + 1e-5)
+    elif cfg.normalize == "all_features":
+        std = mel.std(ddof=1) if mel.size > 1 else 0.0
+        mel = (mel - mel.mean()) / (std + 1e-5)
+    return mel.astype(np.float32)

@@ -16,8 +16,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Literal
 
 BLANK = "<blank>"
+WORD_START = "\u2581"  # "▁": SentencePiece's mark on a token that begins a word
 DEFAULT_SYMBOLS: tuple[str, ...] = (BLANK, " ", "'", *string.ascii_lowercase)
 
 
@@ -27,9 +29,12 @@ class TextError(ValueError):
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """CTC output symbols: id 0 is the blank, every other symbol is one character."""
+    """CTC output symbols: id 0 is the blank; every other symbol is one character
+    ("chars", " " between words), or a subword token ("bpe": a SentencePiece piece, a
+    word starting at each token that begins with "▁")."""
 
     symbols: tuple[str, ...] = DEFAULT_SYMBOLS  # output symbols in id order; blank first
+    token_type: Literal["chars", "bpe"] = "chars"  # what a symbol after the blank is
 
     def __post_init__(self) -> None:
         symbols = self.symbols
@@ -40,6 +45,13 @@ class Vocabulary:
         duplicates = sorted(s for s, n in Counter(symbols).items() if n > 1)
         if duplicates:
             raise TextError(f"vocabulary has duplicate symbols: {_show(duplicates)}")
+        if self.token_type == "bpe":
+            bad = [s for s in symbols[1:] if not s or s != s.strip() or " " in s]
+            if bad:
+                raise TextError(f"subword tokens must be non-empty and hold no space: {bad!r}")
+            return
+        if self.token_type != "chars":
+            raise TextError(f"token_type must be 'chars' or 'bpe', got {self.token_type!r}")
         bad = [s for s in symbols[1:] if len(s) != 1]
         if bad:
             raise TextError(f"vocabulary symbols after the blank must be one character: {bad!r}")
@@ -64,8 +76,25 @@ class Vocabulary:
         """Symbol -> id, the blank excluded."""
         return {s: i for i, s in enumerate(self.symbols) if i != self.blank_id}
 
+    @cached_property
+    def pieces(self) -> tuple[tuple[bool, str], ...]:
+        """Per id, (whether the symbol begins a word, the text it adds to that word): " "
+        begins one and adds nothing, "▁the" begins one with "the", "s" or "ing" add to
+        the word in progress, the blank adds nothing."""
+        out = [(False, "")]
+        for s in self.symbols[1:]:
+            if self.token_type == "chars":
+                out.append((True, "") if s == " " else (False, s))
+            else:
+                out.append((s.startswith(WORD_START), s.removeprefix(WORD_START)))
+        return tuple(out)
+
     def encode(self, text: str) -> list[int]:
         """Normalise `text` and map it to ids; TextError names characters outside the vocabulary."""
+        if self.token_type != "chars":
+            raise TextError(
+                "a subword vocabulary cannot encode text without its tokenizer (sentencepiece)"
+            )
         normalized = normalize_text(text, self)
         unknown = sorted({c for c in normalized if c not in self.index})
         if unknown:
@@ -77,7 +106,8 @@ class Vocabulary:
         return [self.index[c] for c in normalized]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Map ids to text; blanks are skipped (no repeat collapsing: see decoding)."""
+        """Map ids to text; blanks are skipped (no repeat collapsing: see decoding). Subword
+        tokens are joined, a space before each that begins a word but the first."""
         out = []
         for i in ids:
             i = int(i)
@@ -85,15 +115,17 @@ class Vocabulary:
                 raise TextError(f"id {i} is outside the vocabulary (size {self.size})")
             if i != self.blank_id:
                 out.append(self.symbols[i])
-        return "".join(out)
+        if self.token_type == "chars":
+            return "".join(out)
+        return " ".join("".join(out).replace(WORD_START, " ").split())
 
     def to_list(self) -> list[str]:
         """JSON-safe form for model cards and checkpoints."""
         return list(self.symbols)
 
     @classmethod
-    def from_list(cls, symbols: Iterable[str]) -> Vocabulary:
-        return cls(tuple(symbols))
+    def from_list(cls, symbols: Iterable[str], token_type: str = "chars") -> Vocabulary:
+        return cls(tuple(symbols), token_type)  # type: ignore[arg-type]
 
 
 def _show(chars: Iterable[str]) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from echoic.model.core.configs import ConfigError, from_dict, to_dict
-from echoic.model.core.features import FeatureConfig
+from echoic.model.core.features import FeatureConfig, NemoFeatureConfig
 from echoic.model.core.text import TextError, Vocabulary
 
 CARD_KEY = "echoic.model_card"  # metadata_props key holding the card's JSON
@@ -83,18 +83,24 @@ class ModelCard:
     batch_padding: Literal["masked", "alone"] = "masked"  # "masked": the graph masks each
     # row's padding (lengths), so batch-mates never change a row; "alone": it cannot (a
     # wav2vec2 with group norm), so each utterance runs as a batch of one
-    token_type: Literal["chars"] = "chars"  # each vocabulary symbol is one character
-    source: str = "echoic"  # the weights' origin: "echoic", or "huggingface:<class>"
+    token_type: Literal["chars", "bpe"] = "chars"  # "chars": each vocabulary symbol is one
+    # character; "bpe": a SentencePiece token, a word beginning at each "▁" (`Vocabulary`)
+    feature_recipe: Literal["echoic", "nemo"] = "echoic"  # how an input "features" model's
+    # features are computed: echoic's log-mel (`features`), or NeMo's preprocessor
+    # (`nemo_features`; `features` then only gives the sizes: rate, hop, mel bins)
+    nemo_features: NemoFeatureConfig | None = None  # NeMo's preprocessor settings
+    source: str = "echoic"  # the weights' origin: "echoic", "huggingface:<class>" or
+    # "nemo:<class>"
     source_tokens: tuple[str, ...] = ()  # the source model's token for each vocabulary id,
     # e.g. "<pad>" for the blank and "|" (its word delimiter) for " "; () for echoic's own
     precision: Literal["fp32", "int8"] = "fp32"  # the graphs' weights: "int8" = ONNX Runtime's
-    # dynamic quantization of the convolutions and matrix products (`echoic quantize`;
-    # the recurrent layers stay fp32), activations quantized per call
+    # static quantization of the convolutions and matrix products (`echoic quantize`; the
+    # recurrent layers stay fp32), activation scales fixed by calibration audio
 
     def __post_init__(self) -> None:
         if self.format != CARD_FORMAT:
             raise ValueError(f"card format {self.format!r} is not {CARD_FORMAT!r}")
-        vocab = Vocabulary(self.vocabulary)  # raises TextError on a bad vocabulary
+        vocab = self.vocab  # raises TextError on a bad vocabulary
         f = self.features
         checks = [
             (self.blank_id == vocab.blank_id, f"blank_id must be {vocab.blank_id}"),
@@ -118,6 +124,21 @@ class ModelCard:
             ]
         else:
             checks.append((self.normalize == "none", "normalize applies to waveform input only"))
+        nemo = self.nemo_features
+        checks.append(
+            (
+                (self.feature_recipe == "nemo") == (nemo is not None),
+                "nemo_features is given exactly when feature_recipe is 'nemo'",
+            )
+        )
+        if nemo is not None:
+            checks += [
+                (self.input == "features", "the nemo feature recipe needs input 'features'"),
+                (nemo.sample_rate == self.sample_rate, "nemo_features' sample_rate differs"),
+                (nemo.hop_ms == self.hop_ms, "nemo_features' hop differs from hop_ms"),
+                (nemo.mel_bins == self.num_features, "nemo_features' mel_bins != num_features"),
+                (not self.streamable, "a nemo-recipe model has no stream.onnx"),
+            ]
         if self.streamable:
             w = (self.chunk_frames + self.context_frames - 1) * self.time_stride
             w += self.receptive_field
@@ -136,7 +157,7 @@ class ModelCard:
 
     @property
     def vocab(self) -> Vocabulary:
-        return Vocabulary(self.vocabulary)
+        return Vocabulary(self.vocabulary, self.token_type)
 
     def state_shape(self, spec: StateSpec, batch: int) -> tuple[int, ...]:
         """The concrete shape of a state tensor for `batch` streams."""
@@ -173,7 +194,8 @@ class ModelCard:
 # The fields added after the first cards (imported models, quantization), at the values
 # an fp32 echoic model has: left out of the JSON there, so such cards keep their bytes.
 _LATER_FIELDS = (
-    "input", "normalize", "batch_padding", "token_type", "source", "source_tokens", "precision",
+    "input", "normalize", "batch_padding", "token_type", "feature_recipe", "nemo_features",
+    "source", "source_tokens", "precision",
 )  # fmt: skip
 _LATER_DEFAULTS = {
     f.name: json.loads(json.dumps(f.default))  # as to_dict writes it: () becomes []

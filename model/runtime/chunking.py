@@ -1,4 +1,4 @@
-"""Streaming a full-context waveform model (an imported wav2vec2) by overlapped chunks.
+"""Streaming a full-context imported model (a wav2vec2, a NeMo CTC model) by overlapped chunks.
 
 Such a model has no stream.onnx: every output frame may look at the whole
 utterance. To stream it anyway, each step runs model.onnx on a window of audio and
@@ -7,13 +7,14 @@ keeps only the window's middle:
     window n:  | left context L | chunk C (kept) | right context R |
     window n+1:                 | left context L | chunk C (kept) | right context R |
 
-in output frames (20 ms for wav2vec2). Chunk n's frames are final once the audio
-through its right context has arrived, so a word shows up at most C + R after it was
-said (plus a step's compute). The cost, measured in the README ("Serving other
-models"): each frame sees L + C + R of context instead of the whole utterance, each
-window is normalised over its own samples (an "utterance" card's statistics need the
-whole utterance), and the model runs (L + C + R) / C times the audio. Recognize (whole
-audio) does not stream: it runs the utterance whole, as offline.
+in output frames (20 ms for wav2vec2, 40 ms for a Conformer-CTC). A NeMo model's window
+is its samples too: its features (NeMo's recipe) are computed on the window. Chunk n's
+frames are final once the audio through its right context has arrived, so a word shows
+up at most C + R after it was said (plus a step's compute). The cost, measured in the
+README ("Serving other models"): each frame sees L + C + R of context instead of the
+whole utterance, each window is normalised over its own samples (an "utterance" card's
+statistics need the whole utterance), and the model runs (L + C + R) / C times the
+audio. Recognize (whole audio) does not stream: it runs the utterance whole, as offline.
 
 A `ChunkFeeder` is the per-stream side (samples in, windows out), as `WindowFeeder`
 is for stream.onnx; `Recognizer.step` batches the windows of many streams into one
@@ -53,10 +54,23 @@ class ChunkConfig:
 
 
 def can_chunk(card: ModelCard) -> bool:
-    """Whether overlapped chunks can stream this model: a waveform-input one without
-    stream.onnx (echoic's own full-context BiRNNs are not: their features and
-    normalisation are a stream.onnx matter)."""
-    return card.input == "waveform" and not card.streamable
+    """Whether overlapped chunks can stream this model: an imported one (waveform input,
+    or NeMo's features computed from each window's samples) without stream.onnx
+    (echoic's own full-context BiRNNs are not: their features and normalisation are a
+    stream.onnx matter)."""
+    imported = card.input == "waveform" or card.nemo_features is not None
+    return imported and not card.streamable
+
+
+def output_frames(card: ModelCard, samples: int) -> int:
+    """Output frames model.onnx gives for `samples` samples of a model `can_chunk` takes."""
+    if card.nemo_features is not None:  # NeMo's frames, then its encoder's strides (ceil)
+        return -(-card.nemo_features.num_frames(samples) // card.time_stride)
+    return (
+        (samples - card.receptive_field) // card.time_stride + 1
+        if samples >= card.receptive_field
+        else 0
+    )
 
 
 class ChunkFeeder:
@@ -65,14 +79,19 @@ class ChunkFeeder:
     Output frame t of the model covers samples [t * S, t * S + F) (S = time_stride,
     F = receptive_field), so a window starting at frame a holds frames a, a + 1, ...
     as far as its samples reach. Window n starts at frame max(0, nC - L) and its kept
-    frames are [nC, nC + C) of the utterance.
+    frames are [nC, nC + C) of the utterance. For a NeMo-recipe model S and F are
+    time_stride feature hops (frames are centred on their hop, so a window starting on
+    an output frame's first sample holds the utterance's frames from that one on).
     """
 
     def __init__(self, card: ModelCard, cfg: ChunkConfig) -> None:
         if not can_chunk(card):
             raise ModelError(f"model {card.name!r} cannot stream by overlapped chunks")
+        self.card = card
         self.chunk, self.left, self.right = cfg.frames(card)
         self.stride, self.field = card.time_stride, card.receptive_field
+        if card.nemo_features is not None:  # in samples, as the feeder counts
+            self.stride = self.field = card.time_stride * card.nemo_features.hop_samples
         self._buffer = np.zeros(0, dtype=np.float32)  # samples from _offset on
         self._offset = 0  # sample index of _buffer[0]
         self.samples_in = 0  # samples accepted
@@ -94,8 +113,7 @@ class ChunkFeeder:
         """Output frames of the whole stream, known once it is finished."""
         if not self.finished:
             return None
-        n = self.samples_in
-        return (n - self.field) // self.stride + 1 if n >= self.field else 0
+        return output_frames(self.card, self.samples_in)
 
     def _end(self, first: int) -> int:
         """Samples a window needs to hold frames up to chunk `first`'s right context."""

@@ -36,6 +36,7 @@ from echoic.model.core.features import (
     FeatureStream,
     batch_features,
     compute_features,
+    nemo_features,
     normalize_utterance,
 )
 from echoic.model.runtime.chunking import ChunkConfig, ChunkFeeder, can_chunk
@@ -114,9 +115,12 @@ class Recognizer:
     # ---- offline -------------------------------------------------------------------
 
     def model_input(self, audio: np.ndarray) -> np.ndarray:
-        """What model.onnx takes for one utterance, as the card says: its features, or
-        (an imported model) its samples, normalised when the card asks."""
+        """What model.onnx takes for one utterance, as the card says: its features (echoic's,
+        or for a model imported from NeMo, NeMo's recipe), or (an imported waveform model)
+        its samples, normalised when the card asks."""
         audio = np.asarray(audio, dtype=np.float32)
+        if self.card.nemo_features is not None:
+            return nemo_features(audio.reshape(-1), self.card.nemo_features)
         if self.card.input == "features":
             return compute_features(audio, self.card.features)
         audio = audio.reshape(-1)
@@ -185,7 +189,8 @@ class Recognizer:
         stepping = [s for s in ready if s.has_window()]
         if stepping and self.chunking is not None:
             windows, firsts, keeps = zip(*(s.next_window() for s in stepping), strict=True)
-            # Each window normalised over its own samples: the whole utterance is not here.
+            # Each window normalised over its own samples (or features, NeMo's): the whole
+            # utterance is not here.
             outs = self.engine.offline([self.model_input(w) for w in windows])
             for stream, rows, first, keep in zip(stepping, outs, firsts, keeps, strict=True):
                 stream.accept_step(rows[first : first + keep], {})
