@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 E=.venv/bin/echoic
+# The LM counts WordNet's sentences too (package wordnet-base).
+[ -f /usr/share/wordnet/data.noun ] || { s=""; [ "$(id -u)" = 0 ] || s=sudo
+  DEBIAN_FRONTEND=noninteractive $s apt-get install -y -qq wordnet-base >/dev/null; }
 model=${1:-model/default}
 T=data/default/text
 L=data/lm-sizes
