@@ -69,6 +69,8 @@ def hold_port(host: str, port: int, error: str) -> tuple[int, list[socket.socket
     """Prove host:port free, then hold it for the workers (SO_REUSEPORT, not listening):
     (the port, a real one for 0; the sockets to keep open). `error` starts the message of
     the ServerError a busy port raises ("cannot listen on")."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ServerError("--workers needs SO_REUSEPORT (Linux), which this system lacks")
     try:
         infos = socket.getaddrinfo(
             host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

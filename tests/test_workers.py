@@ -102,7 +102,9 @@ def wavs(speech_corpus: Path) -> list[Path]:
 def workers2() -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
     """One `--workers 2` server with metrics, on the session's default repository (the
     bundled model), shared by the tests that leave it as they found it."""
-    with two_workers("--metrics-port", "0") as started:
+    from tests.test_clients import free_port
+
+    with two_workers("--metrics-port", "0", "--http-port", str(free_port())) as started:
         yield started
 
 
@@ -130,6 +132,24 @@ def test_connections_land_on_both_workers_with_one_workers_transcripts(
     assert set(per_worker) == {"1", "2"} and all(n >= 1 for n in per_worker.values()), per_worker
     assert sum(per_worker.values()) == STREAMS
     assert scrape(metrics_port(log), "echoic_workers_serving") == {"": 2.0}
+
+
+@pytest.mark.slow
+def test_the_http_door_is_shared_too(workers2) -> None:
+    """The HTTP port is the workers' too: requests on connections of their own reach
+    both, and each answers /readyz for itself."""
+    import urllib.request
+
+    _, _, log = workers2
+    (http_port,) = re.findall(r"2 workers, HTTP on :(\d+)", "".join(log))
+    metrics = metrics_port(log)
+    before = scrape(metrics, "echoic_http_requests_total", route="/readyz")
+    for _ in range(STREAMS):  # urllib: a new connection per request
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=10) as r:
+            assert r.status == 200
+    after = scrape(metrics, "echoic_http_requests_total", route="/readyz", status="200")
+    per_worker = {w: after[w] - before.get(w, 0.0) for w in after}
+    assert set(per_worker) == {"1", "2"} and sum(per_worker.values()) == STREAMS, per_worker
 
 
 @pytest.mark.slow
