@@ -176,7 +176,7 @@ class Supervisor:
         self._stopping = False
         self._stop = asyncio.Event()
         self._failure: str | None = None
-        self._ready = 0  # workers that have served at least once
+        self._served: set[int] = set()  # the workers that have served at least once
         self._where = ""  # what the supervisor listens on, for its log line
         self._restarts: Any = None  # the restarts Counter, with --metrics-port
 
@@ -206,6 +206,10 @@ class Supervisor:
                 loop.add_signal_handler(signum, self._on_stop, signum)
             loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
             tasks = [asyncio.create_task(self._keep(w, worker_config)) for w in self.workers]
+            for task in tasks:  # a supervisor that cannot keep a worker stops, not hangs
+                task.add_done_callback(
+                    lambda t: t.cancelled() or t.exception() is None or self._begin_stop()
+                )
             await self._stop.wait()
             await self._stop_all(tasks)
         finally:
@@ -255,9 +259,10 @@ class Supervisor:
                 started = loop.time()
                 _, worker.pid, worker.metrics_port = message
                 log.info("worker %d serving (pid %d)", worker.index, worker.pid)
-                self._ready += 1
-                if self._ready == len(self.workers):
-                    log.info("%s", self._where)
+                if len(self._served) < len(self.workers):
+                    self._served.add(worker.index)
+                    if len(self._served) == len(self.workers):  # all of them, the first time
+                        log.info("%s", self._where)
                 code = await process.wait()
             finally:
                 worker.pid, worker.metrics_port, worker.process = 0, None, None
