@@ -17,7 +17,9 @@ Names are in base units (seconds, counts) with the prefix `echoic_`:
 
 plus the standard process_* (CPU, memory, open files) and python_* collectors. The
 endpoint (`start_http`) answers GET /metrics and nothing else (404); the HTTP door
-serves the same registry at its own /metrics (`exposition`).
+serves the same registry at its own /metrics (`exposition`). With `echoic serve
+--workers N` each worker has its own, and the supervisor's --metrics-port shows them all
+with a `worker` label (server/workers.py).
 
 HTTP routes are the route templates (`/v1/audio/transcriptions`), and a path that
 matches none is counted as `unmatched`, so a scan cannot grow the label set.
