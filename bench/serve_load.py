@@ -1,8 +1,8 @@
 """Streaming load, measured from outside: how many real-time streams one server sustains.
 
     python bench/serve_load.py [--model DIR] [--streams 32,128,192,256] [--seconds 20]
-                               [--clients 2] [--server-args="--max-batch 64"] [--unbatched]
-                               [--manifest FILE] [--profile SECONDS]
+                               [--clients 2] [--channels 1] [--server-args="--max-batch 64"]
+                               [--unbatched] [--manifest FILE] [--profile SECONDS]
 
 Starts `echoic serve` in a subprocess on free loopback ports with its default
 settings (plus --server-args), and for each level N runs N concurrent
@@ -11,8 +11,17 @@ this script with --client, as a user's client would be: its own process and
 interpreter, generated stubs, real-time audio). Each stream sends utterances back
 to back at real time in --chunk-ms chunks (starts staggered over one second) until
 the level's --seconds are up. Audio: --manifest, or a few sentences synthesized
-once with `echoic synth` into a temporary folder. With --unbatched, a second
-server with --max-batch 1 runs the same levels, for the batching gain.
+once with `echoic synth` into a temporary folder. --server-args may be given more
+than once: each setting gets a server of its own, one after the other, and the
+table shows them side by side. With --unbatched, a server with --max-batch 1 runs
+the same levels too, for the batching gain.
+
+--channels K: each client process spreads its streams round robin over K
+connections of its own. `echoic serve --workers N` shares its port by connection
+(SO_REUSEPORT: the kernel picks a worker per connection, not per call), so one
+connection per client process would reach at most --clients workers. The default
+is 1 because the single-process figures in README "Benchmarks" were measured with
+one connection per client process; give the same K to every setting compared.
 
 Per level it prints:
   utts        utterances finished (a final result or a failed call)
@@ -25,9 +34,11 @@ Per level it prints:
   final       end of audio (half-close) -> final result, ms (p50/p95/p99)
   batch       streams per model call: mean, and p50/p95 of the server's
               echoic_batch_size histogram (bucket upper bounds)
-  srv/cli CPU CPU seconds per wall second of the server and of all client
-              processes together, % of one core (both share the machine's cores)
-  RSS         the server's resident memory at the level's end, MB
+  srv/cli CPU CPU seconds per wall second of the server (with --workers, the
+              supervisor and its workers) and of all client processes together, %
+              of one core (both share the machine's cores)
+  RSS         the server's resident memory at the level's end (with --workers, of
+              every process together), MB
 
 --profile S runs py-spy (the dev extra) on the server for S seconds in the middle
 of each level, writes its collapsed stacks into --out and prints where the server's
@@ -39,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import json
 import os
 import random
@@ -125,17 +137,46 @@ class Server:
     target: str
     metrics_url: str
 
+    def processes(self) -> list[int]:
+        """The server's process and its descendants (a --workers supervisor's workers)."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(stat.parent.name))
+        tree, todo = [], [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children.get(pid, [])
+        return tree
+
     def cpu_seconds(self) -> float:
-        """User + system CPU of the server process so far, s (Linux /proc)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU of the server's processes so far, s (Linux /proc): the live
+        ones, plus what the server's own process has reaped (a restarted worker's)."""
+        total = 0
+        for pid in self.processes():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+            if pid == self.process.pid:
+                total += int(fields[13]) + int(fields[14])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def rss_mb(self) -> float:
-        """The server's resident memory now, MB (Linux /proc)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        """The resident memory of the server's processes now, together, MB (Linux /proc)."""
+        total = 0
+        for pid in self.processes():
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except OSError:
+                continue
+            total += sum(int(x.split()[1]) for x in lines if x.startswith("VmRSS:"))
+        return total / 1024
 
     def batch_histogram(self) -> dict[str, float]:
         """echoic_batch_size over all models: cumulative bucket counts by upper bound
@@ -272,17 +313,25 @@ async def client_level(args: argparse.Namespace) -> ClientStats:
     --start-at (a time.time()) for --seconds."""
     utterances = load_utterances(Path(args.manifest), args.chunk_ms, args.utterances)
     stats = ClientStats()
-    async with AsyncClient(args.target, retry=RetryPolicy(attempts=1), timeout=90) as client:
-        (model,) = await client.list_models(timeout=30)  # connected before the start
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                AsyncClient(args.target, retry=RetryPolicy(attempts=1), timeout=90,
+                            own_connection=True)
+            )
+            for _ in range(max(1, min(args.channels, args.client_streams)))
+        ]  # fmt: skip
+        for client in clients:  # every connection made before the start
+            (model,) = await client.list_models(timeout=30)
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, args.start_at - time.time()))
         cpu0 = time.process_time()
         deadline = loop.time() + args.seconds
         rng = random.Random(args.seed)
         tasks = [
-            one_stream(client, utterances, rng.randrange(len(utterances)), rng.random(),
-                       deadline, model.lookahead_seconds, args.lag_limit, stats)
-            for _ in range(args.client_streams)
+            one_stream(clients[i % len(clients)], utterances, rng.randrange(len(utterances)),
+                       rng.random(), deadline, model.lookahead_seconds, args.lag_limit, stats)
+            for i in range(args.client_streams)
         ]  # fmt: skip
         # Bounded: the longest utterance after the deadline, plus slack for a slow server.
         longest = max(sum(u.seconds) for u in utterances)
@@ -317,7 +366,7 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
                "--manifest", str(manifest), "--client-streams", str(share),
                "--start-at", repr(start_at), "--seconds", str(args.seconds),
                "--seed", str(1000 * n + i), "--chunk-ms", str(args.chunk_ms),
-               "--lag-limit", str(args.lag_limit),
+               "--lag-limit", str(args.lag_limit), "--channels", str(args.channels),
                "--utterances", str(args.utterances)]  # fmt: skip
         processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     time.sleep(max(0.0, start_at - time.time()))
@@ -402,17 +451,22 @@ async def wait_until_serving(server: Server, client: AsyncClient, timeout: float
             await asyncio.sleep(0.25)
 
 
-async def warm_up(server: Server, utterance: Utterance) -> None:
-    async with AsyncClient(server.target, retry=RetryPolicy(attempts=1), timeout=90) as client:
-        model = await wait_until_serving(server, client)
-        print(
-            f"  model {model.name}/{model.version}: {model.rnn_type}, chunk"
-            f" {1000 * model.chunk_seconds:.0f} ms, lookahead"
-            f" {1000 * model.lookahead_seconds:.0f} ms",
-            file=sys.stderr,
-        )
-        async for _ in client.stream(utterance.chunks, sample_rate=RATE, words=False):
-            pass
+async def warm_up(server: Server, utterance: Utterance, connections: int = 4) -> None:
+    """Wait until the server serves, then stream an utterance on each of a few
+    connections of their own (with --workers, most workers get one)."""
+    for i in range(connections):
+        async with AsyncClient(server.target, retry=RetryPolicy(attempts=1), timeout=90,
+                               own_connection=True) as client:  # fmt: skip
+            model = await wait_until_serving(server, client)
+            if i == 0:
+                print(
+                    f"  model {model.name}/{model.version}: {model.rnn_type}, chunk"
+                    f" {1000 * model.chunk_seconds:.0f} ms, lookahead"
+                    f" {1000 * model.lookahead_seconds:.0f} ms",
+                    file=sys.stderr,
+                )
+            async for _ in client.stream(utterance.chunks, sample_rate=RATE, words=False):
+                pass
 
 
 def percentiles(values: list[float], qs=(50, 95, 99)) -> str:
@@ -443,7 +497,7 @@ def print_table(runs: dict[str, list[Level]]) -> None:
 def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[Utterance],
                  args: argparse.Namespace, tmp: Path) -> list[Level]:  # fmt: skip
     streams = None if max(args.streams) + 8 <= 256 else max(args.streams) + 8
-    log_path = tmp / f"server-{len(flags)}.log"
+    log_path = tmp / f"server-{''.join(c if c.isalnum() else '_' for c in name)}.log"
     with open(log_path, "wb") as log:
         server = start_server(args.model, None, None, streams, None, log, flags)
         try:
@@ -468,8 +522,11 @@ def main() -> None:
     p.add_argument("--streams", default="32,128,192,256", help="comma-separated levels")
     p.add_argument("--seconds", type=float, default=20.0, help="duration of each level, s")
     p.add_argument("--clients", type=int, default=2, help="load-client processes, count")
-    p.add_argument("--server-args", default="",
-                   help="flags added to `echoic serve` (default: none, its defaults)")  # fmt: skip
+    p.add_argument("--channels", type=int, default=1,
+                   help="connections per client process, count (see above)")  # fmt: skip
+    p.add_argument("--server-args", action="append",
+                   help="flags added to `echoic serve` (default: none, its defaults); "
+                        "again for another server, side by side")  # fmt: skip
     p.add_argument("--unbatched", action="store_true",
                    help="also run the levels against a server with --max-batch 1")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per message, ms")
@@ -491,8 +548,8 @@ def main() -> None:
         print(json.dumps(asdict(asyncio.run(client_level(args)))))
         return
     args.streams = [int(n) for n in args.streams.split(",")]
-    if min(args.streams) < 1 or args.seconds <= 0 or args.clients < 1:
-        p.error("--streams and --clients must be positive counts and --seconds > 0")
+    if min(args.streams) < 1 or args.seconds <= 0 or args.clients < 1 or args.channels < 1:
+        p.error("--streams, --clients and --channels must be positive counts, --seconds > 0")
     if args.profile and not 0 < args.profile < args.seconds:
         p.error("--profile must be shorter than --seconds")
 
@@ -503,13 +560,13 @@ def main() -> None:
         print(
             f"{len(utterances)} utterances ({audio:.1f} s), {args.chunk_ms:g} ms chunks,"
             f" {args.seconds:g} s per level, {args.clients} client processes,"
-            f" {os.cpu_count()} CPUs",
+            f" {args.channels} connection(s) each, {os.cpu_count()} CPUs",
             file=sys.stderr,
         )
-        flags = shlex.split(args.server_args)
-        servers = {" ".join(flags) or "defaults": flags}
+        settings = [shlex.split(a) for a in args.server_args or [""]]
+        servers = {" ".join(flags) or "defaults": flags for flags in settings}
         if args.unbatched:
-            servers["--max-batch 1"] = [*flags, "--max-batch", "1"]
+            servers["--max-batch 1"] = [*settings[0], "--max-batch", "1"]
         runs = {name: bench_server(name, f, manifest.resolve(), utterances, args, Path(tmp))
                 for name, f in servers.items()}  # fmt: skip
         print_table(runs)

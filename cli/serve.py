@@ -43,6 +43,10 @@ Check it with grpcurl (reflection is on):
   grpcurl -plaintext 127.0.0.1:50051 echoic.v1.Transcriber/ListModels
   grpcurl -plaintext 127.0.0.1:50051 grpc.health.v1.Health/Check
 
+  # two server processes on one port (the kernel spreads connections over them), for
+  # more than one core's worth of streams; --max-streams is per process
+  echoic serve --workers 2 --metrics-port 9090
+
 SIGTERM or Ctrl-C stops taking new calls and gives open streams --grace-seconds
 to finish. The API is protos/echoic/v1/transcriber.proto.
 """
@@ -138,7 +142,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = from_flags(ServerConfig, args)  # a bad combination fails before any import
-        from echoic.server.app import serve
+        if config.workers > 1:  # a supervisor: the workers import the server, not this process
+            import importlib.util
+
+            for module, package in _SERVE_MODULES.items():
+                if importlib.util.find_spec(module) is None:
+                    raise missing_extra("serve", package)
+            from echoic.server.workers import supervise as serve
+        else:
+            from echoic.server.app import serve
 
         logging.basicConfig(
             level=args.log_level.upper(),

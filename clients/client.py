@@ -203,7 +203,9 @@ def resolve_target(target: str) -> str:
     return f"ipv{versions.pop()}:" + ",".join(a for _, a in addresses)
 
 
-def channel_options(tls_server_name: str | None = None) -> list[tuple[str, Any]]:
+def channel_options(
+    tls_server_name: str | None = None, own_connection: bool = False
+) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", -1),  # the server enforces its own limit
@@ -216,6 +218,8 @@ def channel_options(tls_server_name: str | None = None) -> list[tuple[str, Any]]
     ]
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
+    if own_connection:  # grpc otherwise shares one per target among a process's channels
+        options.append(("grpc.use_local_subchannel_pool", 1))
     return options
 
 
@@ -228,11 +232,12 @@ def open_channel(
     tls_cert: str | os.PathLike[str] | None,
     tls_key: str | os.PathLike[str] | None,
     tls_server_name: str | None,
+    own_connection: bool = False,
 ) -> Any:
     """A channel from `channels` (the grpc or grpc.aio module): TLS when any TLS option is
     set; `target` as `resolve_target` takes it (one server or several)."""
     target = resolve_target(target)
-    options = channel_options(tls_server_name)
+    options = channel_options(tls_server_name, own_connection)
     if tls or tls_ca or tls_cert or tls_key:
         creds = channel_credentials(tls_ca, tls_cert, tls_key)
         return channels.secure_channel(target, creds, options=options)
@@ -285,13 +290,14 @@ class Connection:
         timeout: float | None = 120.0,
         connect_timeout: float = 10.0,
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 - frozen
+        own_connection: bool = False,
     ) -> None:
         self.target, self.timeout, self.connect_timeout, self.retry = (
             target, timeout, connect_timeout, retry,
         )  # fmt: skip
         self._channel = open_channel(
             self.channel_module, target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-            tls_key=tls_key, tls_server_name=tls_server_name,
+            tls_key=tls_key, tls_server_name=tls_server_name, own_connection=own_connection,
         )  # fmt: skip
         self._stub = pb_grpc.TranscriberStub(self._channel)
 
@@ -303,6 +309,9 @@ class Client(Connection):
     the system's roots with tls=True), tls_cert and tls_key (mutual TLS) is given.
     timeout: s per unary call, retries included (None = no limit).
     connect_timeout: s a stream waits for the server to be reachable.
+    own_connection: a TCP connection of this client's own; otherwise grpc shares one among
+    the process's clients of the same target. A server's `--workers` share its port by
+    connection, so several clients each with their own reach several workers.
     """
 
     # ---- unary ---------------------------------------------------------------------

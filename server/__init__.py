@@ -8,6 +8,7 @@
     dispatcher.py   the one place work is batched: one queue and loop per model version
     models.py       the model repository, hot reload, draining
     metrics.py      Prometheus metrics (a registry per server)
+    workers.py      `--workers N`: N server processes on one port, under a supervisor
     background.py   a server in a background thread, for tests and benchmarks
 
 This package imports nothing heavy itself, so `echoic --help` stays fast; import

@@ -9,7 +9,8 @@ gRPC server, the HTTP door (server/http.py, `http_port`), the metrics endpoint a
 the repository poller, all on the caller's event loop, and returns once it serves.
 `serve(config)` is the process around it (`echoic serve`): it runs until SIGTERM
 or SIGINT, then stops taking new calls, reports NOT_SERVING to health checks (and
-503 at /readyz) and gives the open streams `grace_seconds` to finish.
+503 at /readyz) and gives the open streams `grace_seconds` to finish. With
+`--workers N` it runs N such processes on the same ports instead (server/workers.py).
 
 Besides `echoic.v1.Transcriber` the server offers the standard
 `grpc.health.v1.Health` service ("" and "echoic.v1.Transcriber") and server
@@ -22,6 +23,7 @@ import asyncio
 import logging
 import signal
 import ssl
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -220,7 +222,9 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a busy port is an error, not a second server beside it
+        # A busy port is an error, not a second server beside it; only a worker of
+        # `--workers` shares its port, which its supervisor holds (server/workers.py).
+        ("grpc.so_reuseport", int(config.reuse_port)),
     ]
     if config.max_connection_age_seconds:
         # GOAWAY after this age: clients reconnect (and rebalance over the replicas there
@@ -249,7 +253,9 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         if door is not None:
             http_address = f"{config.host}:{config.http_port}"
             server.http = door(config, service, registry, metrics)
-            server.http_port = await server.http.start(config.host, config.http_port, ssl_context)
+            server.http_port = await server.http.start(
+                config.host, config.http_port, ssl_context, reuse_port=config.reuse_port
+            )
     except BaseException as e:
         await registry.close()
         metrics.stop_http()
@@ -297,7 +303,7 @@ def _loopback(host: str) -> bool:
         return False  # a host name: assume it resolves to a reachable address
 
 
-async def _serve(config: ServerConfig) -> None:
+async def _serve(config: ServerConfig, on_ready: Callable[[Server], None] | None) -> None:
     server, _port = await create_server(config)
     loop = asyncio.get_running_loop()
     stopping: asyncio.Task | None = None
@@ -323,12 +329,21 @@ async def _serve(config: ServerConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    if on_ready is not None:  # serving, and the signals are handled from here on
+        on_ready(server)
     await server.wait_for_termination()
     if stopping is not None:
         await stopping
     log.info("stopped")
 
 
-def serve(config: ServerConfig) -> None:
-    """Run a server until SIGTERM or SIGINT, then drain it (what `echoic serve` runs)."""
-    asyncio.run(_serve(config))
+def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:
+    """Run a server until SIGTERM or SIGINT, then drain it (what `echoic serve` runs);
+    `on_ready(server)` is called once it serves. With `config.workers` > 1 this process
+    supervises that many server processes instead (server/workers.py)."""
+    if config.workers > 1:
+        from echoic.server.workers import supervise
+
+        supervise(config)
+        return
+    asyncio.run(_serve(config, on_ready))

@@ -79,6 +79,20 @@ class ServerConfig:
         Flag(metavar="PORT"),
     )
     metrics_host: str = setting("127.0.0.1", "address to bind the metrics endpoint to")
+    workers: int = setting(
+        1,
+        "server processes, count, each a whole server on the same ports (SO_REUSEPORT: the "
+        "kernel spreads connections, not calls, over them) under one supervisor that serves "
+        "--metrics-port for all; 1 = this process serves",
+        Flag(metavar="N"),
+    )
+    reuse_port: bool = setting(
+        False,
+        "bind the gRPC and HTTP ports with SO_REUSEPORT, beside the other workers of one "
+        "--workers supervisor (which holds the ports against other programs); off, a busy "
+        "port is an error",
+        flag=None,
+    )
     http_port: int = setting(
         8000,
         "HTTP port on --host, with the same TLS: the OpenAI-compatible API "
@@ -135,7 +149,8 @@ class ServerConfig:
     # Limits.
     max_streams: int = setting(
         256,
-        "concurrent StreamingRecognize and Recognize calls, count; more get RESOURCE_EXHAUSTED",
+        "concurrent StreamingRecognize and Recognize calls, count, per worker process "
+        "(--workers); more get RESOURCE_EXHAUSTED",
         Flag(metavar="N"),
     )
     max_audio_seconds: float = setting(
@@ -214,6 +229,7 @@ class ServerConfig:
             (self.chunk_ms >= 0, "chunk_ms must be >= 0"),
             (self.chunk_left_ms >= 0 and self.chunk_right_ms >= 0, "chunk contexts must be >= 0"),
             (0 <= self.port <= 65535, "port must be in 0-65535"),
+            (self.workers >= 1, "workers must be >= 1 (server processes; 1 = this one)"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "bad metrics_port"),
             (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),
             (self.max_upload_mb > 0, "max_upload_mb must be > 0"),

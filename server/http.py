@@ -105,14 +105,17 @@ class HttpDoor:
         )
         return app
 
-    async def start(self, host: str, port: int, ssl_context: Any = None) -> int:
-        """Listen on host:port (TLS with `ssl_context`); returns the port."""
+    async def start(
+        self, host: str, port: int, ssl_context: Any = None, *, reuse_port: bool = False
+    ) -> int:
+        """Listen on host:port (TLS with `ssl_context`; SO_REUSEPORT with `reuse_port`, for
+        a worker of `echoic serve --workers`); returns the port."""
         runner = web.AppRunner(
             self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS
         )
         await runner.setup()
         site = web.TCPSite(
-            runner, host.strip("[]"), port, ssl_context=ssl_context, reuse_port=False
+            runner, host.strip("[]"), port, ssl_context=ssl_context, reuse_port=reuse_port
         )
         try:
             await site.start()

@@ -17,7 +17,9 @@ Names are in base units (seconds, counts) with the prefix `echoic_`:
 
 plus the standard process_* (CPU, memory, open files) and python_* collectors. The
 endpoint (`start_http`) answers GET /metrics and nothing else (404); the HTTP door
-serves the same registry at its own /metrics (`exposition`).
+serves the same registry at its own /metrics (`exposition`). With `echoic serve
+--workers N` each worker has its own, and the supervisor's --metrics-port shows them all
+with a `worker` label (server/workers.py).
 
 HTTP routes are the route templates (`/v1/audio/transcriptions`), and a path that
 matches none is counted as `unmatched`, so a scan cannot grow the label set.
@@ -25,6 +27,7 @@ matches none is counted as `unmatched`, so a scan cannot grow the label set.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 HTTP_TRANSCRIPTIONS = "HTTPTranscriptions"  # the HTTP door's transcriptions, as a method label
@@ -42,7 +45,7 @@ class Metrics:
             ProcessCollector,
         )
 
-        self._http: tuple[Any, Any] | None = None
+        self._http: MetricsHttp | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)
@@ -122,45 +125,59 @@ class Metrics:
 
     def start_http(self, host: str, port: int) -> int:
         """Serve GET /metrics on host:port (0 = any free port) in a thread; returns the port."""
-        import socket
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        from urllib.parse import urlsplit
-
-        metrics = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if urlsplit(self.path).path != "/metrics":
-                    self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
-                    return
-                body, content_type = metrics.exposition(self.headers.get("Accept", ""))
-                self._send(200, content_type, body)
-
-            def _send(self, code: int, content_type: str, body: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass  # a scrape every few seconds is not news
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        httpd = Server((host.strip("[]"), port), Handler)
-        thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
-        thread.start()
-        self._http = (httpd, thread)
-        return httpd.server_port
+        self._http = serve_http(host, port, self.exposition)
+        return self._http.server_port
 
     def stop_http(self) -> None:
         if self._http is not None:
-            httpd, thread = self._http
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
+            self._http.stop()
             self._http = None
+
+
+class MetricsHttp:
+    """GET /metrics answered by `exposition(accept header)` -> (body, content type), in a
+    thread; anything else is 404. `serve_http` starts one."""
+
+    def __init__(self, httpd: Any, thread: Any) -> None:
+        self._httpd, self._thread = httpd, thread
+        self.server_port: int = httpd.server_port
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_http(host: str, port: int, exposition: Callable[[str], tuple[bytes, str]]) -> MetricsHttp:
+    """Serve GET /metrics on host:port (0 = any free port) in a thread."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlsplit
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if urlsplit(self.path).path != "/metrics":
+                self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
+                return
+            body, content_type = exposition(self.headers.get("Accept", ""))
+            self._send(200, content_type, body)
+
+        def _send(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass  # a scrape every few seconds is not news
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = Server((host.strip("[]"), port), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    return MetricsHttp(httpd, thread)

@@ -1071,10 +1071,13 @@ def _refused(stub) -> bool:
 
 
 @contextmanager
-def serve_process(*flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
+def serve_process(
+    *flags: str, listening: str = r"listening on 127\.0\.0\.1:(\d+)"
+) -> Iterator[tuple[subprocess.Popen, int, list[str]]]:
     """A real `echoic serve FLAGS --port 0` process: (process, its port, its log lines so
-    far, which grow until the process ends and are complete on exit); killed if alive.
-    HTTP is off unless FLAGS give --http-port."""
+    far, which grow until the process ends and are complete on exit), once a log line
+    matches `listening` (its group: the port); killed if alive. HTTP is off unless FLAGS
+    give --http-port."""
     command = [sys.executable, "-m", "echoic.cli.main", "serve", *flags, "--port", "0",
                "--threads", "1"]  # fmt: skip
     if "--http-port" not in flags:
@@ -1087,7 +1090,7 @@ def serve_process(*flags: str) -> Iterator[tuple[subprocess.Popen, int, list[str
         port = None
         for line in process.stderr:
             log.append(line)
-            if match := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+            if match := re.search(listening, line):
                 port = int(match.group(1))
                 break
         assert port, f"the server never said where it listens: {log}"

@@ -1,0 +1,412 @@
+"""`echoic serve --workers N`: N server processes on one port, under one supervisor.
+
+One server process tops out near one core: its Python (gRPC messages on the event
+loop, features and decoding in the engine's thread) shares one interpreter lock
+(README "Benchmarks"). With `--workers N` the `echoic serve` process supervises N
+worker processes instead, each a whole server (`app.serve` with the same
+ServerConfig) on the same gRPC and HTTP ports:
+
+- Ports. The supervisor first proves each port free with a bind without
+  SO_REUSEPORT (a port that another program or another echoic server holds fails
+  here, with the error one server gives), then binds it again with SO_REUSEPORT and
+  holds that socket, never listening, while it runs: `--port 0` becomes one real
+  port for every worker, and a socket that does not listen is never handed a
+  connection. The workers bind the same ports with SO_REUSEPORT, and the kernel
+  spreads connections over them: connections, not calls, so the streams of one
+  client connection all land on one worker.
+- Signals. SIGTERM or SIGINT: every worker drains as one server does
+  (--grace-seconds), and the supervisor exits once all have. SIGHUP: every serving
+  worker rescans the model repository.
+- Deaths. A worker that dies while serving is logged and started again after a
+  backoff (1 s, doubling up to 30 s; 1 s again once it had served a minute), while
+  the others serve. A worker that fails before it serves (a bad model, a certificate
+  it cannot read) stops them all with its error instead of looping.
+- Metrics. With --metrics-port each worker serves its own registry on a private
+  loopback port, and a scrape of the supervisor's --metrics-port fetches them all
+  and shows every sample with a `worker` label ("1".."N"; a restarted worker keeps
+  its number, so its counters restart as after any process restart), plus the
+  supervisor's own `echoic_workers_serving` and `echoic_worker_restarts_total`. The
+  HTTP door's /metrics, /healthz and /readyz, gRPC health and --max-streams are per
+  worker: the worker that took the connection answers.
+- A worker whose supervisor is gone (the pipe between them closes) drains and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from echoic.server.config import ServerConfig, ServerError
+
+if TYPE_CHECKING:
+    from echoic.server.app import Server
+    from echoic.server.metrics import MetricsHttp
+
+log = logging.getLogger("echoic.server")
+
+FIRST_BACKOFF = 1.0  # s before a worker that died starts again
+MAX_BACKOFF = 30.0  # s, the longest wait between two starts of one worker
+STEADY_SECONDS = 60.0  # s a worker serves before its backoff starts over
+STOP_SLACK = 20.0  # s beyond its drain (grace + the last results) a worker gets to exit
+SCRAPE_SECONDS = 5.0  # s a scrape waits for one worker's registry
+WORKER_MODULE = "echoic.server.workers"  # what a worker process runs (python -m)
+
+
+# ------------------------------------------------------------------ ports
+
+
+def hold_port(host: str, port: int, error: str) -> tuple[int, list[socket.socket]]:
+    """Prove host:port free, then hold it for the workers (SO_REUSEPORT, not listening):
+    (the port, a real one for 0; the sockets to keep open). `error` starts the message of
+    the ServerError a busy port raises ("cannot listen on")."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ServerError("--workers needs SO_REUSEPORT (Linux), which this system lacks")
+    try:
+        infos = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise ServerError(f"{error} {host}:{port}: {e.strerror}") from e
+    held: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            where = (address[0], port, *address[2:])
+            with socket.socket(family, kind, proto) as probe:  # no SO_REUSEPORT: alone, or fail
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(where)
+                port = probe.getsockname()[1]  # 0 -> the one port every address and worker gets
+            sock = socket.socket(family, kind, proto)
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((address[0], port, *address[2:]))
+    except OSError as e:
+        for sock in held:
+            sock.close()
+        raise ServerError(f"{error} {host}:{port}: {e.strerror or e}") from e
+    return port, held
+
+
+# ------------------------------------------------------------------ a worker process
+
+
+# The messages a worker sends its supervisor, first and only (plain tuples: the worker
+# runs this module as __main__, whose classes the supervisor could not unpickle).
+READY = "ready"  # (READY, pid, its private metrics port or None): it serves
+FAILED = "failed"  # (FAILED, the error one server would print): it could not start
+
+
+def _worker_main(index: int, fd: int, level: int) -> None:
+    """A worker: its ServerConfig from the supervisor through the socket `fd`, then one
+    server (`app.serve`) that reports READY or FAILED back through it."""
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s"
+    )
+    pipe = Connection(fd)
+    config = pipe.recv()
+    from echoic.model.runtime.card import ModelError
+    from echoic.server.app import serve
+
+    def ready(server: Server) -> None:
+        pipe.send((READY, os.getpid(), server.metrics_port))
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pipe.fileno(), _supervisor_gone, loop, pipe)
+
+    try:
+        serve(config, ready)
+    except (ServerError, ModelError, OSError) as e:
+        pipe.send((FAILED, str(e)))
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C in the terminal before this worker served
+        sys.exit(130)
+
+
+def _supervisor_gone(loop: asyncio.AbstractEventLoop, pipe: Connection) -> None:
+    """The supervisor sends nothing: its end readable means closed (it died). Drain."""
+    loop.remove_reader(pipe.fileno())
+    log.warning("the supervisor is gone: draining and exiting")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ------------------------------------------------------------------ the supervisor
+
+
+@dataclass
+class _Worker:
+    index: int  # 1..N, its `worker` label
+    pid: int = 0  # 0 while not serving
+    metrics_port: int | None = None
+    process: Any = None  # its asyncio.subprocess.Process while one runs
+    exit_code: int | None = None  # how it ended once the supervisor stopped it
+
+
+def _ended(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the workers of one `echoic serve --workers N`."""
+
+    def __init__(self, config: ServerConfig, log_level: int) -> None:
+        self.config = config
+        self._log_level = log_level
+        self.workers = [_Worker(i) for i in range(1, config.workers + 1)]
+        self._stopping = False
+        self._stop = asyncio.Event()
+        self._failure: str | None = None
+        self._served: set[int] = set()  # the workers that have served at least once
+        self._where = ""  # what the supervisor listens on, for its log line
+        self._restarts: Any = None  # the restarts Counter, with --metrics-port
+
+    async def run(self) -> None:
+        config = self.config
+        port, held = hold_port(config.host, config.port, "cannot listen on")
+        metrics: MetricsHttp | None = None
+        try:
+            http_port = 0
+            if config.http_port:
+                http_port, more = hold_port(config.host, config.http_port, "cannot serve HTTP on")
+                held += more
+            if config.metrics_port is not None:
+                metrics = self._serve_metrics()
+            self._where = (
+                f"listening on {config.host}:{port} ({'TLS' if config.tls_cert else 'plaintext'})"
+                f", {config.workers} workers" + (f", HTTP on :{http_port}" if http_port else "")
+                + (f", metrics on :{metrics.server_port}" if metrics else "")
+            )  # fmt: skip
+            worker_config = replace(
+                config, workers=1, reuse_port=True, port=port, http_port=http_port,
+                metrics_host="127.0.0.1",
+                metrics_port=None if config.metrics_port is None else 0,  # private, any port
+            )  # fmt: skip
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, self._on_stop, signum)
+            loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
+            tasks = [asyncio.create_task(self._keep(w, worker_config)) for w in self.workers]
+            for task in tasks:  # a supervisor that cannot keep a worker stops, not hangs
+                task.add_done_callback(
+                    lambda t: t.cancelled() or t.exception() is None or self._begin_stop()
+                )
+            await self._stop.wait()
+            await self._stop_all(tasks)
+        finally:
+            if metrics is not None:
+                metrics.stop()
+            for sock in held:
+                sock.close()
+        if self._failure is not None:
+            raise ServerError(self._failure)
+        unclean = [f"worker {w.index} {_ended(w.exit_code)}" for w in self.workers
+                   if w.exit_code not in (None, 0)]  # fmt: skip
+        if unclean:
+            raise ServerError(f"not every worker drained cleanly: {'; '.join(unclean)}")
+        log.info("stopped")
+
+    # ---- one worker's lives
+
+    async def _keep(self, worker: _Worker, config: ServerConfig) -> None:
+        """Start `worker`, and again each time it dies, until the supervisor stops."""
+        loop = asyncio.get_running_loop()
+        backoff = FIRST_BACKOFF
+        while not self._stopping:
+            mine, theirs = socket.socketpair()
+            with theirs:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", WORKER_MODULE, str(worker.index), str(theirs.fileno()),
+                    str(self._log_level), pass_fds=(theirs.fileno(),),
+                )  # fmt: skip
+            worker.process = process
+            pipe = Connection(mine.detach())
+            try:
+                pipe.send(config)
+                await _readable(pipe.fileno())
+                try:
+                    message = pipe.recv()
+                except EOFError:  # it died before a word
+                    message = (None,)
+                if message[0] != READY:
+                    code = await process.wait()
+                    if not self._stopping:
+                        self._fail(
+                            message[1] if message[0] == FAILED else
+                            f"worker {worker.index} {_ended(code)} before it served "
+                            "(its log above says why)"
+                        )  # fmt: skip
+                    return
+                started = loop.time()
+                _, worker.pid, worker.metrics_port = message
+                log.info("worker %d serving (pid %d)", worker.index, worker.pid)
+                if len(self._served) < len(self.workers):
+                    self._served.add(worker.index)
+                    if len(self._served) == len(self.workers):  # all of them, the first time
+                        log.info("%s", self._where)
+                code = await process.wait()
+            finally:
+                worker.pid, worker.metrics_port, worker.process = 0, None, None
+                pipe.close()
+            if self._stopping:
+                worker.exit_code = code
+                return
+            if loop.time() - started >= STEADY_SECONDS:
+                backoff = FIRST_BACKOFF
+            log.error(
+                "worker %d (pid %d) %s; starting it again in %g s",
+                worker.index, process.pid, _ended(code), backoff,
+            )  # fmt: skip
+            if self._restarts is not None:
+                self._restarts.labels(str(worker.index)).inc()
+            try:
+                await asyncio.wait_for(self._stop.wait(), backoff)
+            except asyncio.TimeoutError:
+                pass
+            backoff = min(2 * backoff, MAX_BACKOFF)
+
+    # ---- stopping
+
+    def _fail(self, message: str) -> None:
+        if self._failure is None:
+            self._failure = message
+        self._begin_stop()
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        self._stop.set()
+
+    def _on_stop(self, signum: int) -> None:
+        if self._stopping:
+            return
+        log.info(
+            "%s: draining every worker's open streams for up to %g s",
+            signal.Signals(signum).name, self.config.grace_seconds,
+        )  # fmt: skip
+        self._begin_stop()
+
+    def _on_hangup(self) -> None:
+        if self._stopping:
+            return  # shutting down: nothing new loads
+        serving = [w for w in self.workers if w.pid]
+        log.info("SIGHUP: passed on to %d serving worker(s)", len(serving))
+        for worker in serving:  # one still starting loads the repository as it is anyway
+            os.kill(worker.pid, signal.SIGHUP)
+
+    async def _stop_all(self, tasks: list[asyncio.Task]) -> None:
+        """SIGTERM to every worker, then wait for them all: the drain, the final results
+        and some slack, after which a worker still there is killed."""
+        from echoic.server.app import END_SECONDS
+
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                worker.process.send_signal(signal.SIGTERM)
+        limit = self.config.grace_seconds + END_SECONDS + STOP_SLACK
+        _, late = await asyncio.wait(tasks, timeout=limit)
+        for worker in self.workers:
+            if late and worker.process is not None and worker.process.returncode is None:
+                log.error("worker %d did not stop within %g s: killing it", worker.index, limit)
+                worker.process.kill()
+        for task in tasks:
+            await task  # a bug in the supervisor surfaces here
+
+    # ---- metrics
+
+    def _serve_metrics(self) -> MetricsHttp:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from prometheus_client.exposition import choose_encoder
+
+        from echoic.server.metrics import serve_http
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(WorkerRegistries(self.workers))
+        serving = Gauge(
+            "echoic_workers_serving", "Worker processes serving now.", registry=registry
+        )
+        serving.set_function(lambda: sum(1 for w in self.workers if w.pid))
+        self._restarts = Counter(
+            "echoic_worker_restarts", "Workers started again after they died, by worker.",
+            ("worker",), registry=registry,
+        )  # fmt: skip
+        for worker in self.workers:
+            self._restarts.labels(str(worker.index))
+
+        def exposition(accept: str) -> tuple[bytes, str]:
+            encode, content_type = choose_encoder(accept)
+            return encode(registry), content_type
+
+        host, port = self.config.metrics_host, self.config.metrics_port
+        try:
+            return serve_http(host, port, exposition)
+        except OSError as e:
+            raise ServerError(f"cannot serve metrics on {host}:{port}: {e}") from e
+
+
+class WorkerRegistries:
+    """A Prometheus collector: every serving worker's registry, fetched from its private
+    port at each scrape, its samples labelled `worker`. A worker that does not answer
+    (starting, just died) is left out of that scrape."""
+
+    def __init__(self, workers: list[_Worker]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.metrics_core import Metric
+        from prometheus_client.parser import text_string_to_metric_families
+
+        serving = [(w.index, w.metrics_port) for w in self.workers_serving()]
+        with ThreadPoolExecutor(max(1, len(serving))) as pool:
+            texts = list(pool.map(_scrape, [port for _, port in serving]))
+        families: dict[str, Metric] = {}
+        for (index, _), text in zip(serving, texts, strict=True):
+            for family in text_string_to_metric_families(text or ""):
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = Metric(family.name, family.documentation, family.type, family.unit)
+                    families[family.name] = merged
+                merged.samples += [
+                    s._replace(labels={**s.labels, "worker": str(index)}) for s in family.samples
+                ]
+        yield from families.values()
+
+    def workers_serving(self) -> list[_Worker]:
+        return [w for w in self._workers if w.pid and w.metrics_port]
+
+
+def _scrape(port: int) -> str | None:
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=SCRAPE_SECONDS) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def supervise(config: ServerConfig) -> None:
+    """Run `config.workers` servers on the same ports until SIGTERM or SIGINT, then drain
+    them all; raises ServerError when a worker cannot start (its error) or did not drain."""
+    level = logging.getLogger().getEffectiveLevel()
+    asyncio.run(Supervisor(config, level).run())
+
+
+if __name__ == "__main__":  # a worker, started by Supervisor._keep
+    _worker_main(*(int(arg) for arg in sys.argv[1:]))
