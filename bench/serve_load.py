@@ -40,6 +40,10 @@ Per level it prints:
   RSS         the server's resident memory at the level's end (with --workers, of
               every process together), MB
 
+--decoder beam makes every stream a beam search (beam 32 with the model's LM);
+--beam-streams K adds K beam-search streams to each level, from a client process of
+their own, on a row of their own ("+beam"): what beam streams cost the greedy ones.
+
 --profile S runs py-spy (the dev extra) on the server for S seconds in the middle
 of each level, writes its collapsed stacks into --out and prints where the server's
 busy samples went.
@@ -263,6 +267,7 @@ class ClientStats:
 async def one_stream(
     client: AsyncClient, utterances: list[Utterance], first: int, start_delay: float,
     deadline: float, lookahead: float, lag_limit: float, stats: ClientStats,
+    decoder: str = "greedy",
 ) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
     await asyncio.sleep(start_delay)
@@ -286,7 +291,7 @@ async def one_stream(
         try:
             async for response in client.stream(
                 chunks(), encoding="linear16", sample_rate=RATE, interim_results=True,
-                words=False,
+                words=False, decoder=decoder,
             ):  # fmt: skip
                 now = loop.time()
                 for result in response.results:
@@ -330,7 +335,8 @@ async def client_level(args: argparse.Namespace) -> ClientStats:
         rng = random.Random(args.seed)
         tasks = [
             one_stream(clients[i % len(clients)], utterances, rng.randrange(len(utterances)),
-                       rng.random(), deadline, model.lookahead_seconds, args.lag_limit, stats)
+                       rng.random(), deadline, model.lookahead_seconds, args.lag_limit, stats,
+                       args.decoder)
             for i in range(args.client_streams)
         ]  # fmt: skip
         # Bounded: the longest utterance after the deadline, plus slack for a slow server.
@@ -352,6 +358,7 @@ class Level:
     server_cpu: float  # % of one core
     client_cpu: float  # % of one core, all client processes
     rss_mb: float
+    beam: ClientStats | None = None  # --beam-streams' own client process, apart
 
 
 def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
@@ -360,14 +367,16 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
     clients = max(1, min(args.clients, n))
     start_at = time.time() + 3.0  # time for every client process to start and connect
     processes = []
-    for i in range(clients):
-        share = n // clients + (i < n % clients)
+    shares = [(n // clients + (i < n % clients), args.decoder) for i in range(clients)]
+    if args.beam_streams:  # one more process, whose streams are counted apart
+        shares.append((args.beam_streams, "beam"))
+    for i, (share, decoder) in enumerate(shares):
         cmd = [sys.executable, __file__, "--client", "--target", server.target,
                "--manifest", str(manifest), "--client-streams", str(share),
                "--start-at", repr(start_at), "--seconds", str(args.seconds),
                "--seed", str(1000 * n + i), "--chunk-ms", str(args.chunk_ms),
                "--lag-limit", str(args.lag_limit), "--channels", str(args.channels),
-               "--utterances", str(args.utterances)]  # fmt: skip
+               "--utterances", str(args.utterances), "--decoder", decoder]  # fmt: skip
         processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     time.sleep(max(0.0, start_at - time.time()))
     batch0, cpu0, wall0 = server.batch_histogram(), server.cpu_seconds(), time.monotonic()
@@ -375,12 +384,15 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
     if profile_dir is not None:
         time.sleep(max(0.0, (args.seconds - args.profile) / 2))
         profiler = start_profile(server, profile_dir / f"profile-{n}", args.profile)
-    total = ClientStats()
-    for process in processes:
+    total, beam = ClientStats(), None
+    for i, process in enumerate(processes):
         out, _ = process.communicate()
         if process.returncode != 0:
             raise RuntimeError(f"a load client exited with status {process.returncode}")
         part = ClientStats(**json.loads(out))
+        if i == clients:  # the --beam-streams process
+            beam = part
+            continue
         for name in ("utterances", "behind", "failed", "cpu_seconds"):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.interim += part.interim
@@ -395,7 +407,7 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
     return Level(
         streams=n, stats=total, batch=batch_summary(batch0, server.batch_histogram()),
         server_cpu=100 * (server.cpu_seconds() - cpu0) / wall,
-        client_cpu=100 * total.cpu_seconds / wall, rss_mb=server.rss_mb(),
+        client_cpu=100 * total.cpu_seconds / wall, rss_mb=server.rss_mb(), beam=beam,
     )  # fmt: skip
 
 
@@ -492,6 +504,13 @@ def print_table(runs: dict[str, list[Level]]) -> None:
                 f"  {level.batch:>14}  {level.server_cpu:>6.0f}%  {level.client_cpu:>6.0f}%"
                 f"  {level.rss_mb:>6.0f}  {'; '.join(s.errors)[:60]}"
             )
+            if (b := level.beam) is not None:
+                print(
+                    f"{'+beam':>7}  {'beam streams':<14} {b.utterances:>6}"
+                    f" {b.behind:>6} {b.failed:>6}  {percentiles(b.interim, (95,)):>11}"
+                    f"  {percentiles(b.final):>18}  {'':>14}  {'':>7}  {'':>7}  {'':>6}"
+                    f"  {'; '.join(b.errors)[:60]}"
+                )
 
 
 def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[Utterance],
@@ -530,6 +549,15 @@ def main() -> None:
     p.add_argument("--unbatched", action="store_true",
                    help="also run the levels against a server with --max-batch 1")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per message, ms")
+    p.add_argument(
+        "--decoder",
+        choices=("greedy", "beam"),
+        default="greedy",
+        help="every stream's decoder (beam: beam 32 with the model's LM)",
+    )
+    p.add_argument("--beam-streams", type=int, default=0,
+                   help="beam-search streams beside each level's streams, from a client "
+                        "process of their own, reported on a row of their own")  # fmt: skip
     p.add_argument("--lag-limit", type=float, default=1.0,
                    help="s a result may trail its audio (beyond lookahead)")  # fmt: skip
     p.add_argument("--manifest", help="utterances to send (default: synthesize a few)")
@@ -560,7 +588,7 @@ def main() -> None:
         print(
             f"{len(utterances)} utterances ({audio:.1f} s), {args.chunk_ms:g} ms chunks,"
             f" {args.seconds:g} s per level, {args.clients} client processes,"
-            f" {args.channels} connection(s) each, {os.cpu_count()} CPUs",
+            f" {args.channels} connection(s) each, {args.decoder} decoding, {os.cpu_count()} CPUs",
             file=sys.stderr,
         )
         settings = [shlex.split(a) for a in args.server_args or [""]]
