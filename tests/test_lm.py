@@ -95,7 +95,7 @@ def test_pruning_drops_singletons(tmp_path: Path) -> None:
     assert pruned.ngrams[0] == full.ngrams[0]
     assert pruned.ngrams[2] < full.ngrams[2]
     assert sum(full.ngrams) - sum(pruned.ngrams) == pruned.pruned > 0
-    same = build_arpa(corpus, tmp_path / "same.arpa", order=3, min_count=2)
+    build_arpa(corpus, tmp_path / "same.arpa", order=3, min_count=2)
     assert (tmp_path / "same.arpa").read_bytes() == (tmp_path / "pruned.arpa").read_bytes()
     fewer = build_arpa(corpus, tmp_path / "fewer.arpa", order=3, min_count=4)
     assert fewer.ngrams[0] == full.ngrams[0] and fewer.ngrams[1:] < pruned.ngrams[1:]
