@@ -351,3 +351,20 @@ def test_memory_of_a_long_file_is_that_of_one_window(
     grew = lambda r: r["peak"] - r["base"]  # noqa: E731
     assert grew(large) - grew(minute) < 2 * large["audio"] + 0.1 * grew(minute), (minute, large)
     assert grew(large) < 3 * grew(small) + 2 * large["audio"], (small, large)
+
+
+def test_a_window_longer_than_a_conformers_positional_table_is_refused(repository) -> None:
+    """Chunk settings whose window the Conformer cannot run are refused at load, and an
+    input longer than the card's max_frames is refused by the engine, each with a
+    sentence (the graph itself would fail with a broadcast error)."""
+    from echoic.model.runtime.card import ModelError
+    from echoic.model.runtime.chunking import ChunkConfig
+    from echoic.model.runtime.recognizer import Recognizer
+
+    model_dir = repository / "bpe" / "1"
+    with pytest.raises(ModelError, match=r"longer than the 267 frames \(10.68 s\)"):
+        Recognizer(model_dir, chunking=ChunkConfig(10000.0, 1000.0, 500.0))
+    engine = Recognizer(model_dir).engine
+    assert engine.offline([np.zeros((267 * 4, 80), np.float32)])[0].shape[0] == 267
+    with pytest.raises(ValueError, match="gives 268 output frames; model 'bpe' gives at most"):
+        engine.offline([np.zeros((267 * 4 + 1, 80), np.float32)])
