@@ -238,15 +238,22 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         """All of `audio` (a file's bytes) as a live stream, for a door that shows results
         as they firm up: decoded at once, then fed `step_seconds` at a time through the
         batched streaming path; yields each step's results (interim ones as `opts` asks),
-        the last with the final result. The finals are Recognize's (the same stream)."""
+        the last with the final result. The finals are Recognize's (the same stream). A
+        model that streams only by overlapped chunks (an imported one) runs the file whole,
+        as Recognize does: no interim results, and the final one is Recognize's."""
         model = self._registry.resolve(opts.model, opts.version)
         self._registry.acquire(model)
         try:
             recognizer = await model.recognizer(opts.decoder)
+            whole = not model.streams_exactly
             session = Session(
-                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds
-            )
+                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds,
+                whole=whole,
+            )  # fmt: skip
             samples = await asyncio.to_thread(self._decode_all, session, audio)
+            if whole:
+                self._accept(session, samples)
+                samples = samples[:0]
             step = max(1, int(step_seconds * model.card.sample_rate))
             for start in range(0, len(samples), step):
                 self._accept(session, samples[start : start + step])

@@ -489,9 +489,40 @@ def wrap_graph(nemo_onnx: bytes, source: NemoSource, kept: list[int], folded: li
 # ---------------------------------------------------------------- the card and parity
 
 
+def positional_frames(proto: Any, config: dict[str, Any]) -> int:
+    """Encoder frames a Conformer export's positional table covers (0: not a Conformer,
+    or no table found). NeMo exports the table (1, 2n - 1, d_model) of relative positions
+    (n for absolute ones) as a constant: a longer input fails inside the graph."""
+    encoder = config.get("encoder") or {}
+    if not str(encoder.get("_target_", "")).endswith("ConformerEncoder"):
+        return 0
+    d_model = int(encoder.get("d_model", 0))
+    relative = str(encoder.get("self_attention_model", "rel_pos")).startswith("rel_pos")
+    tensors = [*proto.graph.initializer]
+    tensors += [a.t for n in proto.graph.node if n.op_type == "Constant" for a in n.attribute
+                if a.name == "value"]  # fmt: skip
+    sizes = [
+        int(t.dims[1]) for t in tensors
+        if len(t.dims) == 3 and t.dims[0] == 1 and t.dims[2] == d_model
+        and t.dims[1] > 1 and (t.dims[1] % 2 == 1 or not relative)
+    ]  # fmt: skip
+    if not sizes:
+        return 0
+    return (max(sizes) + 1) // 2 if relative else max(sizes)
+
+
+def max_output_frames(positions: int, source: NemoSource) -> int:
+    """The card's `max_frames` for a table of `positions` encoder frames: what the
+    preprocessor's extra frame and its padding to `pad_to` leave of it (0: no limit)."""
+    if not positions:
+        return 0
+    return positions - 1 - -(-max(source.pad_to, 1) // source.time_stride)
+
+
 def build_card(
     source: NemoSource, vocab: Vocabulary, kept: list[int], *,
     name: str, version: str, parameters: int, opset: int, config_bytes: bytes,
+    max_frames: int = 0,
 ) -> ModelCard:  # fmt: skip
     nf = source.features
     hop_ms = nf.hop_ms
@@ -541,6 +572,7 @@ def build_card(
         nemo_features=nf,
         source=f"nemo:{source.model_class}",
         source_tokens=("<blank>", *(ids[i] for i in kept)),
+        max_frames=max_frames,
     )
 
 
@@ -692,6 +724,7 @@ def import_nemo(
             source, vocab, kept, name=name, version=version, parameters=parameters,
             opset=opset,
             config_bytes=json.dumps(source.config, sort_keys=True, default=str).encode(),
+            max_frames=max_output_frames(positional_frames(proto, source.config), source),
         )  # fmt: skip
         wrapped = wrap_graph(nemo_onnx.read_bytes(), source, kept, folded)
         shapes: Shapes = {

@@ -93,6 +93,9 @@ class ModelCard:
     # "nemo:<class>"
     source_tokens: tuple[str, ...] = ()  # the source model's token for each vocabulary id,
     # e.g. "<pad>" for the blank and "|" (its word delimiter) for " "; () for echoic's own
+    max_frames: int = 0  # most output frames one model.onnx call can give an utterance (a
+    # Conformer's positional table holds so many; longer audio runs in windows,
+    # `chunking.py`); 0: no fixed limit
     precision: Literal["fp32", "int8"] = "fp32"  # the graphs' weights: "int8" = ONNX Runtime's
     # static quantization of the convolutions and matrix products (`echoic quantize`; the
     # recurrent layers stay fp32), activation scales fixed by calibration audio
@@ -111,6 +114,7 @@ class ModelCard:
             (self.time_stride >= 1 and self.receptive_field >= 1, "bad time_stride/field"),
             (self.output_frame_ms == self.hop_ms * self.time_stride, "bad output_frame_ms"),
             (0 <= self.pad_left < self.receptive_field, "pad_left must be < receptive_field"),
+            (self.max_frames >= 0, "max_frames must be 0 (no limit) or positive"),
             (
                 not self.source_tokens or len(self.source_tokens) == len(self.vocabulary),
                 "source_tokens needs one token per vocabulary symbol",
@@ -195,7 +199,7 @@ class ModelCard:
 # an fp32 echoic model has: left out of the JSON there, so such cards keep their bytes.
 _LATER_FIELDS = (
     "input", "normalize", "batch_padding", "token_type", "feature_recipe", "nemo_features",
-    "source", "source_tokens", "precision",
+    "source", "source_tokens", "precision", "max_frames",
 )  # fmt: skip
 _LATER_DEFAULTS = {
     f.name: json.loads(json.dumps(f.default))  # as to_dict writes it: () becomes []

@@ -16,6 +16,16 @@ whole utterance, each window is normalised over its own samples (an "utterance" 
 statistics need the whole utterance), and the model runs (L + C + R) / C times the
 audio. Recognize (whole audio) does not stream: it runs the utterance whole, as offline.
 
+Whole utterances are not run whole without bound, though: a wav2vec2's self-attention
+holds (frames)^2 scores per head and layer (5 GB for the tiny test model on 5 minutes
+of audio, measured by bench/long_audio_memory.py), and a Conformer exported by NeMo
+has a fixed positional table (the card's `max_frames`). An utterance longer than
+WHOLE_SECONDS (or `max_frames`) runs by the same overlapped windows, with long ones
+(`whole_chunks`: windows of WHOLE_SECONDS, the middle two thirds kept, a sixth of
+context either side, as Hugging Face's ASR pipeline chunks with chunk_length_s=30), one
+window at a time, so memory holds one window's activations whatever the length:
+`Recognizer.log_probs`.
+
 A `ChunkFeeder` is the per-stream side (samples in, windows out), as `WindowFeeder`
 is for stream.onnx; `Recognizer.step` batches the windows of many streams into one
 model.onnx call (they have one length, but for a stream's first and last).
@@ -51,6 +61,47 @@ class ChunkConfig:
             round(self.left_ms / frame),
             round(self.right_ms / frame),
         )
+
+    def check(self, card: ModelCard) -> None:
+        """ModelError unless one window fits the model (its card's `max_frames`)."""
+        frames = window_frames(card, self)
+        if card.max_frames and frames > card.max_frames:
+            frame = card.output_frame_ms
+            raise ModelError(
+                f"model {card.name!r}: a window of {self.left_ms:g} + {self.chunk_ms:g} + "
+                f"{self.right_ms:g} ms ({frames} output frames) is longer than the "
+                f"{card.max_frames} frames ({card.max_frames * frame / 1000:g} s) one call of "
+                "this model can give: choose a shorter chunk or context"
+            )
+
+
+WHOLE_SECONDS = 30.0  # the most audio one model.onnx call of an imported model runs, s
+
+
+def window_frames(card: ModelCard, cfg: ChunkConfig) -> int:
+    """Output frames the model gives for one full window of `cfg` (L + C + R, or one
+    more where NeMo's features count the frame at the end)."""
+    chunk, left, right = cfg.frames(card)
+    stride, field = card.time_stride, card.receptive_field
+    if card.nemo_features is not None:
+        stride = field = card.time_stride * card.nemo_features.hop_samples
+    return output_frames(card, (left + chunk + right - 1) * stride + field)
+
+
+def whole_chunks(card: ModelCard, seconds: float = WHOLE_SECONDS) -> ChunkConfig:
+    """The windows a whole utterance longer than one window runs in: `seconds` of audio
+    (fewer where the card's `max_frames` says), each keeping its middle two thirds with a
+    sixth of context on either side."""
+    frame = card.output_frame_ms
+    frames = max(3, round(min(seconds * 1000.0 / frame, 2**40)))  # L + C + R
+    if card.max_frames:
+        frames = max(3, min(frames, card.max_frames))
+    while True:
+        side = frames // 6
+        cfg = ChunkConfig((frames - 2 * side) * frame, side * frame, side * frame)
+        if not card.max_frames or window_frames(card, cfg) <= card.max_frames or frames <= 3:
+            return cfg
+        frames -= 1
 
 
 def can_chunk(card: ModelCard) -> bool:

@@ -176,6 +176,8 @@ class Engine:
                 raise ValueError(f"waveform[{i}] must have shape (S,), got {x.shape}")
             if not waveform and (x.ndim != 2 or x.shape[1] != f):
                 raise ValueError(f"features[{i}] must have shape (T, {f}), got {x.shape}")
+        if self.card.max_frames:
+            self._check_length(rows)
         if self.card.batch_padding == "alone" and len(rows) > 1:
             return [out for x in rows for out in self.offline([x])]
         if not rows:
@@ -194,6 +196,23 @@ class Engine:
             ["log_probs", "out_lengths"], {name: batch, "lengths": lengths}
         )
         return [lp[: max(int(n), 0)].copy() for lp, n in zip(log_probs, out_lengths, strict=True)]
+
+    def _check_length(self, rows: Sequence[np.ndarray]) -> None:
+        """ValueError for an input longer than the card's `max_frames` output frames (a
+        Conformer's positional table ends there: its graph would fail with a shape error)."""
+        c = self.card
+        for i, x in enumerate(rows):
+            if c.input == "waveform":
+                frames = (len(x) - c.receptive_field) // c.time_stride + 1
+            else:
+                frames = -(-len(x) // c.time_stride)
+            if frames > c.max_frames:
+                seconds = c.max_frames * c.output_frame_ms / 1000
+                raise ValueError(
+                    f"input {i} gives {frames} output frames; model {c.name!r} gives at most "
+                    f"{c.max_frames} ({seconds:g} s) in one call: Recognizer.log_probs runs "
+                    "longer audio in windows"
+                )
 
     # ---- streaming --------------------------------------------------------------
 

@@ -39,7 +39,15 @@ from echoic.model.core.features import (
     nemo_features,
     normalize_utterance,
 )
-from echoic.model.runtime.chunking import ChunkConfig, ChunkFeeder, can_chunk
+from echoic.model.runtime.chunking import (
+    WHOLE_SECONDS,
+    ChunkConfig,
+    ChunkFeeder,
+    can_chunk,
+    output_frames,
+    whole_chunks,
+    window_frames,
+)
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
@@ -62,9 +70,12 @@ class Recognizer:
         intra_op_threads: int = 0,
         providers: Sequence[str] = ("CPUExecutionProvider",),
         chunking: ChunkConfig | None = ChunkConfig(),  # noqa: B008 - frozen
+        whole_seconds: float = WHOLE_SECONDS,
     ) -> None:
-        """chunking: how a full-context waveform model (an imported wav2vec2) streams, by
-        overlapped chunks (`chunking.py`); None: it does not stream. Other models ignore it."""
+        """chunking: how a full-context imported model (a wav2vec2, a NeMo model) streams,
+        by overlapped chunks (`chunking.py`); None: it does not stream. whole_seconds: the
+        longest utterance such a model runs whole (`log_probs`); longer ones run in
+        overlapped windows of that length. Other models ignore both."""
         if isinstance(model, Engine):
             self.engine = model
         else:
@@ -78,6 +89,12 @@ class Recognizer:
         self.frame_seconds = self.card.output_frame_ms / 1000.0
         self.decoder_config = decoder or DecoderConfig()
         self.chunking = chunking if can_chunk(self.card) else None
+        if self.chunking is not None:
+            self.chunking.check(self.card)
+        # Whole utterances over one window's length: by these windows, one at a time.
+        self.whole_chunking = (
+            whole_chunks(self.card, whole_seconds) if can_chunk(self.card) else None
+        )
         self.lm_path: str | None = None  # the word LM in use (beam search)
         self._decoder = self._make_decoder(self.decoder_config)
 
@@ -128,8 +145,39 @@ class Recognizer:
 
     def log_probs(self, audios: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Log-probs (T', V) of each utterance (float32 mono at `sample_rate`): their
-        features (or samples), then one padded batch through model.onnx."""
-        return self.engine.offline([self.model_input(a) for a in audios])
+        features (or samples), then one padded batch through model.onnx. An imported
+        model's utterance longer than one window of `whole_chunking` runs in such windows
+        instead (`in_windows`), so that no call holds more than a window's activations."""
+        audios = [np.asarray(a, dtype=np.float32).reshape(-1) for a in audios]
+        long = [self._too_long(a) for a in audios]
+        whole = iter(
+            self.engine.offline(
+                [self.model_input(a) for a, x in zip(audios, long, strict=True) if not x]
+            )
+        )
+        return [self.in_windows(a) if x else next(whole) for a, x in zip(audios, long, strict=True)]
+
+    def _too_long(self, audio: np.ndarray) -> bool:
+        cfg = self.whole_chunking
+        return cfg is not None and output_frames(self.card, len(audio)) > window_frames(
+            self.card, cfg
+        )
+
+    def in_windows(self, audio: np.ndarray) -> np.ndarray:
+        """Log-probs (T', V) of one utterance run as `whole_chunking`'s overlapped windows,
+        one model.onnx call each (each normalised over its own samples, or with NeMo's
+        features of its own samples), the middle of each kept: `chunking.py`."""
+        feeder = ChunkFeeder(self.card, self.whole_chunking)
+        feeder.accept(audio)
+        feeder.finish()
+        kept = []
+        while feeder.ready():
+            window, first, keep = feeder.next_window()
+            (rows,) = self.engine.offline([self.model_input(window)])
+            kept.append(rows[first : first + keep])
+        if not kept:
+            return np.zeros((0, self.vocab.size), dtype=np.float32)
+        return np.concatenate(kept)
 
     def decode(self, log_probs: np.ndarray, n_best: int = 1) -> Transcript:
         """One utterance's transcript from its log-probs (T', V); with beam search and
