@@ -34,6 +34,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import ServerConfig, ServerError
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
@@ -63,6 +64,7 @@ class Server:
         health: health_aio.HealthServicer,
         service: TranscriberService,
         executors: tuple[ThreadPoolExecutor, ...],
+        beams: BeamProcesses | None = None,
     ) -> None:
         self.config = config
         self.grpc_server = grpc_server
@@ -71,6 +73,7 @@ class Server:
         self.health = health
         self.service = service
         self._executors = executors
+        self.beam_processes = beams  # --beam-processes' decoder processes; None when off
         self.port = 0  # gRPC port
         self.metrics_port: int | None = None  # Prometheus port, None when off
         self.http: HttpDoor | None = None  # the HTTP door, None when off
@@ -106,9 +109,19 @@ class Server:
         self.metrics.stop_http()
         for executor in self._executors:  # a model call or decoding in flight ends first
             await asyncio.to_thread(executor.shutdown)
+        if self.beam_processes is not None:
+            await asyncio.to_thread(self.beam_processes.close)
 
     async def wait_for_termination(self) -> None:
         await self.grpc_server.wait_for_termination()
+
+
+def _stop_pools(executors: tuple[ThreadPoolExecutor, ...], beams: BeamProcesses | None) -> None:
+    """A server that could not start: its threads and decoder processes end."""
+    for pool in executors:
+        pool.shutdown(wait=False)
+    if beams is not None:
+        beams.close()
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -208,16 +221,22 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     metrics = Metrics()
     # Model calls run here, one at a time per model version; a few versions can overlap.
     executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="echoic-engine")
-    # Beam searches run here, bounded, beside the batches rather than inside them.
-    decoders = ThreadPoolExecutor(max_workers=DECODER_THREADS, thread_name_prefix="echoic-decode")
+    # Beam searches run here, bounded, beside the batches rather than inside them; with
+    # --beam-processes these threads only wait on the decoder processes, one each.
+    decoders = ThreadPoolExecutor(
+        max_workers=max(DECODER_THREADS, config.beam_processes), thread_name_prefix="echoic-decode"
+    )
     executors = (executor, decoders)
-    registry = ModelRegistry(config, metrics, executor, decoders)
+    beams = registry = None
     try:
+        if config.beam_processes:
+            beams = await asyncio.to_thread(BeamProcesses, config.beam_processes)
+        registry = ModelRegistry(config, metrics, executor, decoders, beams)
         await registry.start()
     except BaseException:
-        await registry.close()
-        for pool in executors:
-            pool.shutdown(wait=False)
+        if registry is not None:
+            await registry.close()
+        await asyncio.to_thread(_stop_pools, executors, beams)
         raise
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -241,7 +260,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
     if config.reflection:
         _enable_reflection(grpc_server, riva)
-    server = Server(config, grpc_server, registry, metrics, health, service, executors)
+    server = Server(config, grpc_server, registry, metrics, health, service, executors, beams)
     address = f"{config.host}:{config.port}"
     try:
         if credentials is None:
@@ -259,8 +278,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     except BaseException as e:
         await registry.close()
         metrics.stop_http()
-        for pool in executors:
-            pool.shutdown(wait=False)
+        await asyncio.to_thread(_stop_pools, executors, beams)
         if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
             raise ServerError(f"cannot listen on {address}: {e}") from e
         if isinstance(e, OSError) and server.http is not None:

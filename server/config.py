@@ -107,6 +107,14 @@ class ServerConfig:
         "ms a dispatcher waits for a fuller batch; 0 = run whatever is ready at once",
         Flag(metavar="MS"),
     )
+    beam_processes: int = setting(
+        0,
+        "beam searches run in this many decoder processes of their own, count, each "
+        "stream's in one of them (flashlight's decoder holds the interpreter lock while it "
+        "decodes, which stalls the server's other threads); 0 = in the server's own "
+        "decoder threads",
+        Flag(metavar="N"),
+    )
     # 1 by measurement (bench/serve_load.py, README "Benchmarks"): the server's Python
     # threads need a core of their own, and batched calls of this size gain little from
     # a second ONNX Runtime thread; more cores serve more streams as more replicas.
@@ -235,6 +243,7 @@ class ServerConfig:
             (self.max_upload_mb > 0, "max_upload_mb must be > 0"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
+            (self.beam_processes >= 0, "beam_processes must be >= 0 (0 = decoder threads)"),
             (self.max_streams >= 1, "max_streams must be >= 1"),
             (self.max_audio_seconds >= 0, "max_audio_seconds must be >= 0"),
             (self.max_beam_size >= 1, "max_beam_size must be >= 1"),

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -41,11 +43,13 @@ from echoic.model.runtime.repository import (
     seed_with_bundled,
     version_key,
 )
+from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import ServerConfig, ServerError
 from echoic.server.dispatcher import Dispatcher
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
+T = TypeVar("T")
 
 LOADED, DRAINING = "loaded", "draining"
 
@@ -80,9 +84,13 @@ class LoadedModel:
         greedy: Recognizer,
         dispatcher: Dispatcher,
         decoders: Executor,
+        beams: BeamProcesses | None = None,
     ) -> None:
+        """beams: the decoder processes that run beam searches (`--beam-processes`); None:
+        they run in the `decoders` threads."""
         self.name, self.version, self.path = name, version, path
         self._decoders = decoders
+        self._beams = beams
         self.card = greedy.card
         self.greedy = greedy
         self.state = LOADED
@@ -102,7 +110,12 @@ class LoadedModel:
         return self.greedy.streams_exactly
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
-        return Recognizer(self.greedy.engine, decoder, chunking=self.greedy.chunking)
+        return Recognizer(
+            self.greedy.engine,
+            decoder,
+            chunking=self.greedy.chunking,
+            beam_decoders=self._beams.decoder if self._beams is not None else None,
+        )
 
     async def recognizer(self, decoder: DecoderConfig) -> Recognizer:
         """The recognizer for a decoder config (sharing this version's engine), built once."""
@@ -124,10 +137,13 @@ class LoadedModel:
         """Run the stream's next step in this version's next batch."""
         await self._dispatcher.step(stream)
 
-    async def decode(self, stream: Stream) -> None:
-        """Decode what the stream's steps queued (deferred decoding: beam search), in the
-        decoder pool, so that the batch every stream shares never waits for a beam."""
-        await asyncio.get_running_loop().run_in_executor(self._decoders, stream.decode_pending)
+    async def decode(self, stream: Stream, call: Callable[[], T] | None = None) -> T | None:
+        """Decode what the stream's steps queued (deferred decoding: beam search), and
+        finalize it once the stream is final, in the decoder pool, so that neither the
+        batch every stream shares nor the event loop waits for a beam; or run `call`
+        (the stream's decoding, such as ending an utterance) there instead."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._decoders, call or stream.result)
 
     async def decode_whole(
         self, recognizer: Recognizer, log_probs: np.ndarray, n_best: int
@@ -147,12 +163,18 @@ class LoadedModel:
 
 class ModelRegistry:
     def __init__(
-        self, config: ServerConfig, metrics: Metrics, executor: Executor, decoders: Executor
+        self,
+        config: ServerConfig,
+        metrics: Metrics,
+        executor: Executor,
+        decoders: Executor,
+        beams: BeamProcesses | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
         self._executor = executor  # batched model calls
         self._decoders = decoders  # beam searches, off the batches
+        self._beams = beams  # --beam-processes: where the decoder threads send beam searches
         self.serving: dict[str, LoadedModel] = {}  # name -> the version new requests get
         self.loaded: list[LoadedModel] = []  # every version in memory, serving or draining
         self._failed: dict[Path, tuple] = {}  # directory -> its signature when it failed
@@ -356,7 +378,7 @@ class ModelRegistry:
             metrics=self._metrics,
             labels=(name, version),
         )
-        return LoadedModel(name, version, path, greedy, dispatcher, self._decoders)
+        return LoadedModel(name, version, path, greedy, dispatcher, self._decoders, self._beams)
 
     def _switch(self, model: LoadedModel) -> None:
         old = self.serving.get(model.name)

@@ -28,6 +28,7 @@ from echoic.model.core.audio import AudioError, AudioTooLong
 from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+from echoic.server.beam_processes import BeamProcessDied
 from echoic.server.config import ServerConfig
 from echoic.server.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
@@ -528,6 +529,8 @@ def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
         return e.code, str(e)
     if isinstance(e, (AudioError, ModelLookupError, DecoderError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, BeamProcessDied):
+        return grpc.StatusCode.UNAVAILABLE, str(e)
     if isinstance(e, DispatcherClosed):
         return grpc.StatusCode.UNAVAILABLE, f"{e}: retry the request"
     if isinstance(e, ImportError) and "pip install" in str(e):

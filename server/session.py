@@ -332,14 +332,17 @@ class Session:
         stream, opts = self.stream, self.options
         while stream.is_ready():
             await self.model.step(stream)
-            if stream.has_undecoded:
+            if stream.has_undecoded or (stream.deferred_decoding and stream.is_final):
                 await self.model.decode(stream)
             if stream.is_final:
                 break
             if self._endpoint():
                 start, index = stream.utterance_start, stream.utterance_index
                 end = stream.decoded_seconds
-                final = stream.end_utterance()
+                if stream.deferred_decoding:  # the beam search's end, in the decoder pool
+                    final = await self.model.decode(stream, stream.end_utterance)
+                else:
+                    final = stream.end_utterance()
                 if final.words:
                     out.append(self._result(final, True, index, start, end))
                 self._last_interim = stream.decoded_seconds

@@ -21,6 +21,7 @@ FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
     "--metrics-port", "--http-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--device",
+    "--beam-processes",
     "--gpu", "--max-streams", "--workers",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",

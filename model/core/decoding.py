@@ -353,6 +353,29 @@ class DecoderConfig:
                 raise ValueError(f"a boosted word is one word with a finite boost, got {word!r}")
 
 
+def check_beam_settings(
+    vocab: Vocabulary,
+    beam_size: int,
+    boost: tuple[tuple[str, float], ...] = (),
+    token_beam: int | None = 8,
+    beam_threshold: float = 25.0,
+) -> None:
+    """ValueError, saying what is wrong, where `BeamSearchDecoder` cannot decode with
+    these settings (checked without flashlight, so that a decoder built elsewhere, in
+    another process, refuses the same requests)."""
+    if vocab.token_type == "chars" and " " not in vocab.index:
+        raise ValueError("beam search needs a space symbol in the vocabulary to separate words")
+    if beam_size < 1 or (token_beam is not None and token_beam < 1) or beam_threshold <= 0:
+        raise ValueError(
+            f"beam_size and token_beam must be at least 1 and beam_threshold positive, got "
+            f"{beam_size}, {token_beam}, {beam_threshold}"
+        )
+    letters = {c for _, text in vocab.pieces for c in text}
+    bad = [w for w, _ in boost if any(c not in letters for c in w)]
+    if bad:
+        raise ValueError(f"boosted word {bad[0]!r} has characters outside the vocabulary")
+
+
 class BeamSearchDecoder(_Decoder):
     """CTC prefix beam search over characters or subword tokens, optionally with a word
     n-gram LM (ARPA).
@@ -387,13 +410,7 @@ class BeamSearchDecoder(_Decoder):
     ) -> None:
         self.vocab = vocab
         self.frame_seconds = _check_frame_seconds(frame_seconds)
-        if vocab.token_type == "chars" and " " not in vocab.index:
-            raise ValueError("beam search needs a space symbol in the vocabulary to separate words")
-        if beam_size < 1 or (token_beam is not None and token_beam < 1) or beam_threshold <= 0:
-            raise ValueError(
-                f"beam_size and token_beam must be at least 1 and beam_threshold positive, got "
-                f"{beam_size}, {token_beam}, {beam_threshold}"
-            )
+        check_beam_settings(vocab, beam_size, boost, token_beam, beam_threshold)
         fl = _flashlight()
         self._options = fl.LexiconFreeDecoderOptions(
             beam_size=beam_size,
@@ -406,10 +423,6 @@ class BeamSearchDecoder(_Decoder):
         )
         self.lm = None if lm_path is None else _KenLM.shared(lm_path)  # shared by all decoders
         self._lm_weights = (lm_weight, word_bonus, unk_penalty)
-        letters = {c for _, text in vocab.pieces for c in text}
-        bad = [w for w, _ in boost if any(c not in letters for c in w)]
-        if bad:
-            raise ValueError(f"boosted word {bad[0]!r} has characters outside the vocabulary")
         self._boost = _Boost(dict(boost)) if boost else None
 
     def stream(self, stable_after: int = 3) -> BeamStream:

@@ -19,9 +19,10 @@ trained chunked; `Engine` and `WindowFeeder` pad exactly as the network does).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,11 +72,15 @@ class Recognizer:
         providers: Sequence[str] = ("CPUExecutionProvider",),
         chunking: ChunkConfig | None = ChunkConfig(),  # noqa: B008 - frozen
         whole_seconds: float = WHOLE_SECONDS,
+        beam_decoders: Callable[..., Any] | None = None,
     ) -> None:
         """chunking: how a full-context imported model (a wav2vec2, a NeMo model) streams,
         by overlapped chunks (`chunking.py`); None: it does not stream. whole_seconds: the
         longest utterance such a model runs whole (`log_probs`); longer ones run in
-        overlapped windows of that length. Other models ignore both."""
+        overlapped windows of that length. Other models ignore both.
+        beam_decoders: what builds a beam search, called as `BeamSearchDecoder` is (the
+        default) and giving an object with its `stream()` and `decode()`: the server's
+        decoders in processes of their own (`echoic serve --beam-processes`)."""
         if isinstance(model, Engine):
             self.engine = model
         else:
@@ -96,6 +101,7 @@ class Recognizer:
             whole_chunks(self.card, whole_seconds) if can_chunk(self.card) else None
         )
         self.lm_path: str | None = None  # the word LM in use (beam search)
+        self._beam_decoders = beam_decoders or BeamSearchDecoder
         self._decoder = self._make_decoder(self.decoder_config)
 
     @property
@@ -112,14 +118,14 @@ class Recognizer:
         """Streaming gives offline's log-probs (stream.onnx); overlapped chunks do not."""
         return self.engine.streamable
 
-    def _make_decoder(self, cfg: DecoderConfig) -> GreedyDecoder | BeamSearchDecoder:
+    def _make_decoder(self, cfg: DecoderConfig) -> Any:
         if cfg.kind == "greedy":
             return GreedyDecoder(self.vocab, frame_seconds=self.frame_seconds)
         lm = cfg.lm_path or None
         if lm is None and cfg.use_lm and (self.engine.model_dir / LM_FILE).is_file():
             lm = str(self.engine.model_dir / LM_FILE)
         self.lm_path = lm if cfg.use_lm else None
-        return BeamSearchDecoder(
+        return self._beam_decoders(
             self.vocab,
             frame_seconds=self.frame_seconds,
             beam_size=cfg.beam_size,
