@@ -17,7 +17,7 @@ examples:
   # the bundled model's LM: the fortunes' training sentences and WordNet's examples and
   # definitions (apt-get install wordnet-base), never a held-out sentence
   echoic lm data/default/text/train.txt --wordnet --exclude data/default/text/heldout.txt \
-    model/default/lm.arpa --prune-singletons
+    model/default/lm.arpa --min-count 3
 
 Each line is a sentence; text is normalised the way transcripts are (lower case,
 numbers in words, no punctuation). The estimate is interpolated modified

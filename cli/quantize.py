@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quantize",
         help="write an int8 copy of an exported model directory",
-        description="Quantize an exported model directory with ONNX Runtime's dynamic\n"
-        "quantization (int8 weights for convolutions and matrix products) into a new one.",
+        description="Quantize an exported model directory with ONNX Runtime's static\n"
+        "quantization (int8 convolutions and output layer, activation scales calibrated on\n"
+        "--calibration's audio) into a new one.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

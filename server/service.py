@@ -244,6 +244,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         as Recognize does: no interim results, and the final one is Recognize's."""
         model = self._registry.resolve(opts.model, opts.version)
         self._registry.acquire(model)
+        session: Session | None = None
         try:
             recognizer = await model.recognizer(opts.decoder)
             whole = not model.streams_exactly

@@ -87,7 +87,8 @@ def hold_port(host: str, port: int, error: str) -> tuple[int, list[socket.socket
                 port = probe.getsockname()[1]  # 0 -> the one port every address and worker gets
             sock = socket.socket(family, kind, proto)
             held.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # SO_REUSEPORT alone: the workers join it, while another server's probe (or a
+            # plain bind with SO_REUSEADDR) is refused even before the workers listen.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((address[0], port, *address[2:]))
     except OSError as e:
@@ -240,6 +241,7 @@ class Supervisor:
                 )  # fmt: skip
             worker.process = process
             pipe = Connection(mine.detach())
+            served, started = False, loop.time()
             try:
                 pipe.send(config)
                 await _readable(pipe.fileno())
@@ -249,28 +251,35 @@ class Supervisor:
                     message = (None,)
                 if message[0] != READY:
                     code = await process.wait()
-                    if not self._stopping:
-                        self._fail(
-                            message[1] if message[0] == FAILED else
-                            f"worker {worker.index} {_ended(code)} before it served "
-                            "(its log above says why)"
-                        )  # fmt: skip
-                    return
-                started = loop.time()
-                _, worker.pid, worker.metrics_port = message
-                log.info("worker %d serving (pid %d)", worker.index, worker.pid)
-                if len(self._served) < len(self.workers):
-                    self._served.add(worker.index)
-                    if len(self._served) == len(self.workers):  # all of them, the first time
-                        log.info("%s", self._where)
-                code = await process.wait()
+                    if self._stopping:
+                        return
+                    why = (
+                        message[1] if message[0] == FAILED else
+                        f"worker {worker.index} {_ended(code)} before it served "
+                        "(its log above says why)"
+                    )  # fmt: skip
+                    if worker.index not in self._served:  # the first start: stop them all
+                        self._fail(why)
+                        return
+                    # A restart that fails (a load error, a bad new version) leaves the
+                    # other workers serving; this one tries again after its backoff.
+                    log.error("worker %d did not start again: %s", worker.index, why)
+                else:
+                    served, started = True, loop.time()
+                    _, worker.pid, worker.metrics_port = message
+                    log.info("worker %d serving (pid %d)", worker.index, worker.pid)
+                    if len(self._served) < len(self.workers):
+                        self._served.add(worker.index)
+                        if len(self._served) == len(self.workers):  # all, the first time
+                            log.info("%s", self._where)
+                    code = await process.wait()
             finally:
                 worker.pid, worker.metrics_port, worker.process = 0, None, None
                 pipe.close()
             if self._stopping:
                 worker.exit_code = code
                 return
-            if loop.time() - started >= STEADY_SECONDS:
+            if served and loop.time() - started >= STEADY_SECONDS:
                 backoff = FIRST_BACKOFF
             log.error(
                 "worker %d (pid %d) %s; starting it again in %g s",
@@ -373,7 +382,8 @@ class WorkerRegistries:
         from prometheus_client.metrics_core import Metric
         from prometheus_client.parser import text_string_to_metric_families
 
-        serving = [(w.index, w.metrics_port) for w in self.workers_serving()]
+        # One read of each port: the supervisor's loop clears it when a worker dies.
+        serving = [(w.index, port) for w in self._workers if w.pid and (port := w.metrics_port)]
         with ThreadPoolExecutor(max(1, len(serving))) as pool:
             texts = list(pool.map(_scrape, [port for _, port in serving]))
         families: dict[str, Metric] = {}
@@ -397,7 +407,7 @@ def _scrape(port: int) -> str | None:
         url = f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(url, timeout=SCRAPE_SECONDS) as response:
             return response.read().decode()
-    except OSError:
+    except (OSError, ValueError):  # a worker gone meanwhile: its samples are missing
         return None
 
 

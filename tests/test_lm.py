@@ -189,6 +189,12 @@ def test_cli_several_sources_wordnet_and_exclusions(
     assert {"bird", "choked", "emotion", "breathe", "difficulty", "cat"} <= words
     assert "away" not in words and "mat" not in words  # excluded wherever they came from
     assert "perceived" not in words  # a definition with brackets is not plain prose
+    # The order the scripts use: options between the text files and OUT.arpa.
+    again = tmp_path / "again.arpa"
+    assert main(["lm", str(one), str(two), "--wordnet", "--exclude", str(held),
+                 "--wordnet-dir", str(wordnet), str(again), "--min-count", "1"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert again.read_bytes() == out.read_bytes()
     assert summary["sentences"] == 4  # cat sat, bird, one definition, one example
     assert main(["lm", str(out)]) == 1
     assert "no text" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import pytest
 import soundfile as sf
 
 from echoic.cli.main import main
+from echoic.model.core.configs import ConfigError
 from echoic.model.core.text import normalize_text
 from echoic.training.corpus import (
     DEFAULT_FORTUNES_DIR,
@@ -445,7 +446,7 @@ def test_formant_variant_scales_formants_one_to_five() -> None:
     ]
     assert lines[4:] == [f"formant {n} 110 100 100" for n in range(2, 6)]
     assert formant_variant(None, 0.9).splitlines()[1] == "formant 1 90 100 100"
-    with pytest.raises(Exception, match="espeak_formants"):
+    with pytest.raises(ConfigError, match="espeak_formants"):
         SynthConfig(espeak_formants=(0.3, 1.0))
 
 

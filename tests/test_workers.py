@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -267,12 +266,10 @@ def test_a_killed_worker_comes_back_while_the_other_serves(wavs: list[Path]) -> 
         os.kill(victim, signal.SIGKILL)
         died = f"worker 1 (pid {victim}) was killed by SIGKILL; starting it again in 1 s"
         wait_until(lambda: any(died in x for x in log), what="the death to be logged")
-        # Within the 1 s backoff (plus the new worker's start) worker 2 serves alone.
+        # During the backoff (and the new worker's start) worker 2 serves alone.
         meanwhile = [transcript(port, wavs[0]) for _ in range(3)]
-        back_already = worker_pids(log)[1] != victim
         assert meanwhile == [expected] * 3
         wait_until(lambda: worker_pids(log)[1] != victim, timeout=60, what="worker 1 again")
-        assert not back_already, "worker 1 was back before the calls meant for its absence"
         mport = metrics_port(log)
         assert scrape(mport, "echoic_worker_restarts_total") == {"1": 1.0, "2": 0.0}
         assert scrape(mport, "echoic_workers_serving") == {"": 2.0}
@@ -291,7 +288,6 @@ def test_a_port_another_program_holds_is_an_error(flag: str) -> None:
         other.listen()
         taken = other.getsockname()[1]
         ports = {"--port": "0", "--http-port": "0", flag: str(taken)}
-        started = time.monotonic()
         result = subprocess.run(
             [sys.executable, "-m", "echoic.cli.main", "serve", "--workers", "2",
              *(x for kv in ports.items() for x in kv)],
@@ -303,7 +299,33 @@ def test_a_port_another_program_holds_is_an_error(flag: str) -> None:
         f"echoic serve: error: {what} 127.0.0.1:{taken}: Address already in use"
     )
     assert "loading" not in result.stderr, "workers started on a port that was not free"
-    assert time.monotonic() - started < 60
+
+
+def test_a_restart_that_fails_leaves_the_other_worker_serving(
+    tmp_path: Path, wavs: list[Path]
+) -> None:
+    """A worker that served, died, and cannot start again (its model is gone from the
+    repository) does not stop the server: the other worker serves on, the supervisor
+    tries again after each backoff, and the worker is back once the model is."""
+    import shutil
+
+    from echoic.model.runtime.recognizer import default_model_dir
+
+    repo = tmp_path / "repo"
+    shutil.copytree(default_model_dir(), repo / "en" / "1")
+    flags = ("--model-repo", str(repo), "--poll-seconds", "0")
+    with two_workers(*flags) as (process, port, log):
+        expected = transcript(port, wavs[0])
+        shutil.move(repo / "en", tmp_path / "away")
+        victim = worker_pids(log)[1]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: any("worker 1 did not start again" in x for x in log),
+                   timeout=60, what="the failed restart to be logged")  # fmt: skip
+        assert process.poll() is None
+        assert [transcript(port, wavs[0]) for _ in range(3)] == [expected] * 3
+        shutil.move(tmp_path / "away", repo / "en")
+        wait_until(lambda: worker_pids(log)[1] != victim, timeout=90, what="worker 1 again")
+        assert transcript(port, wavs[0]) == expected
 
 
 def test_a_worker_that_cannot_start_stops_them_all(tmp_path: Path) -> None:

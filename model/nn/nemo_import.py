@@ -158,10 +158,12 @@ def _tokens(config: dict[str, Any], files: dict[str, bytes], where: str, bpe: bo
     elif vocab_txt is not None:
         pieces = _vocab_txt_pieces(vocab_txt.decode("utf-8"))
     else:
+        named = tok.get("spe_tokenizer_vocab") or tok.get("vocab_path")
+        found = "is not in the .nemo" if files else "needs the .nemo's files (none was given)"
         raise ExportError(
             f"{where}: the tokenizer's vocabulary (tokenizer.spe_tokenizer_vocab or "
-            f"tokenizer.vocab_path: {tok.get('spe_tokenizer_vocab') or tok.get('vocab_path')!r}) "
-            "is not in the .nemo; import from the .nemo that holds the tokenizer (--nemo)"
+            f"tokenizer.vocab_path: {named!r}) {found}; import with --nemo FILE.nemo, the "
+            ".nemo that holds the tokenizer"
         )
     if listed and [str(t) for t in listed] != pieces:
         raise ExportError(
