@@ -95,6 +95,58 @@ def test_int8_streaming_equals_offline(int8_dir: Path, held_out) -> None:
 
 
 @needs_bundled
+def _bias_scale_errors(proto) -> list[float]:
+    """For each int32 Conv/Gemm bias: |its scale / (x_scale * w_scale) - 1|, the error a
+    fused QLinearConv, which reads the bias against x_scale * w_scale, would make."""
+    from onnx import numpy_helper
+
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    dq = {n.output[0]: n for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+    errors = []
+    for node in proto.graph.node:
+        x, w, b = (dq.get(i) for i in [*node.input[:3], "", "", ""][:3])
+        if node.op_type in ("Conv", "Gemm") and x and w and b:
+            ratio = inits[b.input[1]] / (inits[x.input[1]] * inits[w.input[1]])
+            errors.append(float(np.max(np.abs(ratio - 1.0))))
+    return errors
+
+
+def test_int32_biases_follow_the_shared_input_scales(int8_dir: Path) -> None:
+    """stream.onnx takes model.onnx's activation scales; its int32 biases, quantized with
+    its own input scales, are quantized again for the shared ones (`_rescale_biases`):
+    here with every activation scale of stream.onnx made twice what it was."""
+    import onnx
+    from onnx import numpy_helper
+
+    from echoic.model.nn.quantize import _activation_scales, _rescale_biases
+
+    for name in ("model.onnx", "stream.onnx"):
+        errors = _bias_scale_errors(onnx.load(int8_dir / name))
+        assert len(errors) >= 2 and max(errors) < 1e-6, name
+    proto = onnx.load(int8_dir / "stream.onnx")
+    before = _dequantized_biases(proto)
+    scales = {scale for scale, _, _ in _activation_scales(proto)}
+    for t in proto.graph.initializer:
+        if t.name in scales:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 2, t.name))
+    assert min(_bias_scale_errors(proto)) > 0.4  # what a fused conv would read: half off
+    _rescale_biases(proto)
+    assert max(_bias_scale_errors(proto)) < 1e-6
+    for name, value in _dequantized_biases(proto).items():
+        np.testing.assert_allclose(value, before[name], atol=np.abs(before[name]).max() * 1e-3)
+
+
+def _dequantized_biases(proto) -> dict[str, np.ndarray]:
+    from onnx import numpy_helper
+
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    return {
+        n.input[0]: inits[n.input[0]] * inits[n.input[1]].astype(np.float64)
+        for n in proto.graph.node
+        if n.op_type == "DequantizeLinear" and inits.get(n.input[0], np.zeros(0)).dtype == np.int32
+    }
+
+
 def test_quantizing_an_int8_model_is_refused(int8_dir: Path, tmp_path: Path, held_out) -> None:
     with pytest.raises(QuantizeError, match="already int8"):
         quantize_model(int8_dir, tmp_path / "again", held_out[:1])

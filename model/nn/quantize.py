@@ -172,6 +172,35 @@ def _share_scales(offline: Any, stream: Any, path: Path) -> None:
                 t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(source), t.name))
 
 
+def _rescale_biases(proto: Any) -> None:
+    """Re-quantize each int32 Conv/Gemm bias of `proto` for the input scale it has now.
+    The quantizer stored a bias as round(b / (x_scale * w_scale)) with the graph's own
+    input scale; once `_share_scales` changed x_scale, a fused QLinearConv would read the
+    old integers against the new scale (off by their ratio)."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    dq = {n.output[0]: n for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+    for node in proto.graph.node:
+        if node.op_type not in ("Conv", "Gemm") or len(node.input) < 3:
+            continue
+        x, w, b = (dq.get(name) for name in node.input[:3])
+        if x is None or w is None or b is None or b.input[0] not in inits:
+            continue
+        bias = numpy_helper.to_array(inits[b.input[0]])
+        if bias.dtype != np.int32:
+            continue
+        old_scale = numpy_helper.to_array(inits[b.input[1]])
+        x_scale = numpy_helper.to_array(inits[x.input[1]]).astype(np.float64)
+        w_scale = numpy_helper.to_array(inits[w.input[1]]).astype(np.float64)
+        new_scale = (x_scale * w_scale).astype(old_scale.dtype)
+        values = bias.astype(np.float64) * old_scale.astype(np.float64)
+        info = np.iinfo(np.int32)
+        fresh = np.clip(np.round(values / new_scale), info.min, info.max).astype(np.int32)
+        inits[b.input[0]].CopyFrom(numpy_helper.from_array(fresh, b.input[0]))
+        inits[b.input[1]].CopyFrom(numpy_helper.from_array(new_scale, b.input[1]))
+
+
 def quantize_graphs(
     model_dir: Path, card: ModelCard, audio: Sequence[np.ndarray], src_dir: Path | None = None
 ) -> dict[str, Any]:
@@ -207,6 +236,7 @@ def quantize_graphs(
             }
     if STREAM_FILE in protos:
         _share_scales(protos[OFFLINE_FILE], protos[STREAM_FILE], src_dir / STREAM_FILE)
+        _rescale_biases(protos[STREAM_FILE])
     for name, proto in protos.items():
         for entry in proto.metadata_props:
             if entry.key == CARD_KEY:
