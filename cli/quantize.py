@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ModuleNotFoundError as e:  # onnx and onnxruntime are imported when needed
         _explain_missing(e)
-    except QuantizeError as e:
+    except (QuantizeError, ModelError) as e:  # ModelError: a model directory it cannot run
         raise UserError(str(e)) from e
     report = json.loads((path / REPORT_FILE).read_text())
     card = report["model_card"]

@@ -85,6 +85,13 @@ def _calibration_feeds(engine: Engine, audio: Sequence[np.ndarray]) -> dict[str,
     offline, stream = [], []
     for samples in audio[:CALIBRATION_UTTERANCES]:
         x = recognizer.model_input(samples)
+        if card.max_frames:  # a positional table's end (an imported Conformer): clip there
+            m, stride = card.max_frames, card.time_stride  # as Engine._check_length counts
+            x = x[
+                : (m - 1) * stride + card.receptive_field
+                if card.input == "waveform"
+                else m * stride
+            ]
         if len(x) < (card.receptive_field if card.input == "waveform" else 1):
             continue
         offline.append({card.input: x[None], "lengths": np.array([len(x)], dtype=np.int64)})
