@@ -187,7 +187,7 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
     """The loop as a user runs it, on the bundled model: `echoic serve` with no repository
     flag (the default repository, seeded with the bundled model); fine-tune the bundled
     model on a small synthesized corpus (twice: the same checkpoint bytes); `echoic deploy`
-    it; new requests get version 2 while a stream opened on version 1 finishes there with
+    it; new requests get the next version while a stream opened on the bundled one ends there with
     exactly its offline transcript; `echoic deploy --remove` rolls back. A client sends
     requests the whole time: none fails, and no restart."""
     import json
@@ -202,6 +202,8 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
     rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()]
     audio = decode_audio(Path(rows[0]["audio_filepath"]).read_bytes(), 16000)
     offline_v1 = Recognizer(default_model_dir(), intra_op_threads=1).transcribe([audio])[0].text
+    v1 = Recognizer(default_model_dir()).card.version  # the bundled version, seeded
+    v2 = str(int(v1) + 1)  # what `echoic deploy` numbers the next one
     assert offline_v1  # the bundled model hears something in it
 
     # Fine-tune twice with the same seed: byte-identical checkpoints.
@@ -219,8 +221,8 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
         target = f"127.0.0.1:{port}"
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.TranscriberStub(channel)
-            assert _versions(stub) == [("echoic-en-default", "1")]
-            assert (repo / "echoic-en-default" / "1" / "model.onnx").is_file()
+            assert _versions(stub) == [("echoic-en-default", v1)]
+            assert (repo / "echoic-en-default" / v1 / "model.onnx").is_file()
 
             answered: list[str] = []
             failures: list[str] = []
@@ -244,29 +246,29 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
                     timeout=900,
                 )  # fmt: skip
                 first = next(call)  # the stream is open on version 1
-                assert first.model.version == "1"
+                assert first.model.version == v1
 
                 out = _echoic("deploy", str(runs[0] / "last.pt"), "--wait", target)
-                assert "deployed echoic-en-default version 2" in out and "word LM" in out
-                assert _versions(stub) == [("echoic-en-default", "2")]
-                assert recognize(stub, pcm16(audio), linear16()).model.version == "2"
+                assert f"deployed echoic-en-default version {v2}" in out and "word LM" in out
+                assert _versions(stub) == [("echoic-en-default", v2)]
+                assert recognize(stub, pcm16(audio), linear16()).model.version == v2
                 listed = _echoic("models", "--server", target)
                 assert "draining" in listed  # version 1 holds the open stream
 
                 release.set()
                 rest = list(call)
-                assert {r.model.version for r in [first, *rest]} == {"1"}
+                assert {r.model.version for r in [first, *rest]} == {v1}
                 assert " ".join(t for t in finals([first, *rest]) if t) == offline_v1
 
-                out = _echoic("deploy", "--remove", "echoic-en-default/2", "--wait", target)
-                assert "no longer serves echoic-en-default version 2" in out
-                assert recognize(stub, pcm16(audio), linear16()).model.version == "1"
+                out = _echoic("deploy", "--remove", f"echoic-en-default/{v2}", "--wait", target)
+                assert f"no longer serves echoic-en-default version {v2}" in out
+                assert recognize(stub, pcm16(audio), linear16()).model.version == v1
             finally:
                 stop.set()
                 client.join(timeout=60)
         assert process.poll() is None  # never restarted
     assert not failures, failures[:5]
-    assert {"1", "2"} <= set(answered), "the client saw both versions"
+    assert {v1, v2} <= set(answered), "the client saw both versions"
     assert not [line for line in server_log if " ERROR " in line], server_log
 
 
@@ -332,13 +334,14 @@ def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeyp
     """The first start seeds it with the bundled model; a repository that has models is
     left as it is (a removed bundled version stays removed)."""
     from echoic.model.runtime.recognizer import default_model_dir
-    from echoic.model.runtime.repository import seed_with_bundled
+    from echoic.model.runtime.repository import read_report_card, seed_with_bundled
 
     repo = tmp_path / "fresh" / "models"
     monkeypatch.setenv("ECHOIC_MODEL_REPO", str(repo))
+    version = read_report_card(default_model_dir()).version
     with running() as server, channel_to(server) as channel:
-        assert _versions(pb_grpc.TranscriberStub(channel)) == [("echoic-en-default", "1")]
-    copied = repo / "echoic-en-default" / "1"
+        assert _versions(pb_grpc.TranscriberStub(channel)) == [("echoic-en-default", version)]
+    copied = repo / "echoic-en-default" / version
     for name in ("model.onnx", "stream.onnx", "lm.arpa", "export.json"):
         assert (copied / name).read_bytes() == (default_model_dir() / name).read_bytes()
     (repo / "mine").mkdir()
