@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage 2 of the default model (README, "The default model"): the bundled model fine-tuned
+# Stage 2 of the default model (README, "The default model"): stage 1 (v1) fine-tuned
 # on espeak-ng, flite and festival voices with augmentation (training/recipes/robust.toml),
 # then exported and measured on the held-out sets (scripts/heldout_sets.sh). Every step
 # resumes or skips what is done, so rerun it after an interruption (same thread count).
@@ -24,3 +24,6 @@ rm -rf runs/robust-export
 $E export runs/robust/last.pt runs/robust-export/1 --name echoic-en-default --version 2
 cp model/default/lm.arpa runs/robust-export/1/lm.arpa
 bash scripts/heldout_sets.sh runs/robust-export/1 100 | tee data/heldout-sets/after.txt
+# Install it as the bundled model (it fine-tunes what model/default holds: run this after
+# scripts/train_default.sh, which leaves v1 there).
+rm -rf model/default && cp -r runs/robust-export/1 model/default
