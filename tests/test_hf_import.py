@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from echoic.model.runtime.card import read_card  # noqa: E402
 from echoic.model.runtime.recognizer import Recognizer  # noqa: E402
 from echoic.model.runtime.repository import incomplete  # noqa: E402
+from tests.streaming import stream_all  # noqa: E402
 from tests.tiny_hf import SPECIAL, VOCAB  # noqa: E402
 
 RATE = 16000
@@ -272,21 +273,6 @@ def test_overlapped_windows_keep_every_frame_once_with_their_context(
     assert kept == list(range(total))
 
 
-def chunk_streamed(model_dir: Path, samples: np.ndarray, decoder=None) -> str:  # noqa: ANN001
-    """The transcript of `samples` streamed in process, 100 ms at a time, by the default
-    overlapped chunks (decoder: a DecoderConfig; greedy by default)."""
-    recognizer = Recognizer(model_dir, decoder)
-    stream = recognizer.stream()
-    for start in range(0, len(samples), 1600):
-        stream.accept_audio(samples[start : start + 1600])
-        while recognizer.step([stream]):
-            pass
-    stream.finish()
-    while recognizer.step([stream]):
-        pass
-    return stream.result().text
-
-
 def test_the_server_streams_a_full_context_model_by_overlapped_chunks(
     hf_imported_dir: Path,
 ) -> None:
@@ -303,8 +289,9 @@ def test_the_server_streams_a_full_context_model_by_overlapped_chunks(
     )
 
     wire, sent = audio_as_sent(4.0, 7)
-    streamed, offline = chunk_streamed(hf_imported_dir, sent), Recognizer(hf_imported_dir)
-    offline = offline.transcribe([sent])[0].text
+    recognizer = Recognizer(hf_imported_dir)
+    streamed = stream_all(recognizer, sent).text
+    offline = recognizer.transcribe([sent])[0].text
     assert streamed != offline, "this audio should show what the chunks' context costs"
     with running(hf_imported_dir) as server, channel_to(server) as channel:
         stub = pb_grpc.TranscriberStub(channel)
@@ -335,7 +322,7 @@ def test_beam_search_on_an_imported_model(hf_imported_dir: Path) -> None:
     wire, sent = audio_as_sent(3.0, 8)
     beam = DecoderConfig(kind="beam", beam_size=8)
     whole = Recognizer(hf_imported_dir, beam).transcribe([sent])[0].text
-    streamed = chunk_streamed(hf_imported_dir, sent, beam)
+    streamed = stream_all(Recognizer(hf_imported_dir, beam), sent).text
     assert whole and streamed
     config = linear16(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8))
     with running(hf_imported_dir) as server, channel_to(server) as channel:

@@ -26,6 +26,7 @@ from echoic.model.core.decoding import GreedyDecoder  # noqa: E402
 from echoic.model.core.features import NemoFeatureConfig, nemo_features  # noqa: E402
 from echoic.model.runtime.card import open_session, read_card  # noqa: E402
 from echoic.model.runtime.recognizer import Recognizer  # noqa: E402
+from tests.streaming import stream_all  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nemo"
 KINDS = ("chars", "bpe")
@@ -192,21 +193,6 @@ def test_bpe_words_begin_at_word_start_tokens() -> None:
     assert vocab.decode([1, 2, 3, 4, 5, 3]) == "the cats t"
 
 
-def chunk_streamed(model_dir: Path, samples: np.ndarray, decoder=None) -> str:  # noqa: ANN001
-    """The transcript of `samples` streamed in process, 100 ms at a time, by the default
-    overlapped chunks."""
-    recognizer = Recognizer(model_dir, decoder)
-    stream = recognizer.stream()
-    for start in range(0, len(samples), 1600):
-        stream.accept_audio(samples[start : start + 1600])
-        while recognizer.step([stream]):
-            pass
-    stream.finish()
-    while recognizer.step([stream]):
-        pass
-    return stream.result().text
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_server_streams_a_nemo_model_by_overlapped_chunks(
     nemo_dirs: dict[str, Path], kind: str
@@ -228,7 +214,7 @@ def test_the_server_streams_a_nemo_model_by_overlapped_chunks(
     samples, _ = sf.read(FIXTURES / "clip.flac", dtype="int16")
     wire = samples.astype("<i2").tobytes()
     sent = samples.astype(np.float32) / 32768
-    streamed = chunk_streamed(nemo_dirs[kind], sent)
+    streamed = stream_all(Recognizer(nemo_dirs[kind]), sent).text
     offline = Recognizer(nemo_dirs[kind]).transcribe([sent])[0].text
     assert streamed
     with running(nemo_dirs[kind]) as server, channel_to(server) as channel:
