@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,21 +168,31 @@ def fortune_sentences(
     vocabulary: Vocabulary | None = None,
 ) -> list[str]:
     """Clean, distinct (by normalised text) sentences from fortune files, in file order."""
+
+    def candidates() -> Iterator[str]:
+        for path in files:
+            for record in fortune_records(Path(path)):
+                for sentence in split_into_sentences(record):
+                    yield sentence.strip("'\"")  # outer quotes of a quoted remark
+
+    pairs = _clean_distinct(candidates(), min_words, max_words, vocabulary)
+    return [sentence for sentence, _ in pairs]
+
+
+def _clean_distinct(
+    sentences: Iterable[str], min_words: int, max_words: int, vocabulary: Vocabulary | None
+) -> Iterator[tuple[str, str]]:
+    """(sentence, its normalised transcript) for each clean sentence (`is_clean_sentence`)
+    the vocabulary can encode whose transcript has not come before."""
     vocabulary = vocabulary or Vocabulary()
     seen: set[str] = set()
-    sentences: list[str] = []
-    for path in files:
-        for record in fortune_records(Path(path)):
-            for sentence in split_into_sentences(record):
-                sentence = sentence.strip("'\"")  # outer quotes of a quoted remark
-                if not sentence or not is_clean_sentence(sentence, min_words, max_words):
-                    continue
-                key = clean_transcript(sentence, vocabulary)
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                sentences.append(sentence)
-    return sentences
+    for sentence in sentences:
+        if not sentence or not is_clean_sentence(sentence, min_words, max_words):
+            continue
+        key = clean_transcript(sentence, vocabulary)
+        if key is not None and key not in seen:
+            seen.add(key)
+            yield sentence, key
 
 
 DEFAULT_WORDNET_DIR = Path("/usr/share/wordnet")
@@ -203,28 +213,22 @@ def wordnet_sentences(
     if not files:
         hint = "apt-get install wordnet-base"
         raise FileNotFoundError(f"no WordNet data.* files in {directory} ({hint})")
-    vocabulary = vocabulary or Vocabulary()
-    seen: set[str] = set()
-    sentences: list[str] = []
-    for path in files:
-        for line in path.read_text(encoding="latin-1").splitlines():
-            if line.startswith("  ") or "|" not in line:  # the licence header
-                continue
-            gloss = line.split("|", 1)[1]
-            examples = re.findall(r'"([^"]+)"', gloss)
-            definitions = re.sub(r'"[^"]*"', "", gloss).split(";")
-            for sentence in (*examples, *definitions):
-                sentence = sentence.strip()
-                if sentence and sentence[-1] not in ".!?":
-                    sentence += "."  # a definition has no full stop of its own
-                if not is_clean_sentence(sentence, min_words, max_words):
+
+    def candidates() -> Iterator[str]:
+        for path in files:
+            for line in path.read_text(encoding="latin-1").splitlines():
+                if line.startswith("  ") or "|" not in line:  # the licence header
                     continue
-                key = clean_transcript(sentence, vocabulary)
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                sentences.append(key)
-    return sentences
+                gloss = line.split("|", 1)[1]
+                examples = re.findall(r'"([^"]+)"', gloss)
+                definitions = re.sub(r'"[^"]*"', "", gloss).split(";")
+                for sentence in (*examples, *definitions):
+                    sentence = sentence.strip()
+                    if sentence and sentence[-1] not in ".!?":
+                        sentence += "."  # a definition has no full stop of its own
+                    yield sentence
+
+    return [key for _, key in _clean_distinct(candidates(), min_words, max_words, vocabulary)]
 
 
 def split_corpus(sentences: Sequence[str], held_out: int, seed: int) -> tuple[list[str], list[str]]:
