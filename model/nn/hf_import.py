@@ -57,6 +57,7 @@ from echoic.model.nn.export import (
 from echoic.model.runtime.card import (
     BATCH,
     CARD_FORMAT,
+    FULL_CONTEXT,
     OFFLINE_FILE,
     REPORT_FILE,
     ModelCard,
@@ -248,18 +249,8 @@ def build_card(
         time_stride=stride,
         output_frame_ms=hop_ms * stride,
         receptive_field=field,
-        pad_left=0,
-        streamable=False,
-        chunk_frames=0,
-        context_frames=0,
-        window_input_frames=0,
-        state_batch_axis=1,
-        states=(),
         feature_mean=(0.0,),
-        rnn_type="none",
-        rnn_layers=0,
-        rnn_hidden=0,
-        bidirectional=True,  # full context: self-attention sees the whole utterance
+        **FULL_CONTEXT,  # self-attention sees the whole utterance
         parameters=sum(p.numel() for p in model.parameters()),
         config_hash=digest,
         model_config_hash=digest,

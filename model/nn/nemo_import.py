@@ -51,7 +51,14 @@ from echoic.model.core.features import FeatureConfig, NemoFeatureConfig, nemo_fe
 from echoic.model.core.files import staged_directory, write_durably
 from echoic.model.core.text import BLANK, WORD_START, TextError, Vocabulary
 from echoic.model.nn.export import PARITY_TOLERANCE, ExportError, Shapes, _default_version
-from echoic.model.runtime.card import BATCH, CARD_FORMAT, OFFLINE_FILE, REPORT_FILE, ModelCard
+from echoic.model.runtime.card import (
+    BATCH,
+    CARD_FORMAT,
+    FULL_CONTEXT,
+    OFFLINE_FILE,
+    REPORT_FILE,
+    ModelCard,
+)
 from echoic.model.runtime.repository import check_name
 
 SUPPORTED = ("EncDecCTCModel", "EncDecCTCModelBPE")  # the config's `target` class
@@ -550,18 +557,8 @@ def build_card(
         time_stride=source.time_stride,
         output_frame_ms=hop_ms * source.time_stride,
         receptive_field=source.time_stride,  # full context: every frame sees the utterance
-        pad_left=0,
-        streamable=False,
-        chunk_frames=0,
-        context_frames=0,
-        window_input_frames=0,
-        state_batch_axis=1,
-        states=(),
         feature_mean=(0.0,) * nf.mel_bins,
-        rnn_type="none",
-        rnn_layers=0,
-        rnn_hidden=0,
-        bidirectional=True,
+        **FULL_CONTEXT,
         parameters=parameters,
         config_hash=digest,
         model_config_hash=digest,

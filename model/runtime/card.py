@@ -31,6 +31,23 @@ REPORT_FILE = "export.json"  # written last by `echoic export`: a version is com
 BATCH = "batch"  # the symbolic batch dimension of every graph input and output
 
 
+# The card fields of an imported full-context model (a wav2vec2, a NeMo model): no
+# stream.onnx, no recurrent state; it streams by overlapped chunks (`chunking.py`).
+FULL_CONTEXT: dict[str, Any] = {
+    "pad_left": 0,
+    "streamable": False,
+    "chunk_frames": 0,
+    "context_frames": 0,
+    "window_input_frames": 0,
+    "state_batch_axis": 1,
+    "states": (),
+    "rnn_type": "none",
+    "rnn_layers": 0,
+    "rnn_hidden": 0,
+    "bidirectional": True,
+}
+
+
 class ModelError(Exception):
     """A model directory or ONNX file that cannot be used; the message names the file."""
 
