@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             raise UserError(str(e)) from e
     excluded = {normalize_text(line) for path in args.exclude for line in _lines(path)}
-    sentences = [s for lines in sources for s in lines if normalize_text(s) not in excluded]
+    sentences = [s for lines in sources for s in lines]
+    if excluded:  # build_arpa normalises every sentence anyway: only then a second time
+        sentences = [s for s in sentences if normalize_text(s) not in excluded]
     named = " + ".join([*args.text, *(["WordNet"] if args.wordnet else [])])
     try:
         stats = build_arpa(

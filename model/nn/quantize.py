@@ -49,6 +49,7 @@ from echoic.model.runtime.card import (
     STREAM_FILE,
     ModelCard,
     ModelError,
+    read_card,
 )
 from echoic.model.runtime.repository import check_name
 
@@ -307,15 +308,13 @@ def quantize_model(
     copied. name and version default to the source's (version: `out_dir`'s name when it
     is a number, as `echoic export` does). Nothing is left behind on failure.
     """
-    from echoic.model.runtime.engine import Engine
-
     if scheme not in QUANTIZE_SCHEMES:
         raise QuantizeError(f"unknown quantization {scheme!r}; choose from {QUANTIZE_SCHEMES}")
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise QuantizeError(f"{out_dir} already exists; write the int8 model to a new directory")
-    try:
-        source = Engine(src_dir)
+    try:  # the card; quantize_graphs loads the graphs (and checks them against it)
+        source_card = read_card(src_dir / OFFLINE_FILE)
     except ModelError as e:
         raise QuantizeError(str(e)) from e
     if version is None and out_dir.name.isascii() and out_dir.name.isdigit():
@@ -326,10 +325,13 @@ def quantize_model(
                 check_name(what, value)
     except ValueError as e:
         raise QuantizeError(str(e)) from e
-    card = int8_card(source.card, name=name, version=version)
+    card = int8_card(source_card, name=name, version=version)
     graphs = {OFFLINE_FILE, STREAM_FILE, REPORT_FILE}
     with staged_directory(out_dir) as tmp:
-        quantization = quantize_graphs(tmp, card, audio, src_dir)
+        try:
+            quantization = quantize_graphs(tmp, card, audio, src_dir)
+        except ModelError as e:  # graphs that do not match their card, or do not load
+            raise QuantizeError(str(e)) from e
         for extra in sorted(src_dir.iterdir()):
             if extra.is_file() and extra.name not in graphs and not extra.name.startswith("."):
                 shutil.copy2(extra, tmp / extra.name)
