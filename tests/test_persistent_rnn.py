@@ -494,10 +494,12 @@ def test_plan_tries_tiles_first_for_a_batch_one_tile_holds(stand_in_gpu) -> None
 
 @pytest.mark.parametrize(
     ("rows", "tiles_first"),
-    [pytest.param(1, True, id="B1"), pytest.param(16, True, id="B16"),
-     pytest.param(17, False, id="B17")],
+    [pytest.param(1, False, id="B1"), pytest.param(2, True, id="B2"),
+     pytest.param(16, True, id="B16"), pytest.param(17, False, id="B17")],
 )  # fmt: skip
-def test_choose_asks_for_tiles_first_up_to_16_rows(rows: int, tiles_first: bool, monkeypatch):
+def test_choose_asks_for_tiles_first_from_2_to_16_rows(rows: int, tiles_first: bool, monkeypatch):
+    """A single row runs fastest as rows, 2 to 16 as one tile (bench/persistent_rnn.py
+    on an H200: function.TILES_FIRST_MIN_ROWS)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     asked = []
     monkeypatch.setattr(function, "plan", lambda *key: asked.append(key) or KernelConfig(16, 8))
@@ -520,33 +522,40 @@ def test_plan_says_why_nothing_fits(stand_in_gpu) -> None:
     assert function.plan("rnn", 8192, torch.bfloat16, 1, 0) == "hidden size 8192 > 4096"
 
 
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
 def _on_gpu(dtype=torch.bfloat16):
     """A layer input as `choose` reads it: on a CUDA device, with a dtype."""
     return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=dtype)
 
 
 @pytest.mark.parametrize(
-    ("impl", "capability", "rows", "fits", "chosen"),
+    ("impl", "capability", "rows", "dtype", "fits", "chosen"),
     [
-        pytest.param("cudnn", (9, 0), 4, True, False, id="cudnn"),
-        pytest.param("auto", (9, 0), 16, True, True, id="auto-hopper-16-rows"),
-        pytest.param("auto", (9, 0), 17, True, False, id="auto-hopper-17-rows"),
-        pytest.param("auto", (8, 0), 4, True, False, id="auto-ampere"),
-        pytest.param("auto", (9, 0), 4, False, False, id="auto-too-large"),
-        pytest.param("persistent", (8, 0), 64, True, True, id="persistent-ampere"),
-        pytest.param("persistent", (9, 0), 4, False, False, id="persistent-too-large"),
+        pytest.param("cudnn", (9, 0), 4, BF16, True, False, id="cudnn"),
+        pytest.param("auto", (9, 0), 16, BF16, True, True, id="auto-hopper-16-rows"),
+        pytest.param("auto", (9, 0), 17, BF16, True, False, id="auto-hopper-17-rows"),
+        pytest.param("auto", (9, 0), 4, FP32, True, True, id="auto-fp32-4-rows"),
+        pytest.param("auto", (9, 0), 5, FP32, True, False, id="auto-fp32-5-rows"),
+        pytest.param("auto", (8, 0), 4, BF16, True, False, id="auto-ampere"),
+        pytest.param("auto", (9, 0), 4, BF16, False, False, id="auto-too-large"),
+        pytest.param("persistent", (8, 0), 64, BF16, True, True, id="persistent-ampere"),
+        pytest.param("persistent", (9, 0), 4, BF16, False, False, id="persistent-too-large"),
     ],
-)
+)  # fmt: skip
 def test_choose(
-    impl, capability, rows: int, fits: bool, chosen: bool, monkeypatch, recwarn
+    impl, capability, rows: int, dtype, fits: bool, chosen: bool, monkeypatch, recwarn
 ) -> None:
+    """`auto` takes the kernels where bench/persistent_rnn.py measured them faster than
+    cuDNN on an H200: up to 16 rows with 16-bit weights (tiles), 4 in float32 (rows)."""
     cfg = KernelConfig(16, 8)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(function, "plan", lambda *key: cfg if fits else "16 warps: it spills")
     monkeypatch.setattr(function, "_warned", set())
-    got = function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
+    got = function.choose(impl, "gru", 1024, _on_gpu(dtype), 2, rows)
     assert got == (("triton", cfg) if chosen else None)
-    function.choose(impl, "gru", 1024, _on_gpu(), 2, rows)
+    function.choose(impl, "gru", 1024, _on_gpu(dtype), 2, rows)
     said = [str(w.message) for w in recwarn]
     if impl == "persistent" and not fits:  # asked for and refused: said once, not per step
         assert said == [

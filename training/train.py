@@ -85,6 +85,9 @@ class TrainConfig:
     rnn_impl: Literal["auto", "cudnn", "persistent"] = "cudnn"  # GRU / plain RNN kernels on
     # GPU: persistent (echoic.model.nn.persistent, cuDNN where they do not fit), auto (persistent
     # where they fit and are expected faster), cudnn. Same parameters and checkpoints.
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"  # collectives between ranks: auto =
+    # NCCL on GPUs (a GPU a rank), gloo on CPUs; gloo on GPUs lets ranks share them (local
+    # rank r on GPU r % GPUs). Sums in another order: part of what a run computes.
     threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks. The weights
     # depend on it: a checkpoint records the count used and resumes only with that count.
     stats_utterances: int = 300  # utterances sampled for feature mean/std
@@ -127,12 +130,12 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 # ---- set-up ----------------------------------------------------------------------
 
 
-def _device(cfg: TrainConfig, env: distributed.DistEnv) -> torch.device:
+def _device_type(cfg: TrainConfig) -> str:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda but no CUDA GPU is visible")
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
+        return "cuda"
+    return "cpu"
 
 
 def make_deterministic(device: torch.device) -> None:
@@ -503,12 +506,11 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path | None:
     """Train (or resume) according to `cfg`; returns the path of the final checkpoint on
     rank 0 (the one that wrote it), None on the others."""
     env = distributed.detect_env()
-    device = _device(cfg, env)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1))
     cfg = dataclasses.replace(cfg, threads=threads)  # the count used is what is recorded
     torch.set_num_threads(threads)
+    device = distributed.init_distributed(env, _device_type(cfg), cfg.dist_backend)
     make_deterministic(device)
-    distributed.init_distributed(env, device.type)
     try:
         return _train(cfg, env, device, progress)
     finally:

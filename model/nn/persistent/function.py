@@ -50,11 +50,20 @@ Impl = Literal["auto", "cudnn", "persistent"]
 
 # `auto` runs the persistent kernels on Hopper (sm_90) for layers whose largest
 # direction has at most this many rows (batch rows, or windows for the backward
-# direction of a latency-controlled layer). Persistent RNNs win where the batch
-# is small and the recurrent matrix is re-read every step (Diamos et al. 2016);
-# these limits are that design's estimate, not yet measured on this code:
-# bench/persistent_rnn.py prints the crossover to set them from.
-AUTO_MAX_ROWS = {"rnn": 16, "gru": 16}
+# direction of a latency-controlled layer), by the kernels the dtype allows: "tiles"
+# for 16-bit weights (tensor-core tiles, or rows), "rows" alone for float32.
+# Persistent RNNs win where the batch is small and the recurrent matrix is re-read
+# every step (Diamos et al. 2016). Measured (bench/persistent_rnn.py --quick, an
+# H200, 2026-11-27, bidirectional GRU, H 512 and 1024, T 200, fwd+bwd against cuDNN;
+# docs/gpu-runs/2026-11-27-h200): rows win up to 4 rows (bf16 1.68-2.90x, fp32
+# 1.85-2.51x) and lose at 16 (0.62-0.71x, fp32 0.65x); tiles win up to 16 rows
+# (1.84-2.04x) and lose at 64 (0.70-0.77x). Between 4 and 16 rows in float32 nothing
+# was measured, so `auto` stays on cuDNN there.
+AUTO_MAX_ROWS = {"rows": 4, "tiles": 16}
+# A single row runs faster as rows (2.85-2.90x) than as a tile (1.86-1.98x); from 4
+# rows a tile is as fast or faster (1.84-1.94x against 1.68-1.83x): `plan` tries
+# tiles first for this many rows up to capacity.TILES_FIRST_ROWS.
+TILES_FIRST_MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -292,11 +301,11 @@ def plan(
     if hidden > capacity.MAX_HIDDEN:
         return f"hidden size {hidden} > {capacity.MAX_HIDDEN}"
     try:
-        from echoic.model.nn.persistent import launch
+        from echoic.model.nn.persistent import launch  # noqa: F401 - needs triton
     except ImportError:
         return "triton is not installed (pip install triton)"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype), tiles_first)
+    configs = capacity.candidates(hidden, directions, sms, capacity.tile_dtype(dtype), tiles_first)
     return first_fit(cell, hidden, dtype, directions, device, configs)
 
 
@@ -348,9 +357,10 @@ def choose(
     if key in _broken:
         return None
     if impl == "auto":
-        if torch.cuda.get_device_capability(key[-1]) != (9, 0) or rows > AUTO_MAX_ROWS[cell]:
+        kernels = "tiles" if capacity.tile_dtype(key[2]) else "rows"
+        if torch.cuda.get_device_capability(key[-1]) != (9, 0) or rows > AUTO_MAX_ROWS[kernels]:
             return None
-    found = plan(*key, rows <= capacity.TILES_FIRST_ROWS)
+    found = plan(*key, TILES_FIRST_MIN_ROWS <= rows <= capacity.TILES_FIRST_ROWS)
     if isinstance(found, str):
         if impl == "persistent":
             shape = f"{cell} H={hidden} {key[2]} x{directions}"
