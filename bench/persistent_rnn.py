@@ -24,7 +24,7 @@ Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
 --quick prints table 1 for the bidirectional GRU alone (the issue-20 target: B = 4,
 H = 1024, fwd+bwd, at least 3x cuDNN), in a few minutes, and skips tables 2 and 3.
 
-Use the ratios to set AUTO_MAX_ROWS in echoic/model/nn/persistent/function.py, and
+Use the ratios to set auto_max_rows in echoic/model/nn/persistent/function.py, and
 the order of rows and tiles in capacity.candidates.
 """
 

@@ -531,6 +531,22 @@ def _on_gpu(dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize(
+    ("cell", "directions", "tiles", "most"),
+    [
+        pytest.param("gru", 2, True, 16, id="bigru-tiles"),
+        pytest.param("gru", 1, True, 16, id="gru-tiles"),
+        pytest.param("rnn", 2, True, 16, id="birnn-tiles"),
+        pytest.param("rnn", 1, True, 4, id="rnn-tiles-cudnn-persists"),
+        pytest.param("gru", 2, False, 4, id="bigru-fp32-rows"),
+    ],
+)
+def test_auto_stops_where_cudnn_was_measured_faster(cell, directions, tiles, most) -> None:
+    """bench/persistent_rnn.py on an H200: one direction of a plain RNN is where cuDNN's
+    own persistent algorithm wins from 8 rows; rows alone lose from 16 rows."""
+    assert function.auto_max_rows(cell, directions, tiles) == most
+
+
+@pytest.mark.parametrize(
     ("impl", "capability", "rows", "dtype", "fits", "chosen"),
     [
         pytest.param("cudnn", (9, 0), 4, BF16, True, False, id="cudnn"),
