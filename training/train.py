@@ -44,7 +44,7 @@ from torch import nn
 
 from echoic.model.core.configs import apply_overrides, config_hash, from_dict, to_dict
 from echoic.model.core.text import Vocabulary
-from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
+from echoic.model.nn.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
 from echoic.model.nn.rebuild import is_export, rebuild, recalibrate_norms
 from echoic.training import checkpoint, distributed
@@ -242,12 +242,12 @@ def start(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, prog
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, total))
     step, epoch = 0, 0
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        sampler.load_state_dict(resume["sampler"])
-        step, epoch = resume["step"], resume["epoch"]
-        checkpoint.set_rng_state(resume["rng"][env.rank])
+        model.load_state_dict(resume.model)
+        optimizer.load_state_dict(resume.optimizer)
+        scheduler.load_state_dict(resume.scheduler)
+        sampler.load_state_dict(resume.sampler)
+        step, epoch = resume.step, resume.epoch
+        checkpoint.set_rng_state(resume.rng[env.rank])
     # After the resume: DDP broadcasts rank 0's weights when it wraps them.
     wrapped: nn.Module = model
     if env.world_size > 1:
@@ -296,19 +296,19 @@ def _resumable(
     if not ckpt_path.exists():
         return None
     resume = load_checkpoint(ckpt_path)
-    if resume["model_config"] != to_dict(cfg.model):
+    if resume.model_config != to_dict(cfg.model):
         raise CheckpointError(
             f"{ckpt_path} holds a different model (its [model] config differs from this"
             " recipe's); use a new out_dir or the recipe that wrote it"
         )
-    saved_threads = resume["train_config"].get("threads", 0)  # 0: not recorded (older)
+    saved_threads = resume.train_config.get("threads", 0)  # 0: not recorded (older)
     if saved_threads and saved_threads != cfg.threads:
         raise CheckpointError(
             f"{ckpt_path} was trained with {saved_threads} intra-op thread(s), this run would use"
             f" {cfg.threads}, and the weights depend on it: pass threads={saved_threads} to resume"
         )
-    if resume["config_hash"] != weights_hash(cfg) and env.rank == 0:
-        ours, theirs = _flat(to_dict(cfg, NOT_HASHED)), _flat(resume["train_config"])
+    if resume.config_hash != weights_hash(cfg) and env.rank == 0:
+        ours, theirs = _flat(to_dict(cfg, NOT_HASHED)), _flat(resume.train_config)
         changed = sorted(k for k, v in ours.items() if theirs.get(k) != v)
         print(
             f"note: resuming {ckpt_path} with a changed training config"
@@ -316,9 +316,9 @@ def _resumable(
             " an uninterrupted one",
             file=sys.stderr,
         )
-    if resume["world_size"] != env.world_size:
+    if resume.world_size != env.world_size:
         raise CheckpointError(
-            f"{ckpt_path} was written with world size {resume['world_size']}, not"
+            f"{ckpt_path} was written with world size {resume.world_size}, not"
             f" {env.world_size}: exact resume needs the same number of ranks"
         )
     return resume
@@ -365,7 +365,7 @@ def _init_from(model: DeepSpeech2, cfg: TrainConfig, train_utts: list[Utterance]
         source, info = rebuild(path)
         theirs = source.state_dict()
     else:
-        theirs = load_checkpoint(path)["model"]
+        theirs = load_checkpoint(path).model
     ours = model.state_dict()
     misfit = sorted(set(ours) ^ set(theirs)) or [
         k for k in ours if ours[k].shape != theirs[k].shape
@@ -479,23 +479,20 @@ def save(run: Run) -> None:
     rngs = distributed.all_gather_object(checkpoint.rng_state())
     if run.main:
         cfg = run.cfg
-        checkpoint.save_atomic(
-            {
-                "format": FORMAT,
-                "model": run.model.state_dict(),
-                "model_config": to_dict(cfg.model),
-                "train_config": to_dict(cfg, NOT_SAVED),  # threads: the count used
-                "config_hash": weights_hash(cfg),
-                "optimizer": run.optimizer.state_dict(),
-                "scheduler": run.scheduler.state_dict(),
-                "sampler": run.sampler.state_dict(),
-                "rng": rngs,
-                "step": run.step,
-                "epoch": run.epoch,
-                "world_size": run.env.world_size,
-            },
-            run.ckpt_path,
+        saved = Checkpoint(
+            model=run.model.state_dict(),
+            model_config=to_dict(cfg.model),
+            train_config=to_dict(cfg, NOT_SAVED),  # threads: the count used
+            config_hash=weights_hash(cfg),
+            optimizer=run.optimizer.state_dict(),
+            scheduler=run.scheduler.state_dict(),
+            sampler=run.sampler.state_dict(),
+            rng=rngs,
+            step=run.step,
+            epoch=run.epoch,
+            world_size=run.env.world_size,
         )
+        checkpoint.save_atomic(saved.to_dict(), run.ckpt_path)
     distributed.barrier()
 
 
