@@ -385,8 +385,9 @@ class RealtimeSession:
         if self.session is not None:
             self.session.audio.close()
         self.session = Session(
-            chosen, recognizer, opts, name="audio", max_seconds=service._config.max_audio_seconds
-        )
+            chosen, recognizer, opts, name="audio", max_seconds=service._config.max_audio_seconds,
+            time_limit=service._config.decode_timeout_seconds,
+        )  # fmt: skip
         asr["model"] = chosen.name
         self.settings = settings
         return chosen

@@ -272,10 +272,12 @@ class Session:
         name: str,
         *,
         max_seconds: float = 0.0,
+        time_limit: float = 0.0,
         whole: bool = False,
     ) -> None:
-        """whole: all the audio comes at once (Recognize); a model that streams only by
-        overlapped chunks then runs it whole instead, with the whole utterance as context."""
+        """max_seconds, time_limit: the audio's limits (`AudioInput`'s). whole: all the audio
+        comes at once (Recognize); a model that streams only by overlapped chunks then runs
+        it whole instead, with the whole utterance as context."""
         self.model = model
         self.options = options
         self.audio = AudioInput(
@@ -285,6 +287,7 @@ class Session:
             channels=options.channels,
             name=name,
             max_seconds=max_seconds,
+            time_limit=time_limit,
         )
         self._recognizer = recognizer
         streams = model.streamable and (model.streams_exactly or not whole)
