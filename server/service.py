@@ -231,7 +231,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 time_limit=self._config.decode_timeout_seconds,
                 whole=True,
             )  # fmt: skip
-            await self._in_audio_pool(self._decode_whole, session, audio)
+            await self.off_loop(self._decode_whole, session, audio)
             ended = time.perf_counter()
             results = await session.advance()
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
@@ -267,7 +267,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 time_limit=self._config.decode_timeout_seconds,
                 whole=whole,
             )  # fmt: skip
-            samples = await self._in_audio_pool(self._decode_all, session, audio)
+            samples = await self.off_loop(self._decode_all, session, audio)
             if whole:
                 self._accept(session, samples)
                 samples = samples[:0]
@@ -300,8 +300,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         except DecodeTooSlow as e:
             raise _too_slow(e) from None
 
-    async def _in_audio_pool(self, call: Callable[..., T], *args: Any) -> T:
-        """`call(*args)` in the audio pool, awaited."""
+    async def off_loop(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` on a client's bytes (decoding, parsing), in the audio pool."""
         return await asyncio.get_running_loop().run_in_executor(self._audio_pool, call, *args)
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
@@ -399,7 +399,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         """A live stream's audio has ended: the rest decoded (buffered audio: off the
         loop, in a worker thread) and the stream finished."""
         finish = partial(self._stream_audio, session.audio.finish)
-        self._accept(session, await self._in_audio_pool(finish))
+        self._accept(session, await self.off_loop(finish))
         session.finish()
 
     @staticmethod

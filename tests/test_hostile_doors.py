@@ -5,6 +5,8 @@ back when it ends. The bundled model (real words) on the corpus's speech."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import json
 import os
@@ -21,7 +23,9 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
 pytest.importorskip("aiohttp", reason="the HTTP door needs the serve extra (aiohttp)")
 
+import aiohttp  # noqa: E402
 import soundfile as sf  # noqa: E402
+from aiohttp import WSMsgType  # noqa: E402
 
 from echoic.model.core.audio import decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
@@ -221,3 +225,127 @@ def test_a_decode_past_its_time_limit_is_refused_and_frees_its_thread(speech) ->
             assert status == 408 and "--decode-timeout-seconds" in body["error"]["message"]
         status, body = _transcribe(server, _encoded(speech, "WAV", "PCM_16"))
         assert status == 200 and body["text"], body
+
+
+# ---------------------------------------------------------------- the realtime socket
+
+
+def _realtime(server: BackgroundServer, talk) -> list:  # noqa: ANN001 - an async function
+    """Run `talk(ws)` on a new realtime socket (after its conversation.created); its result."""
+    url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+
+    async def run() -> list:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(url, protocols=("realtime",), max_msg_size=0) as ws:
+                first = await ws.receive_json(timeout=HUNG)
+                assert first["type"] == "conversation.created"
+                return await talk(ws)
+
+    return asyncio.run(run())
+
+
+PCM16 = {"input_audio_format": "pcm16",
+         "input_audio_params": {"sample_rate_hz": RATE, "num_channels": 1}}  # fmt: skip
+
+
+def _append(pcm: bytes) -> str:
+    audio = base64.b64encode(pcm).decode()
+    return json.dumps({"type": "input_audio_buffer.append", "audio": audio})
+
+
+async def _until_closed(ws) -> list[dict]:  # noqa: ANN001 - aiohttp's socket
+    """Every event until the server closes the socket (the test fails if it does not)."""
+    events = []
+    stop = asyncio.get_running_loop().time() + HUNG
+    while True:
+        left = stop - asyncio.get_running_loop().time()
+        assert left > 0, f"the socket was not closed; the last events: {events[-3:]}"
+        message = await ws.receive(timeout=left)
+        if message.type != WSMsgType.TEXT:
+            assert message.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
+            return events
+        events.append(json.loads(message.data))
+
+
+def test_a_session_update_takes_only_the_settings_it_knows_within_a_size(server) -> None:
+    """Unknown keys in an update are neither stored nor echoed; a control message over
+    64 KiB, JSON nested 2,000 deep and a stop_history of 1e30 each get an error event a
+    client can act on (not "internal"), and the socket goes on to transcribe."""
+    junk = {f"junk_{i}": i for i in range(1000)}  # under 64 KiB in all
+    update = {"type": "transcription_session.update", "session": {
+        **PCM16, **junk, "input_audio_params": {**PCM16["input_audio_params"], **junk},
+    }}  # fmt: skip
+    huge = {"type": "transcription_session.update",
+            "session": {**PCM16, "x": "y" * 100_000}}  # fmt: skip
+    deep = "[" * 2000 + "]" * 2000
+    absurd = {"type": "transcription_session.update",
+              "session": {**PCM16, "endpointing_config": {"stop_history": 1e30}}}  # fmt: skip
+
+    async def talk(ws) -> list:  # noqa: ANN001
+        await ws.send_json(update)
+        updated = await ws.receive_json(timeout=HUNG)
+        codes = []
+        for message in (json.dumps(huge), deep, json.dumps(absurd)):
+            await ws.send_str(message)
+            event = await ws.receive_json(timeout=HUNG)
+            assert event["type"] == "error", event
+            codes.append(event["error"]["code"])
+        await ws.send_json(update)
+        return [updated, codes, await ws.receive_json(timeout=HUNG)]
+
+    updated, codes, again = _realtime(server, talk)
+    assert updated["type"] == again["type"] == "transcription_session.updated"
+    assert "junk_1" not in json.dumps(updated) and len(json.dumps(updated)) < 2000
+    assert codes == ["message_too_large", "invalid_json", "invalid_value"]
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[BackgroundServer]:
+    """A server whose streams may hold 1 s of audio and stay open 3 s."""
+    with http_server(max_audio_seconds=1.0, max_stream_seconds=3.0) as s:
+        yield s
+
+
+def test_a_fatal_stream_error_closes_the_socket_after_its_event(limited, speech) -> None:
+    """Past the audio limit the socket gets one error event and is closed, as
+    StreamingRecognize ends there: not one error event per later append."""
+    pcm = np.round(np.clip(speech, -1, 1) * 32767).astype("<i2").tobytes()
+    assert len(pcm) > 2 * RATE  # over 1 s
+
+    async def talk(ws) -> list:  # noqa: ANN001
+        await ws.send_json({"type": "transcription_session.update", "session": PCM16})
+        assert (await ws.receive_json(timeout=HUNG))["type"] == "transcription_session.updated"
+        try:
+            for i in range(0, len(pcm), 3200):
+                await ws.send_str(_append(pcm[i : i + 3200]))
+        except ConnectionError:
+            pass  # closed by the server while the rest was sent
+        return await _until_closed(ws)
+
+    events = _realtime(limited, talk)
+    errors = [e for e in events if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["out_of_range"], errors
+
+
+def test_a_realtime_socket_is_closed_at_the_max_stream_time(limited) -> None:
+    """A socket that only commits, often enough never to be idle, is closed at
+    --max-stream-seconds with an error event saying so."""
+
+    async def talk(ws) -> list:  # noqa: ANN001
+        await ws.send_json({"type": "transcription_session.update", "session": PCM16})
+        assert (await ws.receive_json(timeout=HUNG))["type"] == "transcription_session.updated"
+
+        async def commit_forever() -> None:
+            while True:
+                await ws.send_json({"type": "input_audio_buffer.commit"})
+                await asyncio.sleep(0.5)
+
+        committing = asyncio.ensure_future(commit_forever())
+        try:
+            return await _until_closed(ws)
+        finally:
+            committing.cancel()
+
+    events = _realtime(limited, talk)
+    assert events[-1]["type"] == "error", events[-1]
+    assert events[-1]["error"]["code"] == "max_stream_seconds"
