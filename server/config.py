@@ -195,6 +195,13 @@ class ServerConfig:
         "(413) as it arrives, never held whole",
         Flag(metavar="MB"),
     )
+    upload_timeout_seconds: float = setting(
+        300.0,
+        "s an HTTP upload may take from its headers to its last byte, however steadily it "
+        "sends (with --idle-timeout-seconds between two reads); past it 408. A request takes "
+        "a --max-streams slot only once its upload is complete",
+        Flag(metavar="S"),
+    )
     grace_seconds: float = setting(
         30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
     )
@@ -254,6 +261,7 @@ class ServerConfig:
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "bad metrics_port"),
             (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),
             (self.max_upload_mb > 0, "max_upload_mb must be > 0"),
+            (self.upload_timeout_seconds > 0, "upload_timeout_seconds must be > 0"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
             (self.beam_processes >= 0, "beam_processes must be >= 0 (0 = decoder threads)"),
