@@ -88,11 +88,19 @@ MAX_BOOSTED_CHARS = 50  # characters of one boosted word
 DEFAULT_BOOST = 5.0  # nats, for a WordBoost whose boost is 0
 
 
+def check_phrase_count(phrases: int, where: str) -> None:
+    """Every boosted phrase counts, even one that normalises to no word ("!"), and is
+    counted before any is read: a request with millions of them is refused at once."""
+    if phrases > MAX_BOOSTED_WORDS:
+        raise invalid(f"{where}: {phrases} phrases; at most {MAX_BOOSTED_WORDS} in all")
+
+
 def _boosts(d: pb.DecoderConfig) -> tuple[tuple[str, float], ...]:
     """decoder.boosts as (word, nats), words normalised as transcripts are; the largest
     boost wins for a word given twice."""
     words: dict[str, float] = {}
     given = 0
+    check_phrase_count(sum(len(entry.words) for entry in d.boosts), "decoder.boosts")
     for entry in d.boosts:
         nats = entry.boost or DEFAULT_BOOST
         if not -100.0 <= nats <= 100.0:
