@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -70,6 +71,27 @@ FORM_SLACK = MAX_FIELDS * MAX_FIELD_BYTES  # bytes a form may hold besides the f
 UNMATCHED = "unmatched"  # the route label of a path that matches no route
 PAGE = Path(__file__).parent / "static" / "index.html"  # the browser page, self-contained
 SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get to end
+
+
+class _ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's own log (a request it cannot parse, a handler's error it answers): a
+    client's mistake (a header line over 8,190 bytes, a request that is not HTTP) is one
+    rate-limited warning line, as the gRPC door logs them; a client gone is nothing; the
+    rest is aiohttp's error with its traceback, as before."""
+
+    def __init__(self, warn: RateLimitedWarning) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._warn = warn
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(error, ConnectionError):
+            return
+        if isinstance(error, HttpProcessingError):
+            peer = args[0] if args else "?"
+            self._warn("HTTP 400 from %s: %s", peer, str(error).strip()[:200])
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
 class HttpDoor:
@@ -115,8 +137,9 @@ class HttpDoor:
         """Listen on host:port (TLS with `ssl_context`; SO_REUSEPORT with `reuse_port`, for
         a worker of `echoic serve --workers`); returns the port."""
         runner = web.AppRunner(
-            self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS
-        )
+            self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS,
+            logger=_ProtocolLog(self._warn),
+        )  # fmt: skip
         await runner.setup()
         site = web.TCPSite(
             runner, host.strip("[]"), port, ssl_context=ssl_context, reuse_port=reuse_port
@@ -168,8 +191,8 @@ class HttpDoor:
             response = self._refuse(request, e)
         except web.HTTPException as e:  # aiohttp's own: no such route, wrong method
             response = self._refuse(request, ApiError(e.status, f"{e.reason}: {request.path}"))
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: counted 499 below, nobody to answer
         except Exception as e:  # noqa: BLE001 - every error becomes OpenAI's error JSON
             error = api_error(e)
             if error.status == 500:

@@ -349,3 +349,54 @@ def test_a_realtime_socket_is_closed_at_the_max_stream_time(limited) -> None:
     events = _realtime(limited, talk)
     assert events[-1]["type"] == "error", events[-1]
     assert events[-1]["error"]["code"] == "max_stream_seconds"
+
+
+# ---------------------------------------------------------------- what the log shows
+
+
+def test_requests_aiohttp_cannot_parse_are_one_warning_line(server, caplog) -> None:
+    """20 requests with a header line over aiohttp's 8,190 bytes: each gets 400, and the
+    log gets one rate-limited warning, no ERROR and no traceback."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=HUNG) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n")
+            answer = s.recv(100)
+        assert answer.split(b" ")[1] == b"400", answer
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+    warnings = [r for r in caplog.records if "HTTP 400 from" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+def test_a_stream_true_client_that_leaves_is_counted_499_without_errors(
+    server, speech, caplog
+) -> None:
+    """A stream=true client that closes its connection after the first events: counted
+    as 499 (the client went away), not 500, with no ERROR line or traceback."""
+    import logging
+    import socket
+
+    from tests.test_http import metric
+
+    caplog.set_level(logging.INFO)
+    long = np.tile(speech, 8)  # events keep coming for a while
+    body, content_type = multipart(
+        [("model", "whisper-1"), ("stream", "true")], [("file", _encoded(long, "WAV", "PCM_16"))]
+    )
+    route = "/v1/audio/transcriptions"
+    before = metric(server, "echoic_http_requests_total", route=route, status="499")
+    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=HUNG) as s:
+        head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+        s.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    wait_until(
+        lambda: metric(server, "echoic_http_requests_total", route=route, status="499") > before,
+        HUNG, "the request to be counted 499",
+    )  # fmt: skip
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
