@@ -400,3 +400,69 @@ def test_a_stream_true_client_that_leaves_is_counted_499_without_errors(
     )  # fmt: skip
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not errors, [r.getMessage() for r in errors]
+
+
+# ---------------------------------------------------------------- fuzzing both doors
+
+
+@pytest.mark.slow
+def test_fuzzed_uploads_and_realtime_audio_get_clean_errors_and_the_server_goes_on(
+    server, speech
+) -> None:
+    """Randomly edited WAV, FLAC, Ogg and MP3 files (fixed seed, at most 60 s), uploaded
+    over HTTP and sent as a realtime socket's `none` audio: every answer is a 200 or a 4xx,
+    every error event one a client can act on (never "internal"), and afterwards the server
+    gives the same transcript as before, without hanging."""
+    import time
+
+    from tests.test_hardening import _mutate
+
+    rng = np.random.default_rng(2026)
+    clip = speech[: 2 * RATE]
+    formats = (("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III"))
+    files = [_encoded(clip, fmt, subtype) for fmt, subtype in formats]
+    status, body = _transcribe(server, files[0])
+    assert status == 200
+    before = body["text"]
+    statuses: dict[int, int] = {}
+    codes: dict[str, int] = {}
+    stop = time.monotonic() + 60
+
+    async def realtime_audio(ws, data: bytes) -> list:  # noqa: ANN001
+        session = {"input_audio_format": "none"}
+        await ws.send_json({"type": "transcription_session.update", "session": session})
+        assert (await ws.receive_json(timeout=HUNG))["type"] == "transcription_session.updated"
+        try:
+            for i in range(0, len(data), 2048):
+                await ws.send_str(_append(data[i : i + 2048]))
+            await ws.send_json({"type": "input_audio_buffer.done"})
+        except ConnectionError:
+            pass  # closed after a fatal error
+        events = []
+        while not events or not events[-1].get("is_last_result"):
+            message = await ws.receive(timeout=HUNG)
+            if message.type != WSMsgType.TEXT:
+                break
+            events.append(json.loads(message.data))  # a fatal error event: the close next
+        return events
+
+    for i in range(200):
+        if time.monotonic() > stop:
+            break
+        data = files[i % len(files)]
+        for _ in range(int(rng.integers(1, 4))):
+            data = _mutate(data, rng)
+        if i % 4:
+            status, _ = _transcribe(server, data)
+            assert status == 200 or 400 <= status < 500, (i, status)
+            statuses[status] = statuses.get(status, 0) + 1
+        else:
+            for event in _realtime(server, lambda ws, data=data: realtime_audio(ws, data)):
+                if event["type"] == "error":
+                    code = event["error"]["code"]
+                    assert code not in ("internal", "unknown"), (i, event)
+                    codes[code] = codes.get(code, 0) + 1
+    assert sum(statuses.values()) >= 50 and any(s >= 400 for s in statuses), statuses
+    assert codes, codes
+    status, body = _transcribe(server, files[0])
+    assert status == 200 and body["text"] == before
