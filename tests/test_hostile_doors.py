@@ -354,18 +354,21 @@ def test_a_realtime_socket_is_closed_at_the_max_stream_time(limited) -> None:
 # ---------------------------------------------------------------- what the log shows
 
 
-def test_requests_aiohttp_cannot_parse_are_one_warning_line(server, caplog) -> None:
+def test_requests_aiohttp_cannot_parse_are_one_warning_line(caplog) -> None:
     """20 requests with a header line over aiohttp's 8,190 bytes: each gets 400, and the
-    log gets one rate-limited warning, no ERROR and no traceback."""
+    log gets one rate-limited warning, no ERROR and no traceback (a server of its own, so
+    that no other test's warning shares the rate limit)."""
     import logging
     import socket
 
     caplog.set_level(logging.INFO)
-    for _ in range(20):
-        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=HUNG) as s:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n")
-            answer = s.recv(100)
-        assert answer.split(b" ")[1] == b"400", answer
+    with http_server() as server:
+        for _ in range(20):
+            address = ("127.0.0.1", server.server.http_port)
+            with socket.create_connection(address, timeout=HUNG) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n")
+                answer = s.recv(100)
+            assert answer.split(b" ")[1] == b"400", answer
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not errors, [r.getMessage() for r in errors]
     warnings = [r for r in caplog.records if "HTTP 400 from" in r.getMessage()]
