@@ -139,6 +139,10 @@ class HttpDoor:
         runner = web.AppRunner(
             self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS,
             logger=_ProtocolLog(self._warn),
+            # A connection with no request in progress (idle between requests, never sent
+            # one, or still sending its headers) is closed after the idle timeout; aiohttp's
+            # default holds it an hour, and a thousand such sockets exhaust the descriptors.
+            keepalive_timeout=self._config.idle_timeout_seconds,
         )  # fmt: skip
         await runner.setup()
         site = web.TCPSite(

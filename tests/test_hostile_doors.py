@@ -469,3 +469,23 @@ def test_fuzzed_uploads_and_realtime_audio_get_clean_errors_and_the_server_goes_
     assert codes, codes
     status, body = _transcribe(server, files[0])
     assert status == 200 and body["text"] == before
+
+
+def test_idle_and_slow_header_connections_are_closed_after_the_idle_timeout() -> None:
+    """Connections that send nothing, stop inside their headers, or stay open after an
+    answer are closed by the server after --idle-timeout-seconds, not held for an hour."""
+    import socket
+
+    with http_server(idle_timeout_seconds=1.0) as server:
+        address = ("127.0.0.1", server.server.http_port)
+        socks = [socket.create_connection(address, timeout=HUNG) for _ in range(3)]
+        try:
+            socks[1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            socks[2].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert socks[2].recv(100).split(b" ")[1] == b"200"
+            for s in socks:
+                while s.recv(65536):  # the rest of an answer, then the server's close
+                    pass
+        finally:
+            for s in socks:
+                s.close()
