@@ -15,7 +15,8 @@
 # or an exported model directory to start from; an export is rebuilt here, where
 # onnxruntime is; default none: a fresh network), FORMAT (opus, default, about 3 kB per
 # second of speech; or flac, about 25 kB), MAX_MB (the corpus, default 48), VAL_MB
-# (default 3), PACK (default .gpu-train), NO_WHEELS=1 (no download: the GPU side has them).
+# (default 3), PACK (default .gpu-train), NO_WHEELS=1 (no download: the GPU side has them),
+# CARRY_MIB (what a call carries in, default 64: pack fails above it).
 # run's: BUDGET_S (the whole step, default 510: a device call's 9 minutes less start-up),
 # RESERVE_S (kept for the last evaluation, checkpoint and parts, default 45), PACK, WORK
 # (where the corpus unpacks and the run writes; default the checkout), FRESH=1 (start
@@ -54,6 +55,13 @@ pack)
             --recipe "$recipe" --manifest "$1"
     fi
     du -sh "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels)
+    total=$(du -sbc "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels) | tail -1 | cut -f1)
+    carry=${CARRY_MIB:-64}
+    if [[ $total -gt $((carry * 1024 * 1024)) ]]; then
+        echo "gpu_train: $PACK and .gpu-wheels hold $((total / 1024 / 1024)) MiB, more than" \
+            "the $carry MiB a call carries in: pack again with a smaller MAX_MB" >&2
+        exit 1
+    fi
     ;;
 run)
     [[ -f $PACK/corpus.tar ]] || { echo "gpu_train: no $PACK/corpus.tar: pack first" >&2; exit 2; }

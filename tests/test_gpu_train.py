@@ -74,6 +74,17 @@ def test_pack_run_join_end_to_end(
     assert (export / "model.onnx").is_file() and (export / "stream.onnx").is_file()
 
 
+def test_pack_refuses_more_than_a_call_carries(speech_corpus: Path, tmp_path: Path) -> None:
+    env = {"PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "NO_WHEELS": "1",
+           "RECIPE": str(TINY_RECIPE), "CARRY_MIB": "0"}  # fmt: skip
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_train.sh"), "pack", str(speech_corpus)], cwd=ROOT,
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "more than the 0 MiB a call carries in: pack again with a smaller MAX_MB" in run.stderr
+
+
 def _checkpoint(path: Path, floats: int) -> Path:
     """A checkpoint file with one weight of `floats` float32 values (the seam under test is
     the file, not the network)."""
