@@ -7,7 +7,7 @@
 #        Ogg/Opus in one tar, the validation set, the recipe, init.pt) and .gpu-wheels/
 #   bash scripts/gpu_train.sh run [KEY=VALUE ...]   there: unpack, train from init.pt with
 #        the recipe for what is left of BUDGET_S, then write to $OUT: train.log,
-#        metrics.jsonl, pack.json and the weights (weights.pt, or weights.pt.part-NN)
+#        metrics.jsonl and the weights (weights.pt, or weights.pt.part-NN)
 #   bash scripts/gpu_train.sh join DIR [OUT.pt]     here: the weights back in one checkpoint
 #        (then: echoic export OUT.pt DIR)
 #
@@ -88,7 +88,6 @@ run)
         exit 2
     fi
     minutes=$(awk -v s="$left" 'BEGIN { printf "%.3f", s / 60 }')
-    cp "$PACK/pack.json" "$OUT/pack.json"
     status=0
     # max_minutes stops the run at its next checkpoint once the time is spent; timeout is
     # the backstop for a checkpoint interval longer than the reserve.

@@ -53,7 +53,7 @@ def test_pack_run_join_end_to_end(
     run = _script("run", "max_steps=4", "checkpoint_every=2", "threads=1", env=env)
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["metrics.jsonl", "pack.json", "train.log", "weights.pt"], run.stdout
+    assert files == ["metrics.jsonl", "train.log", "weights.pt"], run.stdout
     assert len(files) <= MAX_FILES and all((out / f).stat().st_size < LIMIT for f in files)
     log = (out / "train.log").read_text()
     assert f"fine-tuning from {tmp_path / 'pack' / 'init.pt'}" in log
