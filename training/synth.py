@@ -1,4 +1,5 @@
-"""Synthetic speech corpora: espeak-ng, flite and festival voices, speed, pitch and noise.
+"""Synthetic speech corpora: espeak-ng, flite, festival and neural (Piper, hibari) voices,
+speed, pitch and noise.
 
 `synthesize_corpus(text_file, out_dir, SynthConfig(...))` reads sentences (one a
 line), normalises them, and renders each `voices_per_sentence` times with a voice,
@@ -20,7 +21,9 @@ Output in `out_dir`:
   manifest's directory with `relative_paths=True`), plus what made the audio:
   `engine`, `voice`, `speed` (tempo factor, 1.0 = the engine's default rate),
   `pitch` (espeak-ng's 0-99 pitch, or flite's mean F0 in Hz), `noise` (kind or
-  null), `snr_db` (or null) and `line` (1-based line in the text file).
+  null), `snr_db` (or null) and `line` (1-based line in the text file); for the neural
+  engines (`training/neural_tts.py`) also `noise_scale` and `noise_w` (Piper's VITS noise
+  scales) or `f0_scale` (hibari's pitch factor), and their `pitch` is 0 (the voice's own).
 
 `variant_seed` is the epoch knob: the same sentences with a new variant seed get
 new voices, tempos and noise, in new files beside the old ones.
@@ -47,15 +50,20 @@ import soxr
 from tqdm import tqdm
 
 from echoic.model.core.configs import ConfigError
+from echoic.training import neural_tts
 from echoic.training.corpus import Sentence, read_sentences
+from echoic.training.neural_tts import NEURAL_ENGINES
 
 
 class SynthError(RuntimeError):
     """A synthesizer is missing or failed."""
 
 
-ENGINES = ("espeak", "flite", "festival")
-DEFAULT_ENGINES = ("espeak", "flite")  # festival only when asked for (its voices are extra)
+ENGINES = ("espeak", "flite", "festival", *NEURAL_ENGINES)
+DEFAULT_ENGINES = ("espeak", "flite")  # the others only when asked for (their voices are extra)
+# Engines whose voices no recipe trains on: they judge a model on voices it never heard
+# (scripts/heldout_sets.sh, the unseen-piper set).
+UNSEEN_ENGINES = ("piper",)
 PROGRAMS = {"espeak": "espeak-ng", "flite": "flite", "festival": "text2wave"}
 INSTALL_HINT = {
     "espeak": "apt-get install espeak-ng",
@@ -99,6 +107,11 @@ class SynthConfig:
     noise_prob: float = 0.0  # chance that an utterance gets additive noise, 0-1
     snr_db: tuple[float, float] = (10.0, 30.0)  # speech-to-noise ratio range, dB
     noise_kinds: tuple[str, ...] = NOISE_KINDS  # noise colours to draw from
+    piper_noise_scale: tuple[float, float] = (0.5, 0.8)  # Piper's VITS prior noise range
+    # (the voice's own is 0.667)
+    piper_noise_w: tuple[float, float] = (0.5, 1.0)  # Piper's duration noise range (own 0.8)
+    hibari_f0_scale: tuple[float, float] = (0.85, 1.15)  # hibari pitch range, x the F0 the
+    # network predicts
     sample_rate: int = 16000  # output rate, Hz
 
     def __post_init__(self) -> None:
@@ -112,20 +125,24 @@ class SynthConfig:
         bad_noise = [k for k in self.noise_kinds if k not in NOISE_KINDS]
         if bad_noise or not self.noise_kinds:
             raise ConfigError(f"noise_kinds: {bad_noise or 'none'} (from {NOISE_KINDS})")
-        for name in ("speed", "espeak_pitch", "espeak_formants", "flite_f0_scale", "snr_db"):
+        ranges = ("speed", "espeak_pitch", "espeak_formants", "flite_f0_scale", "snr_db")
+        neural = ("piper_noise_scale", "piper_noise_w", "hibari_f0_scale")
+        for name in (*ranges, *neural):
             lo, hi = getattr(self, name)
             if lo > hi:
                 raise ConfigError(f"{name}: low {lo} is above high {hi}")
-        if min(self.speed) <= 0 or min(self.flite_f0_scale) <= 0:
-            raise ConfigError("speed and flite_f0_scale must be positive")
+        if min(self.speed) <= 0 or min(self.flite_f0_scale) <= 0 or min(self.hibari_f0_scale) <= 0:
+            raise ConfigError("speed, flite_f0_scale and hibari_f0_scale must be positive")
+        if min(self.piper_noise_scale) < 0 or min(self.piper_noise_w) < 0:
+            raise ConfigError("piper_noise_scale and piper_noise_w must be 0 or more")
         if not 0.5 <= min(self.espeak_formants) <= max(self.espeak_formants) <= 2.0:
             raise ConfigError(f"espeak_formants must lie in [0.5, 2], got {self.espeak_formants}")
 
 
 @dataclass(frozen=True)
 class Voice:
-    engine: str  # "espeak" or "flite"
-    name: str  # espeak-ng -v argument (e.g. "gmw/en-GB-x-rp+f2") or flite -voice name
+    engine: str  # one of ENGINES
+    name: str  # espeak-ng -v argument (e.g. "gmw/en-GB-x-rp+f2"), flite -voice name, ...
     formants: bool = False  # whether a formant factor moves it (espeak-ng, not Klatt)
 
 
@@ -142,14 +159,22 @@ class Utterance:
     snr_db: float | None  # speech-to-noise ratio, dB
     noise_seed: int  # seed of the noise samples
     formant: float = 1.0  # espeak-ng formant frequency factor, x the voice's own (1: none)
+    noise_scale: float | None = None  # Piper's VITS prior noise (None: not Piper)
+    noise_w: float | None = None  # Piper's duration noise (None: not Piper)
+    f0_scale: float = 1.0  # hibari's pitch, x the predicted F0 (1: its own)
 
     @property
     def name(self) -> str:
         fields = asdict(self)
-        if self.formant == 1.0:  # the names files had before formants could vary
-            del fields["formant"]
+        # Fields at their defaults stay out: the names files had before they could vary.
+        for key, default in UNVARIED.items():
+            if fields[key] == default:
+                del fields[key]
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:20]
+
+
+UNVARIED = {"formant": 1.0, "noise_scale": None, "noise_w": None, "f0_scale": 1.0}
 
 
 @dataclass(frozen=True)
@@ -170,7 +195,14 @@ class SynthSummary:
 
 
 def find_program(engine: str) -> str:
-    """The path of an engine's program; SynthError naming it when it is not on PATH."""
+    """The path of an engine's program (a neural engine: its package's name); SynthError
+    naming it when it is not on PATH (or not installed)."""
+    if engine in NEURAL_ENGINES:
+        try:
+            neural_tts.voices(engine)
+        except neural_tts.MissingEngine as e:
+            raise SynthError(str(e)) from e
+        return neural_tts.PACKAGES[engine]
     program = PROGRAMS[engine]
     path = shutil.which(program)
     if path is None:
@@ -228,6 +260,9 @@ def engine_versions(programs: dict[str, str]) -> dict[str, str]:
     """Each engine's version line, as it reports it (recorded with the corpus)."""
     versions = {}
     for engine, program in programs.items():
+        if engine in NEURAL_ENGINES:
+            versions[engine] = neural_tts.version(engine)
+            continue
         if engine == "festival":
             program = shutil.which("festival", path=str(Path(program).parent)) or "festival"
         try:  # flite prints its version and exits 1
@@ -250,9 +285,12 @@ def discover_voices(programs: dict[str, str]) -> dict[str, list[Voice]]:
     listers = {"espeak": espeak_voices, "flite": flite_voices, "festival": festival_voices}
     pools: dict[str, list[Voice]] = {}
     for engine, program in programs.items():
-        names = listers[engine](program)
+        if engine in NEURAL_ENGINES:
+            names = [v.name for v in neural_tts.voices(engine)]
+        else:
+            names = listers[engine](program)
         if not names:
-            raise SynthError(f"{PROGRAMS[engine]} reports none of the English voices used here")
+            raise SynthError(f"{program} reports none of the English voices used here")
         klatt = klatt_variants(program) if engine == "espeak" else set()
         pools[engine] = [
             Voice(engine, name, engine == "espeak" and name.partition("+")[2] not in klatt)
@@ -383,6 +421,8 @@ def plan_sentence(
         speed = round(float(rng.uniform(*config.speed)), 3)
         if voice.engine == "espeak":
             pitch = float(rng.integers(config.espeak_pitch[0], config.espeak_pitch[1] + 1))
+        elif voice.engine in NEURAL_ENGINES:
+            pitch = 0.0  # the voice's own (hibari's moves by f0_scale, drawn below)
         else:
             scale = rng.uniform(*config.flite_f0_scale)
             own = (FLITE_VOICES if voice.engine == "flite" else FESTIVAL_VOICES)[voice.name]
@@ -394,6 +434,14 @@ def plan_sentence(
         if voice.formants and config.espeak_formants != (1.0, 1.0):
             key = ("formant", config.seed, config.variant_seed, sentence.line, copy)
             formant = round(float(_rng(*key).uniform(*config.espeak_formants)), 3)
+        neural = _rng("neural", config.seed, config.variant_seed, sentence.line, copy)
+        noise_scale = noise_w = None
+        f0_scale = 1.0
+        if voice.engine == "piper":
+            noise_scale = round(float(neural.uniform(*config.piper_noise_scale)), 3)
+            noise_w = round(float(neural.uniform(*config.piper_noise_w)), 3)
+        elif voice.engine == "hibari":
+            f0_scale = round(float(neural.uniform(*config.hibari_f0_scale)), 3)
         plan.append(
             Utterance(
                 line=sentence.line,
@@ -407,6 +455,9 @@ def plan_sentence(
                 snr_db=snr,
                 noise_seed=int(rng.integers(2**62)),
                 formant=formant,
+                noise_scale=noise_scale,
+                noise_w=noise_w,
+                f0_scale=f0_scale,
             )
         )
     return plan
@@ -444,11 +495,25 @@ def _fit_range(audio: np.ndarray, peak: float = 0.99) -> np.ndarray:
     return (audio * np.float32(peak / top) if top > peak else audio).astype(np.float32)
 
 
-def render(
-    utt: Utterance, program: str, sample_rate: int, tmp_dir: str, espeak_path: Path | None = None
-) -> np.ndarray:
-    """One utterance as float32 mono at `sample_rate` (`espeak_path`: `espeak_overlay`'s
-    directory, needed for an espeak-ng formant factor)."""
+def render_neural(utt: Utterance) -> tuple[np.ndarray, int]:
+    """One utterance of a neural engine, float32 mono at the voice's own rate."""
+    try:
+        model = neural_tts.engine(neural_tts.find_voice(utt.engine, utt.voice))
+    except neural_tts.MissingEngine as e:
+        raise SynthError(str(e)) from e
+    seed = int(np.random.default_rng([utt.noise_seed, 1]).integers(2**62))  # not the noise's
+    if isinstance(model, neural_tts.PiperEngine):
+        assert utt.noise_scale is not None and utt.noise_w is not None
+        audio = model.render(utt.text, utt.speed, utt.noise_scale, utt.noise_w, seed)
+    else:
+        audio = model.render(utt.text, utt.speed, utt.f0_scale, seed)
+    return audio.astype(np.float32), model.sample_rate
+
+
+def render_program(
+    utt: Utterance, program: str, tmp_dir: str, espeak_path: Path | None = None
+) -> tuple[np.ndarray, int]:
+    """One utterance of espeak-ng, flite or festival, float32 mono at the program's rate."""
     fd, raw_path = tempfile.mkstemp(suffix=".wav", dir=tmp_dir)
     os.close(fd)
     variant = None
@@ -469,9 +534,21 @@ def render(
         os.unlink(raw_path)
         if variant is not None:
             variant.unlink()
-    audio = audio.mean(axis=1)
+    return audio.mean(axis=1), rate
+
+
+def render(
+    utt: Utterance, program: str, sample_rate: int, tmp_dir: str, espeak_path: Path | None = None
+) -> np.ndarray:
+    """One utterance as float32 mono at `sample_rate` (`espeak_path`: `espeak_overlay`'s
+    directory, needed for an espeak-ng formant factor)."""
+    if utt.engine in NEURAL_ENGINES:
+        audio, rate = render_neural(utt)
+    else:
+        audio, rate = render_program(utt, program, tmp_dir, espeak_path)
     if audio.size == 0:
-        raise SynthError(f"{PROGRAMS[utt.engine]} produced no audio for line {utt.line}")
+        name = PROGRAMS.get(utt.engine, utt.engine)
+        raise SynthError(f"{name} produced no audio for line {utt.line}")
     if rate != sample_rate:
         audio = soxr.resample(audio, rate, sample_rate).astype(np.float32)
     if utt.noise is not None and utt.snr_db is not None:
@@ -515,7 +592,11 @@ def manifest_entry(utt: Utterance, audio_path: str, duration: float) -> dict[str
         "noise": utt.noise,
         "snr_db": utt.snr_db,
         "line": utt.line,
-        **({"formant": utt.formant} if utt.formant != 1.0 else {}),
+        **{
+            key: getattr(utt, key)
+            for key, default in UNVARIED.items()
+            if getattr(utt, key) != default
+        },
     }
 
 
@@ -527,7 +608,8 @@ def _write_corpus_record(
     plan: list[Utterance],
 ) -> None:
     """`corpus.json` beside the manifest: the engines and their versions, the voices each
-    offered and how many utterances each voice spoke, and the config."""
+    offered and how many utterances each voice spoke, the neural voices' speaker ids, and
+    the config."""
     used: dict[str, int] = {}
     for utt in plan:
         key = f"{utt.engine}:{utt.voice}"
@@ -536,6 +618,12 @@ def _write_corpus_record(
         "engines": engine_versions(programs),
         "voices": {engine: [v.name for v in voices] for engine, voices in pools.items()},
         "utterances_per_voice": dict(sorted(used.items())),
+        # the Piper speaker id of each multi-speaker voice's speakers (`<voice>#<speaker>`)
+        "speaker_ids": {
+            engine: {v.name: v.speaker for v in neural_tts.voices(engine) if v.speaker is not None}
+            for engine in pools
+            if engine in NEURAL_ENGINES
+        },
         "config": asdict(config),
     }
     path = out_dir / "corpus.json"

@@ -75,6 +75,9 @@ class TrainConfig:
     seed: int = 1234  # seeds weights, data order and dropout
     epochs: int = 20  # passes over the training manifest
     max_steps: int = 0  # stop after this many optimizer steps; 0 = all epochs
+    max_minutes: float = 0.0  # wall-clock budget of this call, minutes: at the first
+    # checkpoint past it, evaluate, checkpoint and stop (run again to resume); 0 = none.
+    # The schedule follows max_steps, so stopping and resuming changes no weight.
     log_every: int = 10  # steps between metric log lines
     eval_every: int = 500  # steps between evaluations on data.val_manifest; 0 = per epoch
     eval_at_start: bool = False  # evaluate the untrained model too (a baseline)
@@ -99,7 +102,7 @@ class TrainConfig:
 
 # Where a checkpoint lies is no part of it: left out of the saved config, so that the
 # same training into two directories writes the same bytes (and a moved file is not stale).
-NOT_SAVED = ("out_dir",)
+NOT_SAVED = ("out_dir", "max_minutes")
 # What only says where a run writes and what it reports, never what it computes: left out
 # of `config_hash` (the checkpoint's and the model card's), so that the same weights get
 # the same hash and export to the same ONNX bytes, and a resume notes only real changes.
@@ -524,16 +527,18 @@ def _train(
         run.sampler.set_epoch(0)  # SortaGrad's epoch, from its first batch
         if cfg.eval_at_start:
             evaluate(run)
-    while not done and run.epoch < cfg.epochs:
+    out_of_time = False
+    while not done and not out_of_time and run.epoch < cfg.epochs:
         for batch in run.loader:
             loss, grad_norm = train_step(run, batch)
             log_step(run, batch, loss, grad_norm)
             done = run.step == run.total
-            if (cfg.eval_every and run.step % cfg.eval_every == 0) or done:
+            out_of_time = not done and run.step % cfg.checkpoint_every == 0 and _out_of_time(run)
+            if (cfg.eval_every and run.step % cfg.eval_every == 0) or done or out_of_time:
                 evaluate(run)
             if run.step % cfg.checkpoint_every == 0 or done:
                 save(run)
-            if done:
+            if done or out_of_time:
                 break
         else:  # the epoch ran out before the last step
             run.epoch += 1
@@ -544,7 +549,23 @@ def _train(
             save(run)
     if run.bar is not None:
         run.bar.close()
+    if out_of_time and run.main:
+        print(
+            f"max_minutes={cfg.max_minutes} reached: stopped at step {run.step} of {run.total}"
+            f" with a checkpoint in {run.ckpt_path}; run again to resume",
+            file=sys.stderr,
+        )
     return run.ckpt_path if run.main else None
+
+
+def _out_of_time(run: Run) -> bool:
+    """Whether the wall-clock budget is spent, as rank 0 sees it (every rank stops at
+    the same step: one all-reduce, at checkpoints only)."""
+    if not run.cfg.max_minutes:
+        return False
+    spent = time.perf_counter() - run.started >= 60.0 * run.cfg.max_minutes
+    flag = torch.tensor([float(spent and run.main)], device=run.device)
+    return bool(distributed.all_reduce_mean(flag).item() > 0)
 
 
 def config_summary(cfg: TrainConfig) -> str:

@@ -1,0 +1,134 @@
+"""scripts/gpu_train.sh, the one-call GPU training, proved on the CPU: pack here, run as
+the GPU machine would (its own PACK, WORK and OUT), join the weights that come back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
+from echoic.training.gpu_pack import join_parts, write_parts
+from tests.conftest import ROOT, TINY_RECIPE
+
+LIMIT = 16_000_000  # bytes: the largest file a device call brings back
+MAX_FILES = 8  # files a device call brings back
+
+
+def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_train.sh"), *args], cwd=ROOT,
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run
+
+
+@pytest.mark.slow
+def test_pack_run_join_end_to_end(
+    speech_corpus: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """From an exported model (rebuilt at pack time: the GPU image has no onnxruntime),
+    on the corpus packed as Opus: four steps, then the weights back under the limits,
+    joined, and exported."""
+    env = {
+        "PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "WORK": str(tmp_path / "gpu"),
+        "OUT": str(tmp_path / "out"), "RECIPE": str(TINY_RECIPE), "INIT": str(tiny_model_dir),
+        "NO_WHEELS": "1", "BUDGET_S": "400",
+    }  # fmt: skip
+    _script("pack", str(speech_corpus), str(speech_corpus), env=env)
+    packed = [
+        json.loads(line) for line in (tmp_path / "pack" / "pack.json").read_text().splitlines()
+    ]
+    assert [(p["utterances"], p["left_out"], p["format"]) for p in packed] == [(30, 0, "opus")] * 2
+    assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == [
+        "corpus.tar", "init.pt", "pack.json", "recipe.toml", "val.tar",
+    ]  # fmt: skip
+
+    run = _script("run", "max_steps=4", "checkpoint_every=2", "threads=1", env=env)
+    out = tmp_path / "out"
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["metrics.jsonl", "train.log", "weights.pt"], run.stdout
+    assert len(files) <= MAX_FILES and all((out / f).stat().st_size < LIMIT for f in files)
+    log = (out / "train.log").read_text()
+    assert f"fine-tuning from {tmp_path / 'pack' / 'init.pt'}" in log
+    assert "training ended with status 0" in log
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in e for e in evals)  # the packed validation set was read
+
+    weights = join_parts(out, tmp_path / "back" / "weights.pt")
+    back, start = load_checkpoint(weights), load_checkpoint(tmp_path / "pack" / "init.pt")
+    assert back["step"] == 4 and back["weights_dtype"] == "float32"
+    assert "optimizer" not in back  # slim: what travels is the weights
+    assert not all(torch.equal(back["model"][k], start["model"][k]) for k in start["model"])
+    export = tmp_path / "export"
+    subprocess.run(
+        [sys.executable, "-m", "echoic.cli.main", "export", str(weights), str(export)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    assert (export / "model.onnx").is_file() and (export / "stream.onnx").is_file()
+
+
+def test_pack_refuses_more_than_a_call_carries(speech_corpus: Path, tmp_path: Path) -> None:
+    env = {"PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "NO_WHEELS": "1",
+           "RECIPE": str(TINY_RECIPE), "CARRY_MIB": "0"}  # fmt: skip
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_train.sh"), "pack", str(speech_corpus)], cwd=ROOT,
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "more than the 0 MiB a call carries in: pack again with a smaller MAX_MB" in run.stderr
+
+
+def _checkpoint(path: Path, floats: int) -> Path:
+    """A checkpoint file with one weight of `floats` float32 values (the seam under test is
+    the file, not the network)."""
+    torch.manual_seed(0)
+    ckpt = {"format": FORMAT, "model": {"w": torch.randn(floats), "n": torch.tensor(3)}, "step": 7}
+    torch.save(ckpt, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("part_mb", "max_parts", "parts", "dtype"),
+    [
+        pytest.param(1.0, 6, ["weights.pt"], torch.float32, id="one-file"),
+        pytest.param(
+            0.15, 6, [f"weights.pt.part-0{n}" for n in range(3)], torch.float32, id="parts"
+        ),
+        pytest.param(
+            0.15, 2, ["weights.pt.part-00", "weights.pt.part-01"], torch.bfloat16, id="bf16"
+        ),
+    ],
+)
+def test_weights_come_back_in_parts_and_join(
+    tmp_path: Path, part_mb: float, max_parts: int, parts: list[str], dtype: torch.dtype
+) -> None:
+    source = _checkpoint(tmp_path / "last.pt", 100_000)  # 400 kB as float32
+    written = write_parts(source, tmp_path / "out", part_mb=part_mb, max_parts=max_parts)
+    assert [p.name for p in written] == parts
+    assert all(p.stat().st_size <= part_mb * 1e6 for p in written)
+    joined = load_checkpoint(join_parts(tmp_path / "out", tmp_path / "joined.pt"))
+    original = torch.load(source, weights_only=False)["model"]
+    assert joined["model"]["w"].dtype == dtype and joined["step"] == 7
+    assert torch.equal(joined["model"]["w"], original["w"].to(dtype))
+    assert torch.equal(joined["model"]["n"], original["n"])
+
+
+def test_a_missing_part_is_caught_at_join(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "last.pt", 100_000)
+    written = write_parts(source, tmp_path / "out", part_mb=0.15, max_parts=6)
+    written[1].unlink()
+    with pytest.raises(CheckpointError, match="is not a readable echoic checkpoint"):
+        join_parts(tmp_path / "out", tmp_path / "joined.pt")
+
+
+def test_weights_too_large_even_as_bf16_are_refused(tmp_path: Path) -> None:
+    source = _checkpoint(tmp_path / "last.pt", 100_000)
+    with pytest.raises(ValueError, match=r"even as bfloat16, more than 1 parts of 0\.05 MB"):
+        write_parts(source, tmp_path / "out", part_mb=0.05, max_parts=1)
