@@ -58,12 +58,18 @@ not run, 130 interrupted.
 """
 
 
-def add_decoder_options(p: argparse.ArgumentParser) -> None:
-    """Decoder options shared by transcribe and eval (defaults: DecoderConfig's)."""
+def add_decoder_options(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    """Decoder options shared by transcribe and eval (defaults: DecoderConfig's, and
+    `default` for --decoder)."""
     from echoic.model.core.decoding import DecoderConfig
 
     d = DecoderConfig()
-    p.add_argument("--decoder", choices=("greedy", "beam"), default=d.kind, help="CTC decoding")
+    p.add_argument(
+        "--decoder", choices=("auto", "greedy", "beam"), default=default,
+        help="CTC decoding: greedy, beam (search with a word LM), or auto = beam where the "
+             "model ships an LM (or --lm names one), greedy otherwise; with --server, auto is "
+             "the server's default (default %(default)s)",
+    )  # fmt: skip
     p.add_argument("--beam-size", type=int, default=d.beam_size,
                    help=f"beam width (beam; default {d.beam_size})")  # fmt: skip
     p.add_argument("--lm", metavar="ARPA", default=d.lm_path, help="word n-gram LM (beam;"
@@ -84,7 +90,21 @@ def decoder_config(args: argparse.Namespace):
     )  # fmt: skip
 
 
+def resolve_decoder(args: argparse.Namespace) -> None:
+    """--decoder auto becomes what it means for --model, as `echoic serve --decoder auto`
+    decides it: beam where a word LM is at hand (it roughly halves the bundled model's
+    errors, README "Choosing the decoder"), greedy where none is (beam alone gains little)."""
+    if args.decoder != "auto":
+        return
+    from echoic.model.runtime.recognizer import LM_FILE, default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    has_lm = bool(args.lm) or (model_dir / LM_FILE).is_file()
+    args.decoder = "beam" if has_lm and not args.no_lm else "greedy"
+
+
 def load_recognizer(args: argparse.Namespace):
+    resolve_decoder(args)
     try:
         from echoic.model.runtime.recognizer import Recognizer
     except ModuleNotFoundError as e:

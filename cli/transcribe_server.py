@@ -138,6 +138,8 @@ class ServerTranscriber:
 
     def decoder_settings(self) -> dict[str, object]:
         a = self.args
+        if a.decoder == "auto":
+            return {"decoder": "the server's default"}
         if a.decoder != "beam":
             return {"decoder": a.decoder}
         return {"decoder": a.decoder, "beam_size": a.beam_size, "lm": "off" if a.no_lm else
@@ -188,8 +190,10 @@ class ServerTranscriber:
 
     def transcribe(self, items: list[Item], writer: InInputOrder, stats: Any, bar: Any) -> None:
         """Transcribe `items`; stats gains audio seconds and retries."""
-        options = {**self.options, "decoder": self.args.decoder,
-                   "beam_size": self.args.beam_size, "disable_lm": self.args.no_lm}  # fmt: skip
+        a = self.args
+        options = dict(self.options)
+        if a.decoder != "auto":  # auto: none named, so the server's own default (--decoder)
+            options.update(decoder=a.decoder, beam_size=a.beam_size, disable_lm=a.no_lm)
         concurrency = self.args.concurrency
         pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="echoic-batch")
 

@@ -75,7 +75,7 @@ class Options:
     model: str  # model name; "" = the only one served
     version: str  # model version; "" = the serving one
     words: bool  # fill word times and confidences
-    decoder: DecoderConfig
+    decoder: DecoderConfig | None  # None: the server's default for the model (--decoder)
     trailing_silence: float  # endpointing rule 1, s; 0 = off
     max_utterance: float  # endpointing rule 2, s; 0 = off
     interim: bool = False  # send interim results
@@ -142,6 +142,7 @@ def parse_config(
     except AudioError as e:
         raise invalid(str(e)) from None
     d = config.decoder
+    named = config.HasField("decoder")  # no decoder message: the server's default
     if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
         raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
     default_beam = DecoderConfig.beam_size
@@ -162,6 +163,8 @@ def parse_config(
         )  # fmt: skip
         if d.kind == pb.DecoderConfig.BEAM
         else DecoderConfig()
+        if named
+        else None
     )
     e = config.endpointing
     for field, value in (
@@ -292,7 +295,7 @@ class Session:
         if self.stream is not None:
             self.stream.n_best = options.alternatives
             # A beam search is decoded in the decoder pool, not in the shared batch.
-            self.stream.deferred_decoding = options.decoder.kind == "beam"
+            self.stream.deferred_decoding = recognizer.decoder_config.kind == "beam"
         self._offline: list[np.ndarray] = []  # samples, for a model that cannot stream
         self.samples = 0  # samples at the model's rate accepted, count
         self._last_interim = 0.0  # decoded audio at the last interim result, s

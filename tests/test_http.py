@@ -278,6 +278,43 @@ def test_transcripts_are_the_spoken_words(client, speech_corpus, clips) -> None:
     assert len(spoken & heard) >= 0.6 * len(spoken), (said, got.text)
 
 
+def _recognized(stub, wav: bytes, kind: int) -> str:
+    config = pb.RecognitionConfig()
+    config.CopyFrom(RECOGNIZE)
+    config.decoder.kind = kind
+    results = stub.Recognize(pb.RecognizeRequest(config=config, audio_content=wav), timeout=TIMEOUT)
+    return " ".join(r.alternatives[0].transcript for r in results.results)
+
+
+def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances) -> None:
+    """`decoder` (greedy or beam) chooses the decoding; without it a request gets the
+    server's default, which for the bundled model (it ships an LM) is the beam search;
+    `echoic serve --decoder greedy` makes greedy the default, for every door."""
+    greedy = _recognized(stub, two_utterances, pb.DecoderConfig.GREEDY)
+    beam = _recognized(stub, two_utterances, pb.DecoderConfig.BEAM)
+    assert greedy != beam, "the audio should tell the two decoders apart"
+    for decoder, want in (("", beam), ("greedy", greedy), ("beam", beam)):
+        fields = [("decoder", decoder)] if decoder else []
+        assert post_form(server, fields, [("file", two_utterances)]) == (200, {"text": want})
+        session = {"input_audio_format": "none", "recognition_config": {"decoder": decoder}}
+        if not decoder:
+            del session["recognition_config"]
+        events = asyncio.run(_realtime_events(server, session, two_utterances))
+        finals = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+        assert " ".join(finals) == want, decoder
+    unnamed = pb.RecognitionConfig()
+    unnamed.CopyFrom(RECOGNIZE)
+    unnamed.ClearField("decoder")
+    request = pb.RecognizeRequest(config=unnamed, audio_content=two_utterances)
+    got = stub.Recognize(request, timeout=TIMEOUT).results
+    assert " ".join(r.alternatives[0].transcript for r in got) == beam
+    with http_server(decoder="greedy") as greedy_server:
+        assert post_form(greedy_server, [], [("file", two_utterances)]) == (200, {"text": greedy})
+        with grpc.insecure_channel(greedy_server.address) as channel:
+            got = pb_grpc.TranscriberStub(channel).Recognize(request, timeout=TIMEOUT).results
+        assert " ".join(r.alternatives[0].transcript for r in got) == greedy
+
+
 def test_curl_one_liner(server, stub, clips, tmp_path) -> None:
     """README: curl -F file=@a.wav -F model=whisper-1 .../v1/audio/transcriptions."""
     curl = shutil.which("curl")
@@ -404,6 +441,9 @@ WAV_HEADER_ONLY = b"RIFF\x24\x00\x00\x00WAVEfmt "
         ),  # fmt: skip
         pytest.param(
             [], [("file", b"x"), ("file", b"y")], 400, "file", "two file fields", id="two-files"
+        ),  # fmt: skip
+        pytest.param(
+            [("decoder", "viterbi")], [("file", b"x")], 400, "decoder", "greedy, beam", id="decoder"
         ),  # fmt: skip
     ],
 )
@@ -770,6 +810,10 @@ def test_realtime_mistakes_get_error_events_and_the_socket_goes_on(server, stub,
                 assert await error_code("{not json") == "invalid_json"
                 assert await error_code(append(pcm[:3200])) == "session_not_configured"
                 assert await error_code('{"type": "no.such.event"}') == "invalid_event"
+                bad_decoder = {"type": "transcription_session.update", "session": {
+                    "input_audio_format": "pcm16", "recognition_config": {"decoder": "viterbi"},
+                }}  # fmt: skip
+                assert await error_code(json.dumps(bad_decoder)) == "invalid_value"
                 update = {"type": "transcription_session.update", "session": {
                     "input_audio_format": "pcm16",
                     "input_audio_params": {"sample_rate_hz": 16000, "num_channels": 1},

@@ -21,7 +21,7 @@ FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
     "--metrics-port", "--http-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--device",
-    "--beam-processes",
+    "--beam-processes", "--decoder",
     "--gpu", "--max-streams", "--workers",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
@@ -67,6 +67,7 @@ def test_the_default_command_line_is_the_default_config() -> None:
         pytest.param(["--no-ort-spin"], "ort_spin_wait", False, id="switch"),
         pytest.param(["--device", "cuda"], "device", "cuda", id="device"),
         pytest.param(["--gpu"], "device", "cuda", id="alias"),
+        pytest.param(["--decoder", "greedy"], "decoder", "greedy", id="decoder"),
     ],
 )  # fmt: skip
 def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: Any) -> None:
@@ -76,7 +77,8 @@ def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: 
 
 def test_help_shows_the_config_defaults() -> None:
     text = " ".join(_serve_parser().format_help().split())
-    for shown in ("(default 50051)", "(default 5)", "(default 33554432)", "unset = off"):
+    for shown in ("(default 50051)", "(default 5)", "(default 33554432)", "unset = off",
+                  "{auto,greedy,beam}", "(default auto)"):  # fmt: skip
         assert shown in text
     assert "(default None)" not in text
 
@@ -89,6 +91,13 @@ def test_device_picks_the_providers() -> None:
 def test_an_unknown_device_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--device", "tpu"]) == 1
     assert capsys.readouterr().err == "echoic serve: error: device must be one of cpu, cuda\n"
+
+
+def test_an_unknown_decoder_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--decoder", "viterbi"]) == 1
+    assert capsys.readouterr().err == (
+        "echoic serve: error: decoder must be one of auto, greedy, beam, got 'viterbi'\n"
+    )
 
 
 def test_model_and_model_repo_exclude_each_other() -> None:

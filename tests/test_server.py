@@ -62,6 +62,11 @@ def container(samples: np.ndarray, rate: int, fmt: str, subtype: str = "PCM_16")
     return buf.getvalue()
 
 
+# Asked for by the tests that compare with a greedy Recognizer: a request that names no
+# decoder gets the server's default, beam search for the bundled model (it has an LM).
+GREEDY = pb.DecoderConfig(kind=pb.DecoderConfig.GREEDY)
+
+
 def linear16(rate: int = 16000, **kw) -> Config:
     return Config(encoding=Config.LINEAR16, sample_rate_hertz=rate, **kw)
 
@@ -340,7 +345,7 @@ def test_trailing_silence_ends_the_utterance_inside_the_pause(
     chunk, frame = _chunking(bundled_stub)
     alone = [t.text for t in Recognizer(intra_op_threads=1).transcribe(parts)]
     endpointing = pb.EndpointingConfig(trailing_silence_ms=silence_ms)
-    config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
+    config = linear16(endpointing=endpointing, enable_word_time_offsets=True, decoder=GREEDY)
     response = recognize(bundled_stub, pcm16(audio), config)
     # One utterance a clip: no cut at a pause between words, none missed in the pause.
     assert len(response.results) == 2, _utterances(response)
@@ -382,6 +387,7 @@ def test_max_utterance_cuts_pieces_no_longer_than_asked(
     config = linear16(
         endpointing=pb.EndpointingConfig(max_utterance_ms=longest_ms),
         enable_word_time_offsets=True,
+        decoder=GREEDY,
     )
     response = recognize(bundled_stub, pcm16(audio), config)
     pieces = _utterances(response)
@@ -410,7 +416,7 @@ def test_max_utterance_cuts_pieces_no_longer_than_asked(
     whole = recognize(
         bundled_stub,
         pcm16(audio),
-        linear16(endpointing=pb.EndpointingConfig(trailing_silence_ms=800)),
+        linear16(endpointing=pb.EndpointingConfig(trailing_silence_ms=800), decoder=GREEDY),
     )  # fmt: skip
     letters = lambda texts: "".join(texts).replace(" ", "")  # noqa: E731
     assert letters(t for *_, t in pieces) == letters(texts(whole))
