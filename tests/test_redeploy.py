@@ -173,9 +173,8 @@ def test_the_finetune_recipe_is_the_bundled_models_network() -> None:
     default = tomllib.loads(DEFAULT_RECIPE.read_text())["model"]
     assert finetune["model"] == default
     robust = tomllib.loads((ROOT / "training" / "recipes" / "robust.toml").read_text())
-    assert robust["model"] == default and robust["init_from"] == "model/default"
-    assert finetune["init_from"] == "model/default"
-    assert (ROOT / finetune["init_from"]).resolve() == default_model_dir().resolve()
+    assert robust["model"] == default and robust["init_from"] == "bundled"
+    assert finetune["init_from"] == "bundled"
     _, info = rebuild(default_model_dir())
     card = read_report_card(default_model_dir())
     assert config_hash(from_dict(ModelConfig, finetune["model"])) == card.model_config_hash

@@ -50,14 +50,9 @@ from echoic.model.runtime.chunking import (
     window_frames,
 )
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
+from echoic.model.runtime.repository import default_model_dir
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
 LM_FILE = "lm.arpa"  # an optional word LM shipped beside the graphs
-
-
-def default_model_dir() -> Path:
-    """The model bundled with the package (used when no model is named)."""
-    return DEFAULT_MODEL_DIR
 
 
 class Recognizer:

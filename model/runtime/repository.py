@@ -37,6 +37,14 @@ from echoic.model.core.files import fsync_directory
 from echoic.model.runtime.card import OFFLINE_FILE, REPORT_FILE, STREAM_FILE, ModelCard
 
 ENV_REPO = "ECHOIC_MODEL_REPO"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
+
+
+def default_model_dir() -> Path:
+    """The model bundled with the package (used when no model is named)."""
+    return DEFAULT_MODEL_DIR
+
+
 DEFAULT_FILE = ".default-model"  # REPO/.default-model: the name requests naming none get
 
 
