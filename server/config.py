@@ -16,6 +16,11 @@ class ServerError(Exception):
     """A server that cannot start as configured; the message says what to change."""
 
 
+def busy_port_hint(flag: str) -> str:
+    """What to do about a port another program holds, for the flag that chose it."""
+    return f" (another server there?): stop it, or pass {flag} PORT (0 = any free port)"
+
+
 @dataclass(frozen=True)
 class Flag:
     """How a ServerConfig field appears on `echoic serve`'s command line.
