@@ -58,6 +58,15 @@ not run, 130 interrupted.
 """
 
 
+def audio_length(seconds: float) -> str:
+    """A length of audio in the unit that shows it: 12.3 s, 4.5 min, 2.02 h."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
 def add_decoder_options(p: argparse.ArgumentParser, default: str = "auto") -> None:
     """Decoder options shared by transcribe and eval (defaults: DecoderConfig's, and
     `default` for --decoder)."""
@@ -181,7 +190,7 @@ class Stats:
         rtf = self.wall_seconds / self.audio_seconds if self.audio_seconds else 0.0
         text = (
             f"transcribed {self.transcribed} of {self.inputs} files"
-            f" ({self.audio_seconds / 3600:.2f} h of audio) in {self.wall_seconds:.1f} s,"
+            f" ({audio_length(self.audio_seconds)} of audio) in {self.wall_seconds:.1f} s,"
             f" real-time factor {rtf:.4f}; {len(self.failed)} failed; {self.done_before}"
             f" already done"
         )

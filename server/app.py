@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import ServerConfig, ServerError, busy_port_hint
@@ -335,7 +336,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
             " and HTTP" if server.http_port is not None else "", config.host,
         )  # fmt: skip
     log.info(
-        "listening on %s:%d (%s)%s%s", config.host, port,
+        "echoic %s listening on %s:%d (%s)%s%s", echoic_version(), config.host, port,
         "TLS" if config.tls_cert else "plaintext",
         f", HTTP on :{server.http_port}" if server.http_port is not None else "",
         f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "",

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.models import ModelLookupError
 from echoic.server.service import status_of
@@ -331,9 +332,11 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 def model_list(names: list[str], created: int) -> dict[str, Any]:
-    """GET /v1/models: the served model names (OpenAI's list of model objects)."""
+    """GET /v1/models: the served model names (OpenAI's list of model objects), and
+    echoic's version (a field OpenAI's clients ignore)."""
     return {
         "object": "list",
+        "server_version": echoic_version(),
         "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "echoic"}
             for name in names

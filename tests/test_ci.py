@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,7 @@ def test_serve_sh_sets_up_no_system_packages_and_serves_on_its_ports(tmp_path: P
             if "listening on" in line:
                 break
         listening = "".join(log)
+        assert f"echoic {version('echoic')} listening on" in listening, listening
         assert re.search(rf"HTTP on :{http_port}, metrics on :\d+", listening), listening
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=30) as r:
             assert r.status == 200

@@ -357,9 +357,15 @@ def test_curl_one_liner_against_the_default_server(
     assert hits >= 0.5 * total, (hits, total)
 
 
-def test_models(client) -> None:
+def test_models(client, server, stub) -> None:
+    """OpenAI's model list, and echoic's version beside it (and in gRPC ListModels)."""
+    from importlib.metadata import version
+
     (model,) = client.models.list().data
     assert (model.id, model.object, model.owned_by) == ("echoic-en-default", "model", "echoic")
+    assert json.loads(get(server, "/v1/models")[1])["server_version"] == version("echoic")
+    listed = stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT)
+    assert listed.server_version == version("echoic")
     assert client.models.retrieve("echoic-en-default").id == "echoic-en-default"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-model")

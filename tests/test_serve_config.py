@@ -108,3 +108,12 @@ def test_model_and_model_repo_exclude_each_other() -> None:
 def test_a_bad_combination_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--tls-key", "server.key"]) == 1
     assert capsys.readouterr().err == "echoic serve: error: TLS needs both cert and key\n"
+
+
+def test_echoic_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"echoic {version('echoic')}\n"

@@ -377,6 +377,7 @@ def test_resume_goes_by_the_resolved_file(
     shutil.copytree(two_folders, copy)
     changed = _job(str(copy / "a" / "utt_002.wav"), *base)
     assert "transcribed 1 of 1" in changed.stderr
+    assert re.search(r"\(\d+\.\d s of audio\)", changed.stderr), changed.stderr  # not 0.00 h
     sf.write(copy / "a" / "utt_002.wav", np.zeros(8000, np.float32), 16000)  # edited
     edited = _job(str(copy / "a" / "utt_002.wav"), *base)
     assert "transcribed 1 of 1" in edited.stderr, edited.stderr
@@ -822,3 +823,17 @@ def test_a_long_file_is_transcribed_in_bounded_memory(
     assert [(w["word"], w["start"], w["end"]) for w in got["words"]] == [
         (w.text, round(w.start, 3), round(w.end, 3)) for w in whole.words
     ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        pytest.param(3.0, "3.0 s", id="seconds"),
+        pytest.param(270.0, "4.5 min", id="minutes"),
+        pytest.param(7272.0, "2.02 h", id="hours"),
+    ],
+)
+def test_audio_lengths_are_shown_in_the_unit_that_shows_them(seconds: float, shown: str) -> None:
+    from echoic.cli.transcribe import audio_length
+
+    assert audio_length(seconds) == shown
