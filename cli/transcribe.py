@@ -101,8 +101,8 @@ def decoder_config(args: argparse.Namespace):
 
 def resolve_decoder(args: argparse.Namespace) -> None:
     """--decoder auto becomes what it means for --model, as `echoic serve --decoder auto`
-    decides it: beam where a word LM is at hand (it roughly halves the bundled model's
-    errors, README "Choosing the decoder"), greedy where none is (beam alone gains little)."""
+    decides it: beam where a word LM is at hand (a third fewer of the bundled model's
+    errors: README, "Talk to the server"), greedy where none is (beam alone gains little)."""
     if args.decoder != "auto":
         return
     from echoic.model.runtime.recognizer import LM_FILE, default_model_dir
@@ -393,6 +393,9 @@ class LocalBackend:
     def transcribe(self, todo: list[Item], writer: InInputOrder, stats: Stats) -> None:
         from echoic.model.core.audio import AudioError, audio_duration, truncation
 
+        # The LM loads only now, once the job's record has accepted its settings.
+        self.recognizer.load_decoder()
+
         durations, readable = {}, []
         for item in todo:
             try:
@@ -429,6 +432,7 @@ class LocalBackend:
     def _transcribe_group(self, group: list[Item], chunked: bool, writer: InInputOrder,
                           stats: Stats) -> None:  # fmt: skip
         from echoic.model.core.audio import AudioError, audio_blocks, load_audio
+        from echoic.model.core.decoding import FILE_ENDPOINTING
 
         rec = self.recognizer
         if chunked:
@@ -443,7 +447,7 @@ class LocalBackend:
 
             try:
                 transcript = rec.transcribe_blocks(
-                    counted(audio_blocks(item.path, rec.sample_rate))
+                    counted(audio_blocks(item.path, rec.sample_rate)), endpointing=FILE_ENDPOINTING
                 )
             except AudioError as e:
                 writer.write_error(item, str(e))
@@ -457,7 +461,7 @@ class LocalBackend:
                     ok.append(item)
                 except AudioError as e:
                     writer.write_error(item, str(e))
-            transcripts = rec.transcribe(audios)
+            transcripts = rec.transcribe(audios, endpointing=FILE_ENDPOINTING)
             results = [(i, len(a) / rec.sample_rate, t)
                        for i, a, t in zip(ok, audios, transcripts, strict=True)]  # fmt: skip
         for item, duration, transcript in results:

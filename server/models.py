@@ -132,12 +132,14 @@ class LoadedModel:
         return self.greedy.streams_exactly
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
-        return Recognizer(
+        recognizer = Recognizer(
             self.greedy.engine,
             decoder,
             chunking=self.greedy.chunking,
             beam_decoders=self._beams.decoder if self._beams is not None else None,
         )
+        recognizer.load_decoder()  # here, in a worker thread, not in a request's decoding
+        return recognizer
 
     async def recognizer(self, decoder: DecoderConfig | None) -> Recognizer:
         """The recognizer for a decoder config (sharing this version's engine), built once;

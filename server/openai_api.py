@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from echoic.model.core.decoding import FILE_ENDPOINTING
 from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.models import ModelLookupError
@@ -46,8 +47,10 @@ OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("word", "segment")
 DECODERS = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
-ENDPOINTING = pb.EndpointingConfig(trailing_silence_ms=800, max_utterance_ms=30_000)
-# ms: a pause of 0.8 s ends a segment, and none runs past 30 s (subtitle-sized pieces)
+ENDPOINTING = pb.EndpointingConfig(
+    trailing_silence_ms=round(FILE_ENDPOINTING.trailing_silence * 1000),
+    max_utterance_ms=round(FILE_ENDPOINTING.max_utterance * 1000),
+)  # files' segments, as `echoic transcribe` cuts them: a pause of 0.8 s, none past 30 s
 MAX_FIELD_BYTES = 64 * 1024  # a form field other than the file, bytes
 
 

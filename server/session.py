@@ -5,7 +5,9 @@ A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and an
 into `SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
 decoded audio, a final one at each endpoint and at the end of the audio.
 
-Endpointing (as in sherpa-onnx and Riva), checked after every model step:
+Endpointing (as in sherpa-onnx and Riva; the rule is
+`model/runtime/recognizer.py:Endpointing`, shared with files transcribed locally),
+checked after every model step:
 rule 1 ends an utterance after `trailing_silence_ms` of trailing silence (CTC
 blanks and spaces after its last word) once it has a word; rule 2 ends it once it
 reaches `max_utterance_ms`, at the first step that does not end inside a
@@ -33,7 +35,7 @@ import numpy as np
 from echoic.model.core.audio import AudioError
 from echoic.model.core.decoding import DecoderConfig, Transcript
 from echoic.model.core.text import normalize_text
-from echoic.model.runtime.recognizer import Recognizer, Stream
+from echoic.model.runtime.recognizer import Endpointing, Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
 from echoic.server.models import LoadedModel
@@ -49,7 +51,6 @@ _ENCODINGS = {
 }
 
 
-MAX_CUT_DELAY = 2.0  # s an utterance may run past max_utterance_ms waiting for a blank frame
 MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
 
 
@@ -363,18 +364,9 @@ class Session:
 
     def _endpoint(self) -> bool:
         stream, opts = self.stream, self.options
-        spoken = stream.utterance_seconds
+        rule = Endpointing(opts.trailing_silence, opts.max_utterance)  # files' rule too
         words = stream.result().words
-        if opts.max_utterance and spoken >= opts.max_utterance:
-            # Not inside a character's run of frames: its next frames would start the
-            # same character again in the next utterance. A path that never leaves
-            # characters is cut anyway, MAX_CUT_DELAY later.
-            frame = stream.recognizer.frame_seconds
-            in_a_character = bool(words) and spoken - words[-1].end < frame / 2
-            return not in_a_character or spoken >= opts.max_utterance + MAX_CUT_DELAY
-        if opts.trailing_silence:
-            return bool(words) and spoken - words[-1].end >= opts.trailing_silence
-        return False
+        return rule.due(words, stream.utterance_seconds, stream.recognizer.frame_seconds)
 
     def _result(
         self,

@@ -82,6 +82,8 @@ def test_serve_sh_sets_up_no_system_packages_and_serves_on_its_ports(tmp_path: P
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=30) as r:
             assert r.status == 200
         assert "bootstrap: installing" not in listening
+        # The bundled model's default decoder loaded its LM: none of KenLM's chatter.
+        assert "Loading the LM" not in listening and "*****" not in listening
     finally:
         timer.cancel()
         process.kill()

@@ -308,11 +308,64 @@ def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances)
     request = pb.RecognizeRequest(config=unnamed, audio_content=two_utterances)
     got = stub.Recognize(request, timeout=TIMEOUT).results
     assert " ".join(r.alternatives[0].transcript for r in got) == beam
+    with openai_client(server) as client:  # OpenAI's own client sends it with extra_body
+        got = client.audio.transcriptions.create(
+            model="whisper-1", file=("a.wav", two_utterances), extra_body={"decoder": "greedy"}
+        )
+    assert got.text == greedy
     with http_server(decoder="greedy") as greedy_server:
         assert post_form(greedy_server, [], [("file", two_utterances)]) == (200, {"text": greedy})
         with grpc.insecure_channel(greedy_server.address) as channel:
             got = pb_grpc.TranscriberStub(channel).Recognize(request, timeout=TIMEOUT).results
         assert " ".join(r.alternatives[0].transcript for r in got) == greedy
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_a_long_recording_gives_the_same_words_on_every_path(
+    server, speech_corpus, tmp_path, decoder
+) -> None:
+    """Four sentences joined by 1 s of silence: `echoic transcribe` here, with --server,
+    and the HTTP door cut it at the same pauses (one rule, FILE_ENDPOINTING), so they give
+    the same words, with the same times, none glued across a pause (the local path and
+    --server gave "... nuonscould ..." where HTTP gave "nuons could"), each within the
+    sentence it was said in."""
+    import sys
+
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][3:7]
+    parts = [decode_audio((speech_corpus.parent / r["audio_filepath"]).read_bytes(), 16000)
+             for r in rows]  # fmt: skip
+    pause = np.zeros(16000, np.float32)
+    audio = np.concatenate([x for p in parts for x in (p, pause)][:-1])
+    sf.write(tmp_path / "long.wav", audio, 16000, subtype="PCM_16")
+    spans, at = [], 0.0  # each sentence's (start, end), s
+    for p in parts:
+        spans.append((at, at + len(p) / 16000))
+        at += len(p) / 16000 + 1.0
+
+    def transcribe(*flags: str) -> dict:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "echoic.cli.main", "transcribe", str(tmp_path / "long.wav"),
+             "--decoder", decoder, "--output", str(out), "--no-progress", *flags],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(out.read_text())
+
+    local, remote = transcribe(), transcribe("--server", server.address)
+    fields = [("decoder", decoder), ("response_format", "verbose_json"),
+              ("timestamp_granularities[]", "word"),
+              ("timestamp_granularities[]", "segment")]  # fmt: skip
+    status, http = post_form(server, fields, [("file", (tmp_path / "long.wav").read_bytes())])
+    assert status == 200, http
+    assert local["text"] == remote["text"] == http["text"]
+    assert len(http["segments"]) == len(parts)
+    for got in (local["words"], remote["words"], http["words"]):
+        times = [(w["start"], w["end"]) for w in got]
+        assert _flat(times) == pytest.approx(_flat((w["start"], w["end"]) for w in http["words"]),
+                                             abs=0.001)  # fmt: skip
+        for start, end in times:  # no word reaches over a pause
+            assert any(a - 0.1 <= start and end <= b + 0.1 for a, b in spans), (start, end)
 
 
 def test_curl_one_liner(server, stub, clips, tmp_path) -> None:

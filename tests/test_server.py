@@ -35,12 +35,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
 from echoic.model.core.audio import decode_audio  # noqa: E402
-from echoic.model.runtime.recognizer import Recognizer  # noqa: E402
+from echoic.model.runtime.recognizer import MAX_CUT_DELAY, Recognizer  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
-from echoic.server.session import MAX_CUT_DELAY  # noqa: E402
 
 Code = grpc.StatusCode
 Config = pb.RecognitionConfig

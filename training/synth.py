@@ -158,8 +158,9 @@ class Utterance:
         blob = json.dumps(fields, sort_keys=True).encode()
         first = " ".join(self.text.split()[:NAME_WORDS]).replace("'", "")
         words = re.sub(r"[^a-z0-9]+", "-", first).strip("-")
-        return f"{self.line:06d}-{self.copy}-{words[:NAME_CHARS]}-" + (
-            hashlib.sha256(blob).hexdigest()[:12]
+        return (
+            f"{self.line:06d}-{self.copy}-{words[:NAME_CHARS]}-"
+            + (hashlib.sha256(blob).hexdigest()[:12])
         )
 
 
