@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set up what serving needs (if needed: the serve extras, no system
 # packages) and serve the bundled default model from the default model repository
-# (README, "Retrain and redeploy"): `echoic deploy` replaces it live.
+# (docs/deployment.md, "Retrain and redeploy"): `echoic deploy` replaces it live.
 #   bash scripts/serve.sh [echoic serve options]
 # Ports, each also an `echoic serve` flag (a flag given here wins):
 #   ECHOIC_PORT          gRPC (echoic's API and Riva's), default 50051   (--port)

@@ -122,7 +122,7 @@ class ServerConfig:
         "decoder threads",
         Flag(metavar="N"),
     )
-    # auto by measurement (README "Choosing the decoder"): on the bundled model, beam
+    # auto by measurement (docs/serving.md, "Choosing the decoder"): on the bundled model, beam
     # search with its LM cuts held-out WER from 58% to 37% for 4x the decoding time (still
     # 60x faster than real time); without an LM, beam gains 1 point for 1.25x, so greedy.
     decoder: str = setting(
@@ -132,7 +132,7 @@ class ServerConfig:
         "greedy for one without",
         Flag(metavar="{auto,greedy,beam}"),
     )
-    # 1 by measurement (bench/serve_load.py, README "Benchmarks"): the server's Python
+    # 1 by measurement (bench/serve_load.py, docs/benchmarks.md, "Benchmarks"): the server's Python
     # threads need a core of their own, and batched calls of this size gain little from
     # a second ONNX Runtime thread; more cores serve more streams as more replicas.
     intra_op_threads: int = setting(

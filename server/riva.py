@@ -8,7 +8,7 @@ becomes an echoic one, goes through `TranscriberService` (the same admission,
 limits, sessions, batches and metrics; `method` labels "riva.Recognize" and
 "riva.StreamingRecognize"), and each echoic response becomes a Riva one.
 
-How Riva's fields map (README, "Coming from Riva"):
+How Riva's fields map (docs/riva.md, "Coming from Riva"):
 
 - encoding: LINEAR_PCM is raw PCM16, or a whole WAV file when the bytes start with
   a RIFF header (as Riva's own file helpers send it); FLAC, MULAW, ALAW, OGGOPUS as

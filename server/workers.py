@@ -2,7 +2,7 @@
 
 One server process tops out near one core: its Python (gRPC messages on the event
 loop, features and decoding in the engine's thread) shares one interpreter lock
-(README "Benchmarks"). With `--workers N` the `echoic serve` process supervises N
+(docs/benchmarks.md, "Benchmarks"). With `--workers N` the `echoic serve` process supervises N
 worker processes instead, each a whole server (`app.serve` with the same
 ServerConfig) on the same gRPC and HTTP ports:
 

@@ -213,8 +213,8 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(tiny_model_dir: Pa
     assert answer["audio_processed_seconds"] == 1.0 and answer["results"][0]["is_final"]
 
 
-def test_the_readmes_grpcurl_recognize_sends_a_long_file(tiny_model_dir: Path, tmp_path) -> None:
-    """The README's grpcurl Recognize command, as written there (bash, from another
+def test_the_documented_grpcurl_recognize_sends_a_long_file(tiny_model_dir: Path, tmp_path) -> None:
+    """docs/serving.md's grpcurl Recognize command, as written there (bash, from another
     directory), on a 20 s WAV: its base64 is over the kernel's limit for one argument
     (128 KiB), which the JSON on stdin (`-d @`) never meets."""
     import json
@@ -230,8 +230,8 @@ def test_the_readmes_grpcurl_recognize_sends_a_long_file(tiny_model_dir: Path, t
     pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
     from tests.test_server import running
 
-    readme = (ROOT / "README.md").read_text()
-    (command,) = re.findall(r"\n(\{ printf .*?\n.*?echoic\.v1\.Transcriber/Recognize)\n", readme)
+    page = (ROOT / "docs" / "serving.md").read_text()
+    (command,) = re.findall(r"\n(\{ printf .*?\n.*?echoic\.v1\.Transcriber/Recognize)\n", page)
     seconds = 20
     tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(16000 * seconds) / 16000)
     sf.write(tmp_path / "talk.wav", tone.astype(np.float32), 16000, subtype="PCM_16")
