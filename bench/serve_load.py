@@ -20,7 +20,7 @@ the same levels too, for the batching gain.
 connections of its own. `echoic serve --workers N` shares its port by connection
 (SO_REUSEPORT: the kernel picks a worker per connection, not per call), so one
 connection per client process would reach at most --clients workers. The default
-is 1 because the single-process figures in README "Benchmarks" were measured with
+is 1 because the single-process figures in docs/benchmarks.md, "Benchmarks" were measured with
 one connection per client process; give the same K to every setting compared.
 
 Per level it prints:

@@ -24,6 +24,9 @@ examples:
   # roll back: take version 2 out; the server goes back to the newest one left
   echoic deploy --remove echoic-en-default/2
 
+  # a second model name beside the bundled one, made the default for clients naming none
+  echoic deploy runs/tiny/last.pt --name tiny --make-default
+
 A version is built in a hidden directory beside its place and renamed into it when
 complete (the server serves it under the directory's name and version, whatever its
 model card says), so a server polling the repository loads it whole or not at all; SIGHUP
@@ -67,6 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     lm.add_argument("--lm", metavar="ARPA", help="word LM to ship with it (lm.arpa)")
     lm.add_argument("--no-lm", action="store_true", help="ship no word LM")
     p.add_argument(
+        "--make-default",
+        action="store_true",
+        help="make this model the repository's default: what requests that name no model "
+        "get (otherwise the default stays as it was: the bundled model in the default "
+        "repository)",
+    )
+    p.add_argument(
         "--wait",
         metavar="HOST:PORT",
         help="then wait until the server there serves (or no longer serves) it",
@@ -78,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from echoic.cli.errors import UserError
-    from echoic.model.runtime.repository import default_repository
+    from echoic.model.runtime.repository import default_repository, write_default
 
     repo = Path(args.repo) if args.repo else default_repository()
     if (args.source is None) == (args.remove is None):
@@ -91,11 +101,38 @@ def run(args: argparse.Namespace) -> int:
         else:
             name, version = _publish(args, repo)
             serving = True
+            if args.make_default:
+                write_default(repo, name)
     except (ValueError, FileExistsError) as e:
         raise UserError(str(e)) from e
+    print(_unnamed(repo))
     if args.wait:
         _wait(args, name, version, serving)
     return 0
+
+
+def _unnamed(repo: Path) -> str:
+    """What a server on `repo` gives requests that name no model, in one line."""
+    from echoic.model.runtime.repository import (
+        DEFAULT_FILE,
+        default_model,
+        incomplete,
+        read_default,
+        scan_repository,
+    )
+
+    served = {
+        name for name, versions in scan_repository(repo).items()
+        if any(incomplete(path) is None for path in versions.values())
+    }  # fmt: skip
+    name, why = default_model(read_default(repo), served)
+    unless = "unless the server was started with --default-model"
+    if name:
+        return f"clients that name no model get {name} ({why} of {repo}; {unless})"
+    return (
+        f"clients that name no model are refused: {why} ({repo / DEFAULT_FILE}); name one in"
+        f" each request, or make one the default: echoic deploy --make-default, {unless}"
+    )
 
 
 def _remove(repo: Path, what: str, force: bool) -> tuple[str, str]:

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="DIR", help="exported model directory (default: bundled)")
     p.add_argument("--manifest", required=True, action="append", nargs="+", metavar="MANIFEST",
                    help="JSON-lines manifest(s) with reference text; repeatable")  # fmt: skip
-    add_decoder_options(p)
+    add_decoder_options(p, default="greedy")  # a measurement names what it measures
     p.add_argument("--decoders", metavar="LIST",
                    help="comma-separated decoders to compare, e.g. greedy,beam (overrides"
                         " --decoder)")  # fmt: skip

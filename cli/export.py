@@ -16,7 +16,7 @@ examples:
   echoic export runs/uni/last.pt models/uni/1 --stream-chunk 8 --json
 
   # int8 convolutions and output layer, scales calibrated on a manifest's audio (an
-  # existing model directory: echoic quantize); README "Benchmarks" says what it gains
+  # existing model directory: echoic quantize); docs/benchmarks.md, "Benchmarks" says what it gains
   echoic export runs/ds2/last.pt models/echoic-ds2/4 --quantize int8 --calibration dev.jsonl
 
 OUT_DIR must not exist (or be empty). It gets model.onnx (offline), stream.onnx

@@ -26,7 +26,7 @@ examples:
 then train on it:
   echoic train --config training/recipes/librispeech.toml data.train_manifest=data/ls.jsonl
 
-Transcripts are normalised to the model's alphabet (README, "Real corpora"): lower
+Transcripts are normalised to the model's alphabet (docs/training.md, "Real corpora"): lower
 case, numbers, years and money spelled out, punctuation dropped, accents folded.
 Utterances that cannot be used (text outside the alphabet, missing or broken audio,
 malformed lines, too long) are skipped, counted and listed with FILE:LINE. A rerun

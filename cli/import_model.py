@@ -44,8 +44,9 @@ batches of several lengths.
 For nemo, SOURCE is a .nemo file, or NeMo's ONNX export with --config
 model_config.yaml or --nemo (the .nemo holding the config and a BPE model's tokenizer);
 model.onnx then takes NeMo's features, which echoic computes (the card's feature recipe),
-and is checked against NeMo's ONNX (and NeMo itself, where installed). README, "Serving
-other models", says what works and what is not supported yet.
+and is checked against NeMo's ONNX (and NeMo itself, where installed).
+docs/models-and-import.md, "Serving other models", says what works and what is not
+supported yet.
 """
 
 

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Deep Speech 2 style speech recognition: train, export, serve, transcribe.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from echoic.model.core.version import echoic_version
+
+    parser.add_argument("--version", action="version", version=f"echoic {echoic_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name in COMMANDS:
         importlib.import_module(f"echoic.cli.{name}").register(sub)

@@ -28,7 +28,7 @@ quantized by ONNX Runtime's static quantization (QDQ; activation scales from the
 32 utterances of --calibration; the recurrent layers stay fp32), the card saying
 precision int8, the other files of MODEL_DIR (lm.arpa), and export.json.
 A checkpoint goes straight to int8 with `echoic export --quantize int8`.
-On the bundled model int8 is no faster than fp32 on x86 CPUs: README "Benchmarks".
+On the bundled model int8 is no faster than fp32 on x86 CPUs: docs/benchmarks.md, "Benchmarks".
 """
 
 

@@ -51,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    " file's bytes as they are")  # fmt: skip
     p.add_argument("--model", metavar="NAME[/VERSION]", default="",
                    help="served model (default: the only one; newest version)")  # fmt: skip
-    p.add_argument("--decoder", choices=("greedy", "beam"), default="greedy", help="CTC decoding")
+    p.add_argument("--decoder", choices=("greedy", "beam"),
+                   help="CTC decoding (default: the server's, echoic serve --decoder)")  # fmt: skip
     p.add_argument("--beam-size", type=int, default=0, help="beam width (0: server's default)")
     p.add_argument("--no-lm", action="store_true", help="beam search without the model's LM")
     p.add_argument("--no-interim", action="store_true", help="final results only")
@@ -140,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 model=name,
                 model_version=version,
                 words=args.words or args.json,
-                decoder=args.decoder,
+                # --beam-size and --no-lm are beam search's: they ask for it
+                decoder=args.decoder or ("beam" if args.beam_size or args.no_lm else None),
                 beam_size=args.beam_size,
                 disable_lm=args.no_lm,
                 trailing_silence_ms=args.endpoint_silence_ms,

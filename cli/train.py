@@ -6,14 +6,27 @@ import argparse
 
 EXAMPLES = """\
 examples:
-  echoic train --config training/recipes/default.toml
-  echoic train --config training/recipes/tiny.toml data.train_manifest=corpus/manifest.jsonl \\
-      max_steps=30 out_dir=runs/smoke
-  mpirun -np 4 echoic train --config training/recipes/default.toml out_dir=runs/ds2
-  torchrun --nproc-per-node 4 -m echoic.cli.main train --config training/recipes/default.toml
+  echoic train --config default
+  echoic train --config tiny data.train_manifest=corpus/manifest.jsonl max_steps=30 \\
+      out_dir=runs/smoke
+  echoic train --config finetune data.train_manifest=mine/manifest.jsonl   # the bundled model
+  echoic train --config my-recipe.toml init_from=bundled
+  mpirun -np 4 echoic train --config default out_dir=runs/ds2
+  torchrun --nproc-per-node 4 -m echoic.cli.main train --config default
 
-Running the same command again resumes from OUT_DIR/last.pt exactly.
+--config takes a TOML file or a recipe's name: {names}.
+A recipe's relative paths (init_from, data.train_manifest, data.val_manifest) are
+looked for in the working directory, then beside the recipe; out_dir is in the
+working directory.
+init_from=bundled fine-tunes the bundled model. Running the same command again resumes
+from OUT_DIR/last.pt exactly.
 """
+
+
+def _recipe_names() -> str:
+    from echoic.training.recipe_files import recipe_names
+
+    return ", ".join(recipe_names())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,10 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train",
         help="train a model (one process, mpirun or torchrun)",
         description="Train a Deep Speech 2 model with CTC from a TOML recipe.",
-        epilog=EXAMPLES,
+        epilog=EXAMPLES.format(names=_recipe_names()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", metavar="RECIPE.toml", help="training recipe (TOML)")
+    p.add_argument(
+        "--config", metavar="RECIPE",
+        help=f"training recipe: a TOML file, or one by name ({_recipe_names()})",
+    )  # fmt: skip
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="typed recipe overrides")
     p.add_argument(
         "--rnn-impl",

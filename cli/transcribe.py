@@ -58,12 +58,27 @@ not run, 130 interrupted.
 """
 
 
-def add_decoder_options(p: argparse.ArgumentParser) -> None:
-    """Decoder options shared by transcribe and eval (defaults: DecoderConfig's)."""
+def audio_length(seconds: float) -> str:
+    """A length of audio in the unit that shows it: 12.3 s, 4.5 min, 2.02 h."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def add_decoder_options(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    """Decoder options shared by transcribe and eval (defaults: DecoderConfig's, and
+    `default` for --decoder)."""
     from echoic.model.core.decoding import DecoderConfig
 
     d = DecoderConfig()
-    p.add_argument("--decoder", choices=("greedy", "beam"), default=d.kind, help="CTC decoding")
+    p.add_argument(
+        "--decoder", choices=("auto", "greedy", "beam"), default=default,
+        help="CTC decoding: greedy, beam (search with a word LM), or auto = beam where the "
+             "model ships an LM (or --lm names one), greedy otherwise; with --server, auto is "
+             "the server's default (default %(default)s)",
+    )  # fmt: skip
     p.add_argument("--beam-size", type=int, default=d.beam_size,
                    help=f"beam width (beam; default {d.beam_size})")  # fmt: skip
     p.add_argument("--lm", metavar="ARPA", default=d.lm_path, help="word n-gram LM (beam;"
@@ -84,7 +99,21 @@ def decoder_config(args: argparse.Namespace):
     )  # fmt: skip
 
 
+def resolve_decoder(args: argparse.Namespace) -> None:
+    """--decoder auto becomes what it means for --model, as `echoic serve --decoder auto`
+    decides it: beam where a word LM is at hand (a third fewer of the bundled model's
+    errors: README, "Talk to the server"), greedy where none is (beam alone gains little)."""
+    if args.decoder != "auto":
+        return
+    from echoic.model.runtime.recognizer import LM_FILE, default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    has_lm = bool(args.lm) or (model_dir / LM_FILE).is_file()
+    args.decoder = "beam" if has_lm and not args.no_lm else "greedy"
+
+
 def load_recognizer(args: argparse.Namespace):
+    resolve_decoder(args)
     try:
         from echoic.model.runtime.recognizer import Recognizer
     except ModuleNotFoundError as e:
@@ -161,7 +190,7 @@ class Stats:
         rtf = self.wall_seconds / self.audio_seconds if self.audio_seconds else 0.0
         text = (
             f"transcribed {self.transcribed} of {self.inputs} files"
-            f" ({self.audio_seconds / 3600:.2f} h of audio) in {self.wall_seconds:.1f} s,"
+            f" ({audio_length(self.audio_seconds)} of audio) in {self.wall_seconds:.1f} s,"
             f" real-time factor {rtf:.4f}; {len(self.failed)} failed; {self.done_before}"
             f" already done"
         )
@@ -364,6 +393,9 @@ class LocalBackend:
     def transcribe(self, todo: list[Item], writer: InInputOrder, stats: Stats) -> None:
         from echoic.model.core.audio import AudioError, audio_duration, truncation
 
+        # The LM loads only now, once the job's record has accepted its settings.
+        self.recognizer.load_decoder()
+
         durations, readable = {}, []
         for item in todo:
             try:
@@ -400,6 +432,7 @@ class LocalBackend:
     def _transcribe_group(self, group: list[Item], chunked: bool, writer: InInputOrder,
                           stats: Stats) -> None:  # fmt: skip
         from echoic.model.core.audio import AudioError, audio_blocks, load_audio
+        from echoic.model.core.decoding import FILE_ENDPOINTING
 
         rec = self.recognizer
         if chunked:
@@ -414,7 +447,7 @@ class LocalBackend:
 
             try:
                 transcript = rec.transcribe_blocks(
-                    counted(audio_blocks(item.path, rec.sample_rate))
+                    counted(audio_blocks(item.path, rec.sample_rate)), endpointing=FILE_ENDPOINTING
                 )
             except AudioError as e:
                 writer.write_error(item, str(e))
@@ -428,7 +461,7 @@ class LocalBackend:
                     ok.append(item)
                 except AudioError as e:
                     writer.write_error(item, str(e))
-            transcripts = rec.transcribe(audios)
+            transcripts = rec.transcribe(audios, endpointing=FILE_ENDPOINTING)
             results = [(i, len(a) / rec.sample_rate, t)
                        for i, a, t in zip(ok, audios, transcripts, strict=True)]  # fmt: skip
         for item, duration, transcript in results:

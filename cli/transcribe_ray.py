@@ -41,6 +41,7 @@ class RecognizerActor:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         from echoic.model.core.audio import AudioError, audio_blocks, audio_duration, load_audio
+        from echoic.model.core.decoding import FILE_ENDPOINTING
 
         if self._crash_file is not None and not Path(self._crash_file).exists():
             Path(self._crash_file).touch()
@@ -58,14 +59,16 @@ class RecognizerActor:
                             samples[0] += len(block)
                             yield block
 
-                    transcript = rec.transcribe_blocks(counted(audio_blocks(path, rec.sample_rate)))
+                    blocks = counted(audio_blocks(path, rec.sample_rate))
+                    transcript = rec.transcribe_blocks(blocks, endpointing=FILE_ENDPOINTING)
                     self._put(out, index, samples[0] / rec.sample_rate, transcript, "")
                     continue
                 audios.append(load_audio(path, rec.sample_rate))
                 kept.append(index)
             except AudioError as e:
                 self._put(out, index, 0.0, None, str(e))
-        for index, audio, transcript in zip(kept, audios, rec.transcribe(audios), strict=True):
+        transcripts = rec.transcribe(audios, endpointing=FILE_ENDPOINTING)
+        for index, audio, transcript in zip(kept, audios, transcripts, strict=True):
             self._put(out, index, len(audio) / rec.sample_rate, transcript, "")
         return out
 

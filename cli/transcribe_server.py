@@ -138,6 +138,8 @@ class ServerTranscriber:
 
     def decoder_settings(self) -> dict[str, object]:
         a = self.args
+        if a.decoder == "auto":
+            return {"decoder": "the server's default"}
         if a.decoder != "beam":
             return {"decoder": a.decoder}
         return {"decoder": a.decoder, "beam_size": a.beam_size, "lm": "off" if a.no_lm else
@@ -188,13 +190,21 @@ class ServerTranscriber:
 
     def transcribe(self, items: list[Item], writer: InInputOrder, stats: Any, bar: Any) -> None:
         """Transcribe `items`; stats gains audio seconds and retries."""
-        options = {**self.options, "decoder": self.args.decoder,
-                   "beam_size": self.args.beam_size, "disable_lm": self.args.no_lm}  # fmt: skip
+        from echoic.model.core.decoding import FILE_ENDPOINTING
+
+        a = self.args
+        # Cut where the local path and the HTTP door cut (`FILE_ENDPOINTING`), so a long
+        # recording gives the same words whichever way it is transcribed.
+        options = dict(self.options, words=True,
+                       trailing_silence_ms=round(FILE_ENDPOINTING.trailing_silence * 1000),
+                       max_utterance_ms=round(FILE_ENDPOINTING.max_utterance * 1000))  # fmt: skip
+        if a.decoder != "auto":  # auto: none named, so the server's own default (--decoder)
+            options.update(decoder=a.decoder, beam_size=a.beam_size, disable_lm=a.no_lm)
         concurrency = self.args.concurrency
         pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="echoic-batch")
 
         def one(item: Item) -> Recognition:
-            return self._call(lambda: self.client.recognize(item.path, words=True, **options),
+            return self._call(lambda: self.client.recognize(item.path, **options),
                               paced=True)  # fmt: skip
 
         try:

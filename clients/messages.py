@@ -47,7 +47,7 @@ def recognition_config(
     model: str = "",
     model_version: str = "",
     words: bool = True,
-    decoder: str = "greedy",
+    decoder: str | None = None,
     beam_size: int = 0,
     disable_lm: bool = False,
     max_alternatives: int = 0,
@@ -57,12 +57,15 @@ def recognition_config(
     """A RecognitionConfig from plain values (see the .proto for each field).
 
     encoding: 'auto' (WAV/FLAC from the header), 'linear16', 'wav' or 'flac'.
-    decoder: 'greedy' or 'beam'. trailing_silence_ms / max_utterance_ms turn on
-    endpointing (a stream is split into utterances, each with its final result).
+    decoder: 'greedy', 'beam', or None for the server's default (`echoic serve
+    --decoder`). trailing_silence_ms / max_utterance_ms turn on endpointing (a stream
+    is split into utterances, each with its final result).
     """
     kinds = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
-    if decoder not in kinds:
-        raise ValueError(f"decoder must be 'greedy' or 'beam', got {decoder!r}")
+    if decoder is not None and decoder not in kinds:
+        raise ValueError(f"decoder must be 'greedy', 'beam' or None, got {decoder!r}")
+    if decoder is None and (beam_size or disable_lm):
+        raise ValueError("beam_size and disable_lm are beam search's: give decoder='beam'")
     config = pb.RecognitionConfig(
         encoding=encoding_value(encoding),
         sample_rate_hertz=sample_rate,
@@ -71,8 +74,11 @@ def recognition_config(
         model_version=model_version,
         enable_word_time_offsets=words,
         max_alternatives=max_alternatives,
-        decoder=pb.DecoderConfig(kind=kinds[decoder], beam_size=beam_size, disable_lm=disable_lm),
     )
+    if decoder is not None:
+        config.decoder.CopyFrom(
+            pb.DecoderConfig(kind=kinds[decoder], beam_size=beam_size, disable_lm=disable_lm)
+        )
     if trailing_silence_ms or max_utterance_ms:
         config.endpointing.CopyFrom(
             pb.EndpointingConfig(

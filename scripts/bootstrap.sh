@@ -3,8 +3,26 @@
 # system packages (speech synthesizers, MPI, sox, fortunes, Chromium) and a virtual
 # environment in .venv with echoic installed editable with all extras (gpu aside).
 #   bash scripts/bootstrap.sh            # then: source .venv/bin/activate
+#   bash scripts/bootstrap.sh serve      # serving only (scripts/serve.sh): no system
+#                                        # packages, echoic with the serve and riva extras
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-all}
+case "$mode" in all|serve) ;; *) echo "bootstrap: unknown mode $mode (all or serve)" >&2; exit 2;; esac
+
+PY=${PYTHON:-python3}
+if [ "$mode" = serve ]; then
+  # What `echoic serve` imports; a full set-up (the marker below) has it too.
+  if ! .venv/bin/python -c "import echoic.server.app, onnxruntime, aiohttp" 2>/dev/null \
+     || { [ pyproject.toml -nt .venv/.echoic-installed ] && [ pyproject.toml -nt .venv/.echoic-serve ]; }; then
+    echo "bootstrap: installing echoic with the serve extras into .venv" >&2
+    [ -x .venv/bin/python ] || "$PY" -m venv .venv
+    .venv/bin/pip install -q --upgrade pip >/dev/null
+    .venv/bin/pip install -q -e ".[serve,riva]"
+    touch .venv/.echoic-serve
+  fi
+  exit 0
+fi
 
 need=()
 command -v espeak-ng >/dev/null || need+=(espeak-ng)
@@ -28,7 +46,6 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest, transformers, piper, hibari" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.echoic-installed ]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The held-out sets that measure how a model holds up off its training conditions
-# (README, "The default model"), and one table of WER/CER (greedy and beam) over them:
+# (docs/models-and-import.md, "The default model"), and one table of WER/CER (greedy and beam) over them:
 #   clean-espeak, clean-flite, clean-festival   the held-out sentences, one engine each
 #   clean                                       the three together
 #   mulaw8k, reverb, noisy10db, quiet           `clean`, degraded (echoic degrade)

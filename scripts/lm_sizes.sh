@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The bundled LM's size/WER trade (README, "The default model"): LMs from the fortunes'
+# The bundled LM's size/WER trade (docs/models-and-import.md, "The default model"): LMs from the fortunes'
 # training sentences alone and with WordNet's examples and definitions, pruned or not,
 # scored with the bundled model's beam search on two held-out sets:
 #   clean     the held-out fortune sentences (scripts/heldout_sets.sh), three engines

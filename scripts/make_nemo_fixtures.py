@@ -2,7 +2,7 @@
 exported by NeMo itself, with NeMo's own features and log-probs on a real clip.
 
 Run once, in a virtual environment that has NeMo (it is not one of echoic's extras:
-see README, "Serving other models"):
+see docs/models-and-import.md, "Serving other models"):
 
     python3 -m venv /tmp/nemo-venv
     /tmp/nemo-venv/bin/pip install torch 'nemo_toolkit[asr]==3.0.0' onnx onnxruntime soundfile

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the bundled default model from nothing (see README, "The default model"):
+# Reproduce the bundled default model from nothing (see docs/models-and-import.md, "The default model"):
 # synthetic corpus -> training -> LM -> export -> evaluation. Every step resumes or
 # skips what is already done, so the script can be rerun after an interruption.
 #   bash scripts/train_default.sh            # CPU: about 2 hours on 2 cores

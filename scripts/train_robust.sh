@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage 2 of the default model (README, "The default model"): stage 1 (v1) fine-tuned
+# Stage 2 of the default model (docs/models-and-import.md, "The default model"): stage 1 (v1) fine-tuned
 # on espeak-ng, flite and festival voices with augmentation (training/recipes/robust.toml),
 # then exported and measured on the held-out sets (scripts/heldout_sets.sh). Every step
 # resumes or skips what is done, so rerun it after an interruption (same thread count).

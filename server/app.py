@@ -20,8 +20,10 @@ reflection.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import ssl
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,9 +35,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.beam_processes import BeamProcesses
-from echoic.server.config import ServerConfig, ServerError
+from echoic.server.config import ServerConfig, ServerError, busy_port_hint
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.service import TranscriberService, add_to_server
@@ -213,9 +216,42 @@ def _http_door() -> type[HttpDoor]:
     return HttpDoor
 
 
+def _check_ports_free(config: ServerConfig) -> None:
+    """A port another program holds is an error before any model loads (seconds), with the
+    flag to change; the real bind below still decides (a port taken in between)."""
+    ports = [(config.host, config.port, "cannot listen on", "--port")]
+    if config.http_port:
+        ports.append((config.host, config.http_port, "cannot serve HTTP on", "--http-port"))
+    if config.metrics_port:
+        ports.append((config.metrics_host, config.metrics_port, "cannot serve metrics on",
+                      "--metrics-port"))  # fmt: skip
+    for host, port, error, flag in ports:
+        if port == 0:
+            continue
+        try:
+            infos = socket.getaddrinfo(
+                host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        except socket.gaierror:
+            continue  # the bind below says what is wrong with the address
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            with socket.socket(family, kind, proto) as probe:  # as the server binds, no listen
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(address)
+                except OSError as e:
+                    if e.errno != errno.EADDRINUSE:
+                        continue  # the bind below says what is wrong with the address
+                    raise ServerError(
+                        f"{error} {host}:{port}: {e.strerror}{busy_port_hint(flag)}"
+                    ) from e
+
+
 async def create_server(config: ServerConfig) -> tuple[Server, int]:
     """Load the models and start serving; returns the running server and its gRPC port."""
     credentials = _credentials(config)  # unreadable certificates fail before any model loads
+    if not config.reuse_port:  # a --workers worker's ports are held by its supervisor
+        _check_ports_free(config)
     door = _http_door() if config.http_port else None
     ssl_context = _ssl_context(config) if door is not None else None
     metrics = Metrics()
@@ -302,7 +338,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
             " and HTTP" if server.http_port is not None else "", config.host,
         )  # fmt: skip
     log.info(
-        "listening on %s:%d (%s)%s%s", config.host, port,
+        "echoic %s listening on %s:%d (%s)%s%s", echoic_version(), config.host, port,
         "TLS" if config.tls_cert else "plaintext",
         f", HTTP on :{server.http_port}" if server.http_port is not None else "",
         f", metrics on :{server.metrics_port}" if server.metrics_port is not None else "",

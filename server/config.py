@@ -16,6 +16,11 @@ class ServerError(Exception):
     """A server that cannot start as configured; the message says what to change."""
 
 
+def busy_port_hint(flag: str) -> str:
+    """What to do about a port another program holds, for the flag that chose it."""
+    return f" (another server there?): stop it, or pass {flag} PORT (0 = any free port)"
+
+
 @dataclass(frozen=True)
 class Flag:
     """How a ServerConfig field appears on `echoic serve`'s command line.
@@ -37,6 +42,8 @@ def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa
     """A ServerConfig field: default, meaning with unit, flag (None: deliberately not one)."""
     return field(default=default, metadata={"help": help, "flag": flag})
 
+
+DECODERS = ("auto", "greedy", "beam")  # ServerConfig.decoder
 
 CPU = ("CPUExecutionProvider",)
 CUDA_THEN_CPU = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -115,7 +122,17 @@ class ServerConfig:
         "decoder threads",
         Flag(metavar="N"),
     )
-    # 1 by measurement (bench/serve_load.py, README "Benchmarks"): the server's Python
+    # auto by measurement (docs/serving.md, "Choosing the decoder"): on the bundled model, beam
+    # search with its LM cuts held-out WER from 58% to 37% for 4x the decoding time (still
+    # 60x faster than real time); without an LM, beam gains 1 point for 1.25x, so greedy.
+    decoder: str = setting(
+        "auto",
+        "the decoding a request that names none gets: greedy, beam (CTC beam search with "
+        "the model's word LM when it ships one), or auto = beam for a model with an LM, "
+        "greedy for one without",
+        Flag(metavar="{auto,greedy,beam}"),
+    )
+    # 1 by measurement (bench/serve_load.py, docs/benchmarks.md, "Benchmarks"): the server's Python
     # threads need a core of their own, and batched calls of this size gain little from
     # a second ONNX Runtime thread; more cores serve more streams as more replicas.
     intra_op_threads: int = setting(
@@ -252,6 +269,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
+            (
+                self.decoder in DECODERS,
+                f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}",
+            ),
             (self.model_dir is None or self.model_repo is None, "give a model or a model repo"),
             (self.poll_seconds >= 0, "poll_seconds must be >= 0"),
             (self.chunk_ms >= 0, "chunk_ms must be >= 0"),

@@ -38,8 +38,10 @@ from echoic.model.runtime.engine import Engine
 from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
 from echoic.model.runtime.repository import (
     check_name,
+    default_model,
     default_repository,
     incomplete,
+    read_default,
     scan_repository,
     seed_with_bundled,
     version_key,
@@ -56,7 +58,13 @@ LOADED, DRAINING = "loaded", "draining"
 
 
 class ModelLookupError(LookupError):
-    """A request names a model or version that is not served; the message lists what is."""
+    """A request names a model or version that is not served; the message lists what is.
+    `http`: the message in the HTTP door's words, where they differ (a form field, not
+    RecognitionConfig)."""
+
+    def __init__(self, message: str, *, http: str = "") -> None:
+        super().__init__(message)
+        self.http = http or message
 
 
 class DecoderError(ValueError):
@@ -73,6 +81,17 @@ def _signature(path: Path) -> tuple:
         return ()
 
 
+def default_decoder(config: ServerConfig, has_lm: bool) -> DecoderConfig:
+    """What a request that names no decoder gets from a model (`echoic serve --decoder`):
+    auto is beam search for a model that ships a word LM, greedy for one without."""
+    kind = config.decoder
+    if kind == "auto":
+        kind = "beam" if has_lm else "greedy"
+    if kind == "greedy":
+        return DecoderConfig()
+    return DecoderConfig("beam", min(DecoderConfig.beam_size, config.max_beam_size))
+
+
 class LoadedModel:
     """One model version in memory: its recognizers (one engine, a decoder each), its
     dispatcher, and how many calls use it."""
@@ -86,9 +105,11 @@ class LoadedModel:
         dispatcher: Dispatcher,
         decoders: Executor,
         beams: BeamProcesses | None = None,
+        default_decoder: DecoderConfig | None = None,
     ) -> None:
         """beams: the decoder processes that run beam searches (`--beam-processes`); None:
-        they run in the `decoders` threads."""
+        they run in the `decoders` threads. default_decoder: what a request that names no
+        decoder gets (`default_decoder`); None = greedy."""
         self.name, self.version, self.path = name, version, path
         self._decoders = decoders
         self._beams = beams
@@ -97,6 +118,7 @@ class LoadedModel:
         self.state = LOADED
         self.active = 0  # open streams and requests on this version, count
         self.has_lm = (path / LM_FILE).is_file()
+        self.default_decoder = default_decoder or DecoderConfig()
         self._dispatcher = dispatcher
         self._recognizers: dict[DecoderConfig, Recognizer] = {}
         self._lock = asyncio.Lock()
@@ -111,15 +133,19 @@ class LoadedModel:
         return self.greedy.streams_exactly
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
-        return Recognizer(
+        recognizer = Recognizer(
             self.greedy.engine,
             decoder,
             chunking=self.greedy.chunking,
             beam_decoders=self._beams.decoder if self._beams is not None else None,
         )
+        recognizer.load_decoder()  # here, in a worker thread, not in a request's decoding
+        return recognizer
 
-    async def recognizer(self, decoder: DecoderConfig) -> Recognizer:
-        """The recognizer for a decoder config (sharing this version's engine), built once."""
+    async def recognizer(self, decoder: DecoderConfig | None) -> Recognizer:
+        """The recognizer for a decoder config (sharing this version's engine), built once;
+        None: the server's default for this model."""
+        decoder = decoder or self.default_decoder
         if decoder.kind == "greedy":
             return self.greedy
         if decoder.boost:  # one request's words: built for it, never cached; the LM comes
@@ -185,6 +211,7 @@ class ModelRegistry:
         self._closed = False
         self._poll_task: asyncio.Task | None = None
         self.repo: Path | None = None  # the repository served; None: one --model directory
+        self.repo_default = ""  # its .default-model, as of the last scan
 
     # ------------------------------------------------------------------ start, stop
 
@@ -272,14 +299,16 @@ class ModelRegistry:
                 )
             name = default
         if not name:
-            if len(self.serving) == 1:
-                name = next(iter(self.serving))
-            else:
+            name, why = default_model(self.repo_default, self.serving)
+            if not name:
+                served = ", ".join(sorted(self.serving))
                 raise ModelLookupError(
-                    "this server serves several models and has no default (echoic serve "
-                    "--default-model): name one, with --model NAME on the echoic command line "
-                    "or `model` in RecognitionConfig, from: " + ", ".join(sorted(self.serving))
-                )
+                    f"{why} (echoic serve --default-model, or echoic deploy --make-default):"
+                    " name one, with --model NAME on the echoic command line or `model` in"
+                    f" RecognitionConfig, from: {served}",
+                    http=f"{why}: name one in the form field `model` (curl -F model=NAME),"
+                    f" from: {served}",
+                )  # fmt: skip
         model = self.serving.get(name)
         if model is None:
             served = ", ".join(sorted(self.serving)) or "none"
@@ -346,6 +375,7 @@ class ModelRegistry:
 
     async def _sync(self) -> None:
         plan = await asyncio.to_thread(self._survey)
+        self.repo_default = await asyncio.to_thread(read_default, self.repo)
         for name, candidates in plan.items():
             current = self.serving.get(name)
             for version, path, why in candidates:
@@ -400,7 +430,14 @@ class ModelRegistry:
             metrics=self._metrics,
             labels=(name, version),
         )
-        return LoadedModel(name, version, path, greedy, dispatcher, self._decoders, self._beams)
+        model = LoadedModel(
+            name, version, path, greedy, dispatcher, self._decoders, self._beams,
+            default_decoder(cfg, (path / LM_FILE).is_file()),
+        )  # fmt: skip
+        # The default decoder's LM loads now, beside the serving version, rather than in
+        # the first request that names no decoder.
+        await model.recognizer(None)
+        return model
 
     def _switch(self, model: LoadedModel) -> None:
         old = self.serving.get(model.name)

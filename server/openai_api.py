@@ -13,6 +13,11 @@ POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
     stream                    "true": server-sent events, `transcript.text.delta` as
                               words firm up, then `transcript.text.done` (TextDeltas)
 
+and one of echoic's own (OpenAI's clients send it with `extra_body`):
+
+    decoder                   greedy | beam (CTC beam search with the model's word LM);
+                              absent: the server's default (`echoic serve --decoder`)
+
 A segment is one utterance (the server cuts the audio at pauses: ENDPOINTING), and
 its text is what gRPC Recognize gives for that utterance with the same endpointing.
 verbose_json's per-segment numbers that only a Whisper-style decoder has are filled
@@ -32,6 +37,8 @@ from typing import Any
 
 import grpc
 
+from echoic.model.core.decoding import FILE_ENDPOINTING
+from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.models import ModelLookupError
 from echoic.server.service import status_of
@@ -39,8 +46,11 @@ from echoic.server.service import status_of
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("word", "segment")
-ENDPOINTING = pb.EndpointingConfig(trailing_silence_ms=800, max_utterance_ms=30_000)
-# ms: a pause of 0.8 s ends a segment, and none runs past 30 s (subtitle-sized pieces)
+DECODERS = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
+ENDPOINTING = pb.EndpointingConfig(
+    trailing_silence_ms=round(FILE_ENDPOINTING.trailing_silence * 1000),
+    max_utterance_ms=round(FILE_ENDPOINTING.max_utterance * 1000),
+)  # files' segments, as `echoic transcribe` cuts them: a pause of 0.8 s, none past 30 s
 MAX_FIELD_BYTES = 64 * 1024  # a form field other than the file, bytes
 
 
@@ -91,7 +101,7 @@ def api_error(e: Exception) -> ApiError:
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ModelLookupError):
-        return ApiError(404, str(e), param="model", code="model_not_found")
+        return ApiError(404, e.http, param="model", code="model_not_found")
     code, message = status_of(e)
     return ApiError(_HTTP_STATUS.get(code, 500), message, code=code.name.lower())
 
@@ -109,6 +119,7 @@ class TranscriptionRequest:
     words: bool  # verbose_json lists words with their times
     segments: bool  # verbose_json lists segments
     stream: bool  # answer as server-sent events
+    decoder: str = ""  # "greedy" or "beam"; "" = the server's default
 
 
 def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionRequest:
@@ -163,20 +174,31 @@ def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionReque
     stream = one("stream", "false").lower()
     if stream not in ("true", "false"):
         raise bad(f"stream must be true or false, got {stream!r}", "stream")
+    decoder = one("decoder").lower()
+    if decoder and decoder not in DECODERS:
+        raise bad(
+            f"decoder {decoder[:40]!r} is not one of {', '.join(DECODERS)} (leave it out for "
+            "the server's default)",
+            "decoder", "unknown_decoder",
+        )  # fmt: skip
     return TranscriptionRequest(
         model=model,
         response_format=response_format,
         words="word" in granularities,
         segments="segment" in granularities or not granularities,
         stream=stream == "true",
+        decoder=decoder,
     )
 
 
 def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
     """The gRPC config that asks Recognize for what this request asks."""
-    return pb.RecognitionConfig(
+    config = pb.RecognitionConfig(
         model=request.model, enable_word_time_offsets=True, endpointing=ENDPOINTING
     )
+    if request.decoder:
+        config.decoder.kind = DECODERS[request.decoder]
+    return config
 
 
 # ---------------------------------------------------------------------- responses
@@ -313,9 +335,11 @@ def sse(event: dict[str, Any]) -> bytes:
 
 
 def model_list(names: list[str], created: int) -> dict[str, Any]:
-    """GET /v1/models: the served model names (OpenAI's list of model objects)."""
+    """GET /v1/models: the served model names (OpenAI's list of model objects), and
+    echoic's version (a field OpenAI's clients ignore)."""
     return {
         "object": "list",
+        "server_version": echoic_version(),
         "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "echoic"}
             for name in names

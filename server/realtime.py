@@ -18,6 +18,8 @@ raw PCM16 at `input_audio_params.sample_rate_hz`/`num_channels`; "g711_ulaw" or
 or "none" = the bytes of a file with its header: WAV, FLAC and Ogg stream, MP3 is
 decoded at the end;
 `input_audio_transcription.model`/`language`; `recognition_config.enable_word_time_offsets`;
+`recognition_config.decoder` ("greedy" or "beam"; absent: the server's default, `echoic
+serve --decoder`);
 `endpointing_config.stop_history` = ms of trailing silence that ends an utterance),
 then `input_audio_buffer.append` (base64 audio), `.commit` and `.done`.
 
@@ -54,7 +56,14 @@ from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
 from echoic.server.metrics import HTTP_REALTIME, Metrics
 from echoic.server.models import ModelRegistry
-from echoic.server.openai_api import ENDPOINTING, OPENAI_MODELS, ApiError, TextDeltas, api_error
+from echoic.server.openai_api import (
+    DECODERS,
+    ENDPOINTING,
+    OPENAI_MODELS,
+    ApiError,
+    TextDeltas,
+    api_error,
+)
 from echoic.server.service import RateLimitedWarning, TranscriberService
 from echoic.server.session import Session, parse_config
 
@@ -431,6 +440,13 @@ class RealtimeSession:
                 f"sample_rate_hz, num_channels and stop_history are integers in 0-{MAX_INT}",
             )
         words = bool(settings["recognition_config"].get("enable_word_time_offsets"))
+        decoder = settings["recognition_config"].get("decoder")
+        if decoder is not None and decoder not in DECODERS:
+            raise ClientMistake(
+                "invalid_value",
+                f"recognition_config.decoder {str(decoder)[:40]!r} is not one of "
+                f"{', '.join(DECODERS)} (leave it out for the server's default)",
+            )
         raw = fmt != "none"  # no header: the rate and channels come from the session
         config = pb.RecognitionConfig(
             encoding=_ENCODINGS[fmt],
@@ -442,6 +458,8 @@ class RealtimeSession:
                 trailing_silence_ms=silence, max_utterance_ms=ENDPOINTING.max_utterance_ms
             ),
         )
+        if decoder is not None:
+            config.decoder.kind = DECODERS[decoder]
         service, registry = self.door._service, self.door._registry
         opts = parse_config(config, max_beam=self.door._config.max_beam_size, interim=True)
         chosen = registry.resolve(opts.model, opts.version)

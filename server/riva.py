@@ -8,7 +8,7 @@ becomes an echoic one, goes through `TranscriberService` (the same admission,
 limits, sessions, batches and metrics; `method` labels "riva.Recognize" and
 "riva.StreamingRecognize"), and each echoic response becomes a Riva one.
 
-How Riva's fields map (README, "Coming from Riva"):
+How Riva's fields map (docs/riva.md, "Coming from Riva"):
 
 - encoding: LINEAR_PCM is raw PCM16, or a whole WAV file when the bytes start with
   a RIFF header (as Riva's own file helpers send it); FLAC, MULAW, ALAW, OGGOPUS as
@@ -20,7 +20,8 @@ How Riva's fields map (README, "Coming from Riva"):
 - endpointing_config: stop_history (ms of silence that ends an utterance; else
   stop_history_eou) is echoic's trailing silence; the start_* and threshold fields
   have no counterpart and are ignored.
-- custom_configuration: "decoder" (greedy or beam), "beam_size" and
+- custom_configuration: "decoder" (greedy or beam; absent: the server's default,
+  `echoic serve --decoder`; "beam_size" alone means beam), "beam_size" and
   "max_utterance_ms"; any other key is refused, naming these.
 - enable_automatic_punctuation, profanity_filter, verbatim_transcripts: accepted;
   transcripts are always lowercase words without punctuation, as the model writes them.
@@ -55,6 +56,7 @@ _ENCODINGS = {
     raudio.OGGOPUS: pb.RecognitionConfig.OGG_OPUS,
 }
 _CUSTOM_KEYS = ("decoder", "beam_size", "max_utterance_ms")
+KINDS = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
 # Riva's boost scale (its clients suggest about 20 for a word to favour) per echoic nat:
 # 20 becomes 5 nats, enough to recover a word the model nearly heard.
 RIVA_BOOST_PER_NAT = 4.0
@@ -122,17 +124,19 @@ def _apply_custom(custom: dict[str, str], out: pb.RecognitionConfig) -> None:
             f"custom_configuration key {unknown[0][:40]!r} is not known here; this server"
             f" takes {', '.join(_CUSTOM_KEYS)}"
         )
-    decoder = custom.get("decoder", "greedy")
-    if decoder not in ("greedy", "beam"):
+    decoder = custom.get("decoder")  # absent: the server's default (echoic serve --decoder)
+    if decoder not in (None, "greedy", "beam"):
         raise invalid(f"custom_configuration decoder={decoder[:40]!r}: use greedy or beam")
-    if decoder == "beam":
-        out.decoder.kind = pb.DecoderConfig.BEAM
+    if decoder is not None:
+        out.decoder.kind = KINDS[decoder]
     for key in ("beam_size", "max_utterance_ms"):
         if key in custom:
             value = custom[key]
             if not re.fullmatch(r"[0-9]{1,9}", value):
                 raise invalid(f"custom_configuration {key}={value[:40]!r}: give a whole number")
             if key == "beam_size":
+                if decoder is None:  # a beam size asks for the beam search
+                    out.decoder.kind = pb.DecoderConfig.BEAM
                 out.decoder.beam_size = int(value)
             else:
                 out.endpointing.max_utterance_ms = int(value)

@@ -26,6 +26,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from echoic.model.core.audio import AudioError, AudioTooLong, DecodeTooSlow
+from echoic.model.core.version import echoic_version
 from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
@@ -474,7 +475,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             raise request.problem()
         models = sorted(self._registry.loaded, key=lambda m: (m.name, version_key(m.version)))
         expose = self._config.expose_paths
-        return pb.ListModelsResponse(models=[_info(m, expose_path=expose) for m in models])
+        return pb.ListModelsResponse(
+            models=[_info(m, expose_path=expose) for m in models], server_version=echoic_version()
+        )
 
     # ------------------------------------------------------------------ errors and accounting
 

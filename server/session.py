@@ -5,7 +5,9 @@ A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and an
 into `SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
 decoded audio, a final one at each endpoint and at the end of the audio.
 
-Endpointing (as in sherpa-onnx and Riva), checked after every model step:
+Endpointing (as in sherpa-onnx and Riva; the rule is
+`model/runtime/recognizer.py:Endpointing`, shared with files transcribed locally),
+checked after every model step:
 rule 1 ends an utterance after `trailing_silence_ms` of trailing silence (CTC
 blanks and spaces after its last word) once it has a word; rule 2 ends it once it
 reaches `max_utterance_ms`, at the first step that does not end inside a
@@ -33,7 +35,7 @@ import numpy as np
 from echoic.model.core.audio import AudioError
 from echoic.model.core.decoding import DecoderConfig, Transcript
 from echoic.model.core.text import normalize_text
-from echoic.model.runtime.recognizer import Recognizer, Stream
+from echoic.model.runtime.recognizer import Endpointing, Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
 from echoic.server.models import LoadedModel
@@ -49,7 +51,6 @@ _ENCODINGS = {
 }
 
 
-MAX_CUT_DELAY = 2.0  # s an utterance may run past max_utterance_ms waiting for a blank frame
 MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
 
 
@@ -75,7 +76,7 @@ class Options:
     model: str  # model name; "" = the only one served
     version: str  # model version; "" = the serving one
     words: bool  # fill word times and confidences
-    decoder: DecoderConfig
+    decoder: DecoderConfig | None  # None: the server's default for the model (--decoder)
     trailing_silence: float  # endpointing rule 1, s; 0 = off
     max_utterance: float  # endpointing rule 2, s; 0 = off
     interim: bool = False  # send interim results
@@ -150,6 +151,7 @@ def parse_config(
     except AudioError as e:
         raise invalid(str(e)) from None
     d = config.decoder
+    named = config.HasField("decoder")  # no decoder message: the server's default
     if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
         raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
     default_beam = DecoderConfig.beam_size
@@ -170,6 +172,8 @@ def parse_config(
         )  # fmt: skip
         if d.kind == pb.DecoderConfig.BEAM
         else DecoderConfig()
+        if named
+        else None
     )
     e = config.endpointing
     for field, value in (
@@ -303,7 +307,7 @@ class Session:
         if self.stream is not None:
             self.stream.n_best = options.alternatives
             # A beam search is decoded in the decoder pool, not in the shared batch.
-            self.stream.deferred_decoding = options.decoder.kind == "beam"
+            self.stream.deferred_decoding = recognizer.decoder_config.kind == "beam"
         self._offline: list[np.ndarray] = []  # samples, for a model that cannot stream
         self.samples = 0  # samples at the model's rate accepted, count
         self._last_interim = 0.0  # decoded audio at the last interim result, s
@@ -371,18 +375,9 @@ class Session:
 
     def _endpoint(self) -> bool:
         stream, opts = self.stream, self.options
-        spoken = stream.utterance_seconds
+        rule = Endpointing(opts.trailing_silence, opts.max_utterance)  # files' rule too
         words = stream.result().words
-        if opts.max_utterance and spoken >= opts.max_utterance:
-            # Not inside a character's run of frames: its next frames would start the
-            # same character again in the next utterance. A path that never leaves
-            # characters is cut anyway, MAX_CUT_DELAY later.
-            frame = stream.recognizer.frame_seconds
-            in_a_character = bool(words) and spoken - words[-1].end < frame / 2
-            return not in_a_character or spoken >= opts.max_utterance + MAX_CUT_DELAY
-        if opts.trailing_silence:
-            return bool(words) and spoken - words[-1].end >= opts.trailing_silence
-        return False
+        return rule.due(words, stream.utterance_seconds, stream.recognizer.frame_seconds)
 
     def _result(
         self,

@@ -2,7 +2,7 @@
 
 One server process tops out near one core: its Python (gRPC messages on the event
 loop, features and decoding in the engine's thread) shares one interpreter lock
-(README "Benchmarks"). With `--workers N` the `echoic serve` process supervises N
+(docs/benchmarks.md, "Benchmarks"). With `--workers N` the `echoic serve` process supervises N
 worker processes instead, each a whole server (`app.serve` with the same
 ServerConfig) on the same gRPC and HTTP ports:
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from echoic.server.config import ServerConfig, ServerError
+from echoic.server.config import ServerConfig, ServerError, busy_port_hint
 
 if TYPE_CHECKING:
     from echoic.server.app import Server
@@ -65,10 +65,10 @@ WORKER_MODULE = "echoic.server.workers"  # what a worker process runs (python -m
 # ------------------------------------------------------------------ ports
 
 
-def hold_port(host: str, port: int, error: str) -> tuple[int, list[socket.socket]]:
+def hold_port(host: str, port: int, error: str, flag: str) -> tuple[int, list[socket.socket]]:
     """Prove host:port free, then hold it for the workers (SO_REUSEPORT, not listening):
     (the port, a real one for 0; the sockets to keep open). `error` starts the message of
-    the ServerError a busy port raises ("cannot listen on")."""
+    the ServerError a busy port raises ("cannot listen on"), `flag` its hint."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ServerError("--workers needs SO_REUSEPORT (Linux), which this system lacks")
     try:
@@ -94,7 +94,7 @@ def hold_port(host: str, port: int, error: str) -> tuple[int, list[socket.socket
     except OSError as e:
         for sock in held:
             sock.close()
-        raise ServerError(f"{error} {host}:{port}: {e.strerror or e}") from e
+        raise ServerError(f"{error} {host}:{port}: {e.strerror or e}{busy_port_hint(flag)}") from e
     return port, held
 
 
@@ -183,12 +183,14 @@ class Supervisor:
 
     async def run(self) -> None:
         config = self.config
-        port, held = hold_port(config.host, config.port, "cannot listen on")
+        port, held = hold_port(config.host, config.port, "cannot listen on", "--port")
         metrics: MetricsHttp | None = None
         try:
             http_port = 0
             if config.http_port:
-                http_port, more = hold_port(config.host, config.http_port, "cannot serve HTTP on")
+                http_port, more = hold_port(
+                    config.host, config.http_port, "cannot serve HTTP on", "--http-port"
+                )
                 held += more
             if config.metrics_port is not None:
                 metrics = self._serve_metrics()

@@ -21,6 +21,7 @@ from echoic.server.beam_processes import BeamProcesses  # noqa: E402
 from echoic.server.config import ServerError  # noqa: E402
 
 from .test_server import (  # noqa: E402
+    GREEDY,
     RPC_TIMEOUT,
     Code,
     Config,
@@ -119,7 +120,8 @@ def test_a_killed_decoder_process_fails_only_its_streams(speech) -> None:
             timeout=RPC_TIMEOUT,
         )
         greedy = stub.StreamingRecognize(
-            stream_messages(speech, linear16(), pause=(half, release)), timeout=RPC_TIMEOUT
+            stream_messages(speech, linear16(decoder=GREEDY), pause=(half, release)),
+            timeout=RPC_TIMEOUT,
         )
         assert next(beam).results  # an interim result: the process is decoding it
         os.kill(pid, signal.SIGKILL)

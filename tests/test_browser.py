@@ -21,10 +21,10 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="needs the dev extr
 
 import soundfile as sf  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 from echoic.model.core.audio import decode_audio  # noqa: E402
-from tests.test_http import http_server  # noqa: E402
+from tests.test_http import http_server, post_form  # noqa: E402
 
 TIMEOUT = 90.0  # s for the page to show a result: generous on a loaded 2-core machine
 
@@ -94,6 +94,16 @@ def test_the_page_transcribes_the_microphone_and_a_file(sentence, tmp_path) -> N
             )
             file_text = chrome.find_elements(By.CSS_SELECTOR, "li.final")[-1].text
             assert len(_words(file_text) & _words(text)) >= 0.6 * len(_words(text)), file_text
+            # The page's decoding choice reaches the server: greedy is the HTTP door's greedy.
+            Select(chrome.find_element(By.ID, "decoder")).select_by_value("greedy")
+            before = len(chrome.find_elements(By.CSS_SELECTOR, "li.final"))
+            chrome.find_element(By.ID, "transcribe").click()
+            WebDriverWait(chrome, TIMEOUT).until(
+                lambda _: len(chrome.find_elements(By.CSS_SELECTOR, "li.final")) > before
+            )
+            greedy = chrome.find_elements(By.CSS_SELECTOR, "li.final")[-1].text
+            status, body = post_form(server, [("decoder", "greedy")], [("file", wav.read_bytes())])
+            assert status == 200 and re.sub(r"^\d\d:\d\d\s*", "", greedy) == body["text"]
             # The downloads hold the transcript shown.
             fetch = "return await (await fetch(document.getElementById(arguments[0]).href)).text()"
             txt = chrome.execute_script(fetch, "download-txt")

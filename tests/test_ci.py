@@ -4,9 +4,14 @@ skipping tests."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import urllib.request
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -70,3 +75,47 @@ def test_missing_voices_extra(ci: str, returncode: int, output: str, tmp_path: P
     )  # fmt: skip
     assert run.returncode == returncode, run.stdout[-2000:] + run.stderr[-2000:]
     assert output in run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_serve_sh_sets_up_no_system_packages_and_serves_on_its_ports(tmp_path: Path) -> None:
+    """`bash scripts/serve.sh` from another directory, on a PATH without apt-get, the
+    synthesizers, MPI or Chromium: it installs nothing of the test and training stack (the
+    serve extras in .venv are all it needs) and serves on ECHOIC_PORT, ECHOIC_HTTP_PORT
+    and ECHOIC_METRICS_PORT."""
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip("the suite runs outside the repository's .venv, which serve.sh sets up")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("bash", "dirname"):  # what serve.sh and bootstrap.sh run themselves
+        (tools / tool).symlink_to(shutil.which(tool))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    env = {**os.environ, "PATH": str(tools), "PYTHONUNBUFFERED": "1", "ECHOIC_PORT": "0",
+           "ECHOIC_HTTP_PORT": str(http_port), "ECHOIC_METRICS_PORT": "0"}  # fmt: skip
+    process = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "serve.sh"), "--threads", "1"], cwd=tmp_path, env=env,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    timer = threading.Timer(120, process.kill)  # a server that never says so fails, not hangs
+    timer.start()
+    log: list[str] = []
+    try:
+        for line in process.stderr:
+            log.append(line)
+            if "listening on" in line:
+                break
+        listening = "".join(log)
+        assert f"echoic {version('echoic')} listening on" in listening, listening
+        assert re.search(rf"HTTP on :{http_port}, metrics on :\d+", listening), listening
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=30) as r:
+            assert r.status == 200
+        assert "bootstrap: installing" not in listening
+        # The bundled model's default decoder loaded its LM: none of KenLM's chatter.
+        assert "Loading the LM" not in listening and "*****" not in listening
+    finally:
+        timer.cancel()
+        process.kill()
+        process.wait(timeout=30)
+        process.stderr.close()

@@ -48,3 +48,28 @@ def test_beam_search_with_the_bundled_lm(corpus_audio) -> None:
     text = rec.transcribe([corpus_audio[1][1]])[0].text
     assert jiwer.cer(corpus_audio[1][0], text) < 0.5
     assert rec.transcribe([np.zeros(1600, np.float32)])[0].text == ""
+
+
+@pytest.mark.parametrize("kind", ["greedy", "beam"])
+def test_a_file_is_cut_at_its_pauses_the_same_whole_or_a_block_at_a_time(corpus_audio, kind):
+    """Three utterances joined by 1 s of silence, with the files' endpointing: the whole
+    file at once and the same file a block at a time (the path of files over two minutes)
+    give the same words and times, one utterance a sentence, none glued over a pause."""
+    from echoic.model.core.decoding import FILE_ENDPOINTING
+
+    recognizer = Recognizer(decoder=DecoderConfig(kind), intra_op_threads=1)
+    parts = [a for _, a in corpus_audio[:3]]
+    pause = np.zeros(16000, np.float32)
+    audio = np.concatenate([parts[0], pause, parts[1], pause, parts[2]])
+    (whole,) = recognizer.transcribe([audio], endpointing=FILE_ENDPOINTING)
+    blocks = recognizer.transcribe_blocks(
+        (audio[i : i + 8000] for i in range(0, len(audio), 8000)), endpointing=FILE_ENDPOINTING
+    )
+    assert whole.text == blocks.text
+    assert [t for w in whole.words for t in (w.start, w.end)] == pytest.approx(
+        [t for w in blocks.words for t in (w.start, w.end)], abs=1e-6
+    )
+    pauses = [(len(parts[0]) / 16000, len(parts[0]) / 16000 + 1.0)]
+    pauses.append((pauses[0][1] + len(parts[1]) / 16000, pauses[0][1] + len(parts[1]) / 16000 + 1))
+    for w in whole.words:
+        assert not any(a + 0.1 < w.end and w.start < b - 0.1 for a, b in pauses), w

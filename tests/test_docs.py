@@ -65,3 +65,36 @@ def test_every_data_flow_stop_exists() -> None:
         if not (ROOT / file).is_file() or name not in _defined(ROOT / file)
     ]
     assert not missing, f"docs/ARCHITECTURE.md names stops the code lacks: {missing}"
+
+
+LINK = re.compile(r"\]\((docs/[\w.-]+\.md)\)")
+REFERENCE = re.compile(r'(docs/[\w-]+\.md),? \(?"([^"]+)"')
+
+
+def test_the_readme_is_the_first_hour_and_links_every_page() -> None:
+    """Short (set-up, serve, transcribe, stream, the HTTP call, train -> deploy), the
+    rest a link away: every docs/ page is linked and every link has its page; its two
+    set-up commands are there, and CI runs the second."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    linked = set(LINK.findall(text))
+    assert linked == {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    for command in ("bash scripts/serve.sh", "bash scripts/test.sh"):
+        assert f"\n{command} " in text
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_references_to_the_docs_name_pages_and_text_they_have() -> None:
+    """A page and a section named in code and comments (docs/X.md then the section in
+    quotes): the page exists and says it."""
+    sources = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in
+               (".py", ".sh", ".toml", ".yaml", ".md") and not {".venv", ".git",
+               "node_modules"} & set(p.parts)]  # fmt: skip
+    seen = 0
+    for source in sources:
+        for page, section in REFERENCE.findall(source.read_text(errors="replace")):
+            seen += 1
+            target = ROOT / page
+            assert target.is_file(), f"{source}: {page} does not exist"
+            assert section.lower() in target.read_text().lower(), f"{source}: {page} {section!r}"
+    assert seen > 10

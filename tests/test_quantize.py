@@ -26,7 +26,7 @@ from tests.streaming import stream_all
 
 # int8 vs fp32 on speech the calibration did not see, per utterance (measured on the
 # bundled model: worst posterior difference 0.21, worst frame agreement 95.6%, transcripts
-# 1.6% CER apart on 30 held-out utterances; README "Benchmarks" has its WER).
+# 1.6% CER apart on 30 held-out utterances; docs/benchmarks.md, "Benchmarks" has its WER).
 MAX_POSTERIOR_DIFF = 0.35  # max |p_int8 - p_fp32| of any symbol in any frame
 MIN_FRAME_AGREEMENT = 0.90  # share of frames whose most likely symbol is the same
 MAX_TRANSCRIPT_CER = 0.05  # CER of the int8 transcripts against the fp32 ones

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 grpc = pytest.importorskip("grpc")
@@ -171,9 +173,8 @@ def test_the_finetune_recipe_is_the_bundled_models_network() -> None:
     default = tomllib.loads(DEFAULT_RECIPE.read_text())["model"]
     assert finetune["model"] == default
     robust = tomllib.loads((ROOT / "training" / "recipes" / "robust.toml").read_text())
-    assert robust["model"] == default and robust["init_from"] == "model/default"
-    assert finetune["init_from"] == "model/default"
-    assert (ROOT / finetune["init_from"]).resolve() == default_model_dir().resolve()
+    assert robust["model"] == default and robust["init_from"] == "bundled"
+    assert finetune["init_from"] == "bundled"
     _, info = rebuild(default_model_dir())
     card = read_report_card(default_model_dir())
     assert config_hash(from_dict(ModelConfig, finetune["model"])) == card.model_config_hash
@@ -348,7 +349,7 @@ def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeyp
     shutil.move(copied, repo / "mine" / "1")
     shutil.rmtree(repo / "echoic-en-default")
     assert seed_with_bundled(repo, default_model_dir()) is None
-    assert sorted(p.name for p in repo.iterdir()) == ["mine"]
+    assert sorted(p.name for p in repo.iterdir()) == [".default-model", "mine"]
 
 
 def test_a_version_that_cannot_be_read_is_skipped_with_one_line(tiny_model_dir, tmp_path, caplog):
@@ -376,3 +377,69 @@ def test_a_version_that_cannot_be_read_is_skipped_with_one_line(tiny_model_dir, 
     skipped = [r.getMessage() for r in caplog.records if "not loaded yet" in r.getMessage()]
     assert len(skipped) == 4, "\n".join(skipped)
     assert not any("\x1b" in m or "\n" in m for m in caplog.messages), skipped
+
+
+def test_a_second_model_name_leaves_clients_naming_none_on_the_seeded_one(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+) -> None:
+    """`echoic deploy` of a new name into the default repository: a request naming no
+    model still gets the bundled model, over gRPC and HTTP, and deploy says so; with no
+    default named the HTTP door's error speaks of its form field; `--make-default` moves
+    the default."""
+    import http.client
+    import json
+
+    from echoic.cli.main import main
+    from echoic.model.runtime.repository import DEFAULT_FILE
+
+    repo = tmp_path / "fresh" / "models"
+    monkeypatch.setenv("ECHOIC_MODEL_REPO", str(repo))
+
+    def unnamed_http(server) -> tuple[int, dict]:
+        wav = (tmp_path / "tone.wav").read_bytes()
+        boundary = "b0undary"
+        body = (
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"'
+                f"\r\n\r\n"
+            ).encode()
+            + wav
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
+        conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+        conn.request("POST", "/v1/audio/transcriptions", body,
+                     {"Content-Type": f"multipart/form-data; boundary={boundary}"})  # fmt: skip
+        try:
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            conn.close()
+
+    import soundfile as sf
+
+    sf.write(tmp_path / "tone.wav", np.frombuffer(TONE, "<i2"), 16000, subtype="PCM_16")
+    with socket.socket() as s:  # HTTP port 0 means off: a free one, picked here
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with running(http_port=port, poll_seconds=0.2) as server, channel_to(server) as ch:
+        stub = pb_grpc.TranscriberStub(ch)
+        capsys.readouterr()
+        deploy = ["deploy", str(tiny_model_dir), "--name", "tiny"]
+        assert main([*deploy, "--wait", server.address]) == 0
+        out = capsys.readouterr().out
+        assert "clients that name no model get echoic-en-default" in out
+        assert _versions(stub)[-1][0] == "tiny"
+        assert recognize(stub, TONE, linear16()).model.name == "echoic-en-default"
+        status, body = unnamed_http(server)
+        assert status == 200, body
+        (repo / DEFAULT_FILE).unlink()  # a repository that names no default
+        server.run(server.server.registry.sync())
+        status, body = unnamed_http(server)
+        assert status == 404 and "form field `model`" in body["error"]["message"], body
+        assert "RecognitionConfig" not in body["error"]["message"]
+        code, details = status_of(lambda: recognize(stub, TONE, linear16()))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "RecognitionConfig" in details
+        assert main([*deploy, "--make-default"]) == 0
+        assert "clients that name no model get tiny" in capsys.readouterr().out
+        server.run(server.server.registry.sync())
+        assert recognize(stub, TONE, linear16()).model.name == "tiny"

@@ -21,7 +21,7 @@ FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
     "--metrics-port", "--http-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--device",
-    "--beam-processes",
+    "--beam-processes", "--decoder",
     "--gpu", "--max-streams", "--workers",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
@@ -68,6 +68,7 @@ def test_the_default_command_line_is_the_default_config() -> None:
         pytest.param(["--no-ort-spin"], "ort_spin_wait", False, id="switch"),
         pytest.param(["--device", "cuda"], "device", "cuda", id="device"),
         pytest.param(["--gpu"], "device", "cuda", id="alias"),
+        pytest.param(["--decoder", "greedy"], "decoder", "greedy", id="decoder"),
     ],
 )  # fmt: skip
 def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: Any) -> None:
@@ -77,7 +78,8 @@ def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: 
 
 def test_help_shows_the_config_defaults() -> None:
     text = " ".join(_serve_parser().format_help().split())
-    for shown in ("(default 50051)", "(default 5)", "(default 33554432)", "unset = off"):
+    for shown in ("(default 50051)", "(default 5)", "(default 33554432)", "unset = off",
+                  "{auto,greedy,beam}", "(default auto)"):  # fmt: skip
         assert shown in text
     assert "(default None)" not in text
 
@@ -92,6 +94,13 @@ def test_an_unknown_device_is_one_line(capsys: pytest.CaptureFixture[str]) -> No
     assert capsys.readouterr().err == "echoic serve: error: device must be one of cpu, cuda\n"
 
 
+def test_an_unknown_decoder_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--decoder", "viterbi"]) == 1
+    assert capsys.readouterr().err == (
+        "echoic serve: error: decoder must be one of auto, greedy, beam, got 'viterbi'\n"
+    )
+
+
 def test_model_and_model_repo_exclude_each_other() -> None:
     with pytest.raises(SystemExit):
         _serve_parser().parse_args(["--model", "a", "--model-repo", "b"])
@@ -100,3 +109,12 @@ def test_model_and_model_repo_exclude_each_other() -> None:
 def test_a_bad_combination_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--tls-key", "server.key"]) == 1
     assert capsys.readouterr().err == "echoic serve: error: TLS needs both cert and key\n"
+
+
+def test_echoic_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"echoic {version('echoic')}\n"

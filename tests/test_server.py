@@ -35,12 +35,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
 from echoic.model.core.audio import decode_audio  # noqa: E402
-from echoic.model.runtime.recognizer import Recognizer  # noqa: E402
+from echoic.model.runtime.recognizer import MAX_CUT_DELAY, Recognizer  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
-from echoic.server.session import MAX_CUT_DELAY  # noqa: E402
 
 Code = grpc.StatusCode
 Config = pb.RecognitionConfig
@@ -60,6 +59,11 @@ def container(samples: np.ndarray, rate: int, fmt: str, subtype: str = "PCM_16")
     buf = io.BytesIO()
     sf.write(buf, samples, rate, format=fmt, subtype=subtype)
     return buf.getvalue()
+
+
+# Asked for by the tests that compare with a greedy Recognizer: a request that names no
+# decoder gets the server's default, beam search for the bundled model (it has an LM).
+GREEDY = pb.DecoderConfig(kind=pb.DecoderConfig.GREEDY)
 
 
 def linear16(rate: int = 16000, **kw) -> Config:
@@ -340,7 +344,7 @@ def test_trailing_silence_ends_the_utterance_inside_the_pause(
     chunk, frame = _chunking(bundled_stub)
     alone = [t.text for t in Recognizer(intra_op_threads=1).transcribe(parts)]
     endpointing = pb.EndpointingConfig(trailing_silence_ms=silence_ms)
-    config = linear16(endpointing=endpointing, enable_word_time_offsets=True)
+    config = linear16(endpointing=endpointing, enable_word_time_offsets=True, decoder=GREEDY)
     response = recognize(bundled_stub, pcm16(audio), config)
     # One utterance a clip: no cut at a pause between words, none missed in the pause.
     assert len(response.results) == 2, _utterances(response)
@@ -382,6 +386,7 @@ def test_max_utterance_cuts_pieces_no_longer_than_asked(
     config = linear16(
         endpointing=pb.EndpointingConfig(max_utterance_ms=longest_ms),
         enable_word_time_offsets=True,
+        decoder=GREEDY,
     )
     response = recognize(bundled_stub, pcm16(audio), config)
     pieces = _utterances(response)
@@ -410,7 +415,7 @@ def test_max_utterance_cuts_pieces_no_longer_than_asked(
     whole = recognize(
         bundled_stub,
         pcm16(audio),
-        linear16(endpointing=pb.EndpointingConfig(trailing_silence_ms=800)),
+        linear16(endpointing=pb.EndpointingConfig(trailing_silence_ms=800), decoder=GREEDY),
     )  # fmt: skip
     letters = lambda texts: "".join(texts).replace(" ", "")  # noqa: E731
     assert letters(t for *_, t in pieces) == letters(texts(whole))

@@ -466,3 +466,14 @@ def test_every_espeak_accent_takes_its_variants(tmp_path: Path) -> None:
             utt = Utterance(1, 0, "hello there", "espeak", voice, 1.0, 50.0, None, None, 0)
             audio[voice] = render(utt, program, 16000, str(tmp_path)).tobytes()
         assert len(set(audio.values())) == 3, accent
+
+
+def test_wav_names_say_the_line_copy_and_words_and_change_with_the_audio() -> None:
+    from dataclasses import replace
+
+    from echoic.training.synth import Utterance
+
+    said = Utterance(12, 1, "don't count your chickens before they hatch", "espeak",
+                     "gmw/en-US", 1.0, 50, None, None, 0)  # fmt: skip
+    assert said.name.startswith("000012-1-dont-count-your-chickens-before-")
+    assert replace(said, speed=1.1).name != said.name  # another rendering, another file

@@ -314,10 +314,50 @@ def test_init_from_starts_from_the_weights_with_a_fresh_schedule(
     assert ckpt["step"] == 5
 
 
+def _printed_config(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    from echoic.cli.main import main
+
+    assert main(["train", *argv, "--print-config"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_recipes_by_name_and_their_paths_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From a directory other than the repository's: `--config tiny` and `--config
+    finetune` find the packaged recipes (finetune's init_from=bundled is the bundled
+    model); a recipe's relative manifest is found beside it when the working directory
+    has none; a recipe that is nowhere is one line naming where it looked and the names."""
+    from echoic.cli.main import main
+    from echoic.model.runtime.recognizer import default_model_dir
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "mine.toml").write_text(
+        'init_from = "bundled"\n[data]\ntrain_manifest = "m.jsonl"\nval_manifest = "v.jsonl"\n'
+    )
+    (recipes / "m.jsonl").write_text("")
+    elsewhere = tmp_path / "work"
+    elsewhere.mkdir()
+    (elsewhere / "v.jsonl").write_text("")  # the working directory's comes first
+    monkeypatch.chdir(elsewhere)
+    tiny = _printed_config(capsys, "--config", "tiny")
+    assert tiny == _printed_config(capsys, "--config", str(TINY_RECIPE))
+    finetune = _printed_config(capsys, "--config", "finetune")
+    assert Path(finetune["init_from"]) == default_model_dir()
+    mine = _printed_config(capsys, "--config", "../recipes/mine.toml")
+    assert Path(mine["init_from"]) == default_model_dir()
+    assert Path(mine["data"]["train_manifest"]) == recipes.resolve() / "m.jsonl"
+    assert mine["data"]["val_manifest"] == "v.jsonl"
+    assert main(["train", "--config", "nope", "--print-config"]) == 1
+    err = capsys.readouterr().err
+    assert str(elsewhere / "nope") in err and "default, finetune, librispeech" in err
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("init_from={run}/nope.pt", "no checkpoint at"),
+        ("init_from={run}/nope.pt", "no checkpoint or model directory at"),
         ("model.rnn_hidden=32", "its network does not fit this recipe's [model]"),
         ("init_from={bundled}", "its network does not fit this recipe's [model]"),
         ("init_from={tmp}/bad/model.onnx", "is not a readable ONNX model"),

@@ -176,7 +176,7 @@ def test_beam_flags_equal_in_process_beam_search(
     import jiwer
 
     from echoic.model.core.audio import load_audio
-    from echoic.model.core.decoding import DecoderConfig
+    from echoic.model.core.decoding import FILE_ENDPOINTING, DecoderConfig
     from echoic.model.core.text import normalize_text
     from echoic.model.runtime.recognizer import Recognizer
 
@@ -189,8 +189,11 @@ def test_beam_flags_equal_in_process_beam_search(
         decoder = {k: str(other_lm) if v == "OTHER" else v for k, v in decoder.items()}
         config = DecoderConfig(kind="beam", **decoder)
         rec = Recognizer(tiny_lm_model_dir, config, intra_op_threads=1)
-        transcripts = rec.transcribe(list(audio.values()))
-        return rec.lm_path, {p: t.text for p, t in zip(audio, transcripts, strict=True)}
+        # Files as `echoic transcribe` cuts them; the manifest's utterances whole, as eval.
+        cut = rec.transcribe([audio[p] for p in files], endpointing=FILE_ENDPOINTING)
+        whole = rec.transcribe([audio[p] for p in utterances])
+        texts = [t.text for t in (*cut, *whole)]
+        return rec.lm_path, dict(zip(files + utterances, texts, strict=True))
 
     readings = {name: read(decoder) for name, (_, decoder) in BEAM_FLAGS.items()}
     lm, want = readings[case]
@@ -377,6 +380,7 @@ def test_resume_goes_by_the_resolved_file(
     shutil.copytree(two_folders, copy)
     changed = _job(str(copy / "a" / "utt_002.wav"), *base)
     assert "transcribed 1 of 1" in changed.stderr
+    assert re.search(r"\(\d+\.\d s of audio\)", changed.stderr), changed.stderr  # not 0.00 h
     sf.write(copy / "a" / "utt_002.wav", np.zeros(8000, np.float32), 16000)  # edited
     edited = _job(str(copy / "a" / "utt_002.wav"), *base)
     assert "transcribed 1 of 1" in edited.stderr, edited.stderr
@@ -797,6 +801,7 @@ def test_a_long_file_is_transcribed_in_bounded_memory(
     this tiny model, 1.2 GB for 20 minutes with the bundled one), and the transcript is
     the whole-file one, word for word and time for time."""
     from echoic.model.core.audio import load_audio
+    from echoic.model.core.decoding import FILE_ENDPOINTING
     from echoic.model.runtime.recognizer import Recognizer
 
     gap = np.zeros(4000, np.float32)
@@ -816,9 +821,41 @@ def test_a_long_file_is_transcribed_in_bounded_memory(
     assert peak_mb < 300, f"peak RSS {peak_mb:.0f} MB"
     got = json.loads(out.read_text())
     assert got["duration"] == 1800.0
-    whole = Recognizer(tiny_model_dir, intra_op_threads=1).transcribe([load_audio(path, 16000)])[0]
+    whole = Recognizer(tiny_model_dir, intra_op_threads=1).transcribe(
+        [load_audio(path, 16000)], endpointing=FILE_ENDPOINTING
+    )[0]  # cut at its pauses, as every file is
     assert len(whole.words) > 1000
     assert got["text"] == whole.text
     assert [(w["word"], w["start"], w["end"]) for w in got["words"]] == [
         (w.text, round(w.start, 3), round(w.end, 3)) for w in whole.words
     ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        pytest.param(3.0, "3.0 s", id="seconds"),
+        pytest.param(270.0, "4.5 min", id="minutes"),
+        pytest.param(7272.0, "2.02 h", id="hours"),
+    ],
+)
+def test_audio_lengths_are_shown_in_the_unit_that_shows_them(seconds: float, shown: str) -> None:
+    from echoic.cli.transcribe import audio_length
+
+    assert audio_length(seconds) == shown
+
+
+def test_a_beam_job_is_quiet_and_refused_settings_load_no_lm(two_folders, tmp_path) -> None:
+    """A beam search prints nothing of KenLM's loading (its hint, path and progress bar,
+    written by native code straight to fd 2); a job refused for its settings is refused
+    before any LM loads (the --lm named here does not even exist)."""
+    wav = str(two_folders / "a" / "utt_001.wav")
+    out = tmp_path / "out.jsonl"
+    beam = _job(wav, "--decoder", "beam", "--no-progress", "--output", str(out))
+    assert beam.returncode == 0, beam.stderr
+    assert "Loading the LM" not in beam.stderr and "*****" not in beam.stderr
+    assert beam.stderr.count("\n") == 1, beam.stderr  # the summary line alone
+    refused = _job(wav, "--decoder", "beam", "--lm", str(tmp_path / "nope.arpa"),
+                   "--output", str(out))  # fmt: skip
+    assert refused.returncode == 2
+    assert "written with other settings" in refused.stderr, refused.stderr

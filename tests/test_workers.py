@@ -281,22 +281,25 @@ def test_a_killed_worker_comes_back_while_the_other_serves(wavs: list[Path]) -> 
 # ---------------------------------------------------------------- errors
 
 
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "workers"])
 @pytest.mark.parametrize("flag", ["--port", "--http-port"], ids=["grpc-port", "http-port"])
-def test_a_port_another_program_holds_is_an_error(flag: str) -> None:
+def test_a_port_another_program_holds_is_an_error(flag: str, workers: str) -> None:
+    """One line naming the port and the flag to change, before any model loads."""
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
         taken = other.getsockname()[1]
         ports = {"--port": "0", "--http-port": "0", flag: str(taken)}
         result = subprocess.run(
-            [sys.executable, "-m", "echoic.cli.main", "serve", "--workers", "2",
-             *(x for kv in ports.items() for x in kv)],
+            [sys.executable, "-m", "echoic.cli.main", "serve", "--workers", workers,
+             "--log-level", "info", *(x for kv in ports.items() for x in kv)],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     what = "cannot listen on" if flag == "--port" else "cannot serve HTTP on"
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        f"echoic serve: error: {what} 127.0.0.1:{taken}: Address already in use"
+        f"echoic serve: error: {what} 127.0.0.1:{taken}: Address already in use (another "
+        f"server there?): stop it, or pass {flag} PORT (0 = any free port)"
     )
     assert "loading" not in result.stderr, "workers started on a port that was not free"
 

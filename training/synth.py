@@ -9,11 +9,14 @@ Optionally noise (white, pink or brown) is added at a random SNR.
 
 Output in `out_dir`:
 
-- `wavs/<hash>.wav`: 16 kHz mono PCM16. The name hashes everything that decides
-  the audio (text, line, copy, seeds, voice, tempo, pitch, noise), so a rerun maps
-  to the same files, finds them and synthesises nothing; a changed setting maps to
-  new files instead of silently reusing stale ones. Each file is written to a
-  temporary name and renamed, so a killed run leaves no half-written WAV.
+- `wavs/<line>-<copy>-<first words>-<hash>.wav` (`000012-0-the-quick-brown-fox-
+  3f9c0a1b22d4.wav`): 16 kHz mono PCM16, named for a person (the sentence's line in
+  the text file, which rendering of it, its first words) and for the rerun: the hash
+  covers everything that decides the audio (text, line, copy, seeds, voice, tempo,
+  pitch, noise), so a rerun maps to the same files, finds them and synthesises
+  nothing; a changed setting maps to new files instead of silently reusing stale ones.
+  Each file is written to a temporary name and renamed, so a killed run leaves no
+  half-written WAV.
 - `corpus.json`: the engines with their versions, the voices each offered, how many
   utterances each voice spoke, and the config.
 - `manifest.jsonl`: one line per utterance in sentence order, NeMo style
@@ -146,6 +149,10 @@ class Voice:
     formants: bool = False  # whether a formant factor moves it (espeak-ng, not Klatt)
 
 
+NAME_WORDS = 5  # words of the sentence in a WAV's name, count
+NAME_CHARS = 40  # at most this much of them, characters
+
+
 @dataclass(frozen=True)
 class Utterance:
     line: int  # 1-based line of the sentence in the text file
@@ -171,7 +178,12 @@ class Utterance:
             if fields[key] == default:
                 del fields[key]
         blob = json.dumps(fields, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:20]
+        first = " ".join(self.text.split()[:NAME_WORDS]).replace("'", "")
+        words = re.sub(r"[^a-z0-9]+", "-", first).strip("-")
+        return (
+            f"{self.line:06d}-{self.copy}-{words[:NAME_CHARS]}-"
+            + (hashlib.sha256(blob).hexdigest()[:12])
+        )
 
 
 UNVARIED = {"formant": 1.0, "noise_scale": None, "noise_w": None, "f0_scale": 1.0}

@@ -42,11 +42,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from echoic.model.core.configs import apply_overrides, config_hash, from_dict, to_dict
+from echoic.model.core.configs import (
+    apply_overrides,
+    config_hash,
+    from_dict,
+    to_dict,
+)
 from echoic.model.core.text import Vocabulary
 from echoic.model.nn.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
-from echoic.model.nn.rebuild import is_export, rebuild, recalibrate_norms
+from echoic.model.nn.rebuild import bundled_model_dir, is_export, rebuild, recalibrate_norms
 from echoic.training import checkpoint, distributed
 from echoic.training.data import (
     Batch,
@@ -61,6 +66,7 @@ from echoic.training.data import (
 )
 from echoic.training.evaluate import evaluate as evaluate_model
 from echoic.training.optim import OptimConfig, lr_lambda, make_optimizer
+from echoic.training.recipe_files import BUNDLED, find_recipe
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -95,7 +101,7 @@ class TrainConfig:
     # depend on it: a checkpoint records the count used and resumes only with that count.
     stats_utterances: int = 300  # utterances sampled for feature mean/std
     init_from: str = ""  # fine-tuning: a checkpoint (or an exported model directory, such as
-    # the bundled model/default) whose weights and feature statistics start this run (the
+    # the bundled one: init_from=bundled) whose weights and feature statistics start this run (the
     # network must have the same parameter shapes; chunking may differ); the optimizer,
     # schedule and data order start afresh. A run that resumes ignores it.
 
@@ -118,16 +124,43 @@ def weights_hash(cfg: TrainConfig) -> str:
     return config_hash(cfg, NOT_HASHED)
 
 
+# A recipe's own relative paths: looked for in the working directory, then beside it.
+RECIPE_PATHS = (("init_from",), ("data", "train_manifest"), ("data", "val_manifest"))
+
+
+def _beside_recipe(data: dict[str, Any], folder: Path) -> None:
+    """A relative path in the recipe that is not in the working directory but is beside
+    the recipe file becomes that file's path."""
+    for keys in RECIPE_PATHS:
+        holder = data
+        for key in keys[:-1]:
+            holder = holder.get(key, {}) if isinstance(holder, dict) else {}
+        value = holder.get(keys[-1]) if isinstance(holder, dict) else None
+        if not isinstance(value, str) or not value or value == BUNDLED:
+            continue
+        here = Path(value)
+        if not here.is_absolute() and not here.exists() and (folder / here).exists():
+            holder[keys[-1]] = str(folder / here)
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    """A recipe TOML plus `key=value` overrides; unknown keys are errors."""
+    """A recipe (a TOML file, or a packaged recipe's name: `find_recipe`) plus `key=value`
+    overrides; unknown keys are errors. The recipe's relative paths are found in the
+    working directory, else beside the recipe (`_beside_recipe`); `init_from=bundled` is
+    the bundled model."""
     import tomllib
 
     data: dict[str, Any] = {}
     if path:
-        with open(path, "rb") as f:
+        recipe = find_recipe(path)
+        with open(recipe, "rb") as f:
             data = tomllib.load(f)
+        _beside_recipe(data, recipe.resolve().parent)
     cfg = from_dict(TrainConfig, data)
-    return apply_overrides(cfg, list(overrides))
+    cfg = apply_overrides(cfg, list(overrides))
+    if cfg.init_from == BUNDLED:
+        cfg = dataclasses.replace(cfg, init_from=str(bundled_model_dir()))
+    return cfg
 
 
 # ---- set-up ----------------------------------------------------------------------
@@ -364,6 +397,12 @@ def _init_from(model: DeepSpeech2, cfg: TrainConfig, train_utts: list[Utterance]
     and its norms recalibrated on this run's data."""
     path = cfg.init_from
     source = info = None
+    if not Path(path).exists():
+        raise CheckpointError(
+            f"init_from={path}: no checkpoint or model directory at {Path(path).resolve()} (a"
+            " recipe's relative init_from is looked for in the working directory, then beside"
+            " the recipe); init_from=bundled fine-tunes the bundled model"
+        )
     if is_export(path):
         source, info = rebuild(path)
         theirs = source.state_dict()

@@ -52,6 +52,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -210,6 +211,65 @@ def _word(chars: list[str], first: int, last: int, log_conf: float, frame_second
         (last + 1) * frame_seconds,
         min(math.exp(log_conf), 1.0),
     )
+
+
+# ---------------------------------------------------------------- utterances
+
+
+MAX_CUT_DELAY = 2.0  # s an utterance may run past max_utterance waiting for a blank frame
+
+
+@dataclass(frozen=True)
+class Endpointing:
+    """Where an utterance ends inside longer audio (as in sherpa-onnx and Riva), checked
+    after every model step: rule 1 after `trailing_silence` of silence (CTC blanks and
+    spaces) after its last word, once it has one; rule 2 once it reaches `max_utterance`,
+    at the first step that does not end inside a character's run of frames (at most
+    MAX_CUT_DELAY later), so the next utterance does not write that character again.
+    The decoder then starts afresh (a beam search's LM context too); the acoustic model
+    runs on over the cut. The one rule for the server's streams and requests
+    (server/session.py) and for files (`model/runtime/recognizer.py:Recognizer.transcribe`)."""
+
+    trailing_silence: float = 0.0  # s; 0 = rule 1 off
+    max_utterance: float = 0.0  # s; 0 = rule 2 off
+
+    def due(self, words: Sequence[Word], spoken: float, frame_seconds: float) -> bool:
+        """Whether an utterance `spoken` s long with these `words` (times from its start)
+        ends now."""
+        if self.max_utterance and spoken >= self.max_utterance:
+            # Not inside a character's run of frames: its next frames would start the
+            # same character again in the next utterance. A path that never leaves
+            # characters is cut anyway, MAX_CUT_DELAY later.
+            in_a_character = bool(words) and spoken - words[-1].end < frame_seconds / 2
+            return not in_a_character or spoken >= self.max_utterance + MAX_CUT_DELAY
+        if self.trailing_silence:
+            return bool(words) and spoken - words[-1].end >= self.trailing_silence
+        return False
+
+
+# A whole file is cut into utterances at pauses of 0.8 s, none longer than 30 s, on every
+# path: `echoic transcribe` here and with --server, the HTTP door (its segments). A long
+# recording decoded as one utterance glues words across its pauses (CTC writes no space
+# over silence) and a beam search's LM then scores nonsense words.
+FILE_ENDPOINTING = Endpointing(trailing_silence=0.8, max_utterance=30.0)
+
+
+def joined(utterances: Sequence[tuple[float, Transcript]]) -> Transcript:
+    """One transcript of consecutive utterances, each (its start in the audio s, its
+    transcript): words joined, their times from the audio's start; an utterance's
+    alternatives only when it is the only one."""
+    spoken = [(start, t) for start, t in utterances if t.words]
+    if len(spoken) <= 1:
+        start, t = spoken[0] if spoken else (0.0, Transcript(""))
+        return replace(t, words=tuple(_shifted(w, start) for w in t.words))
+    words = tuple(_shifted(w, start) for start, t in spoken for w in t.words)
+    confidence = math.fsum(w.confidence for w in words) / len(words)
+    text = " ".join(t.text for _, t in spoken)
+    return Transcript(text, words, confidence, stable_words=len(words))
+
+
+def _shifted(word: Word, seconds: float) -> Word:
+    return replace(word, start=word.start + seconds, end=word.end + seconds)
 
 
 # ---------------------------------------------------------------- streams
@@ -568,7 +628,10 @@ class _KenLM:
         from flashlight.lib.text.decoder.kenlm import KenLM
         from flashlight.lib.text.dictionary import Dictionary
 
-        self.model = KenLM(os.fspath(path), Dictionary(words))
+        from echoic.model.core.native import KENLM_CHATTER, quiet_stderr
+
+        with quiet_stderr(KENLM_CHATTER):  # its loading messages are not the user's business
+            self.model = KenLM(os.fspath(path), Dictionary(words))
         self.ids = {w: i for i, w in enumerate(words) if not w.startswith("<")}
         self.unk = words.index(UNK)
         self.prefixes = frozenset(w[:k] for w in self.ids for k in range(1, len(w) + 1))

@@ -33,6 +33,9 @@ from torch import Tensor, nn
 from echoic.model.core.configs import config_hash
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, SequenceBatchNorm
 from echoic.model.runtime.card import OFFLINE_FILE, card_from_metadata
+from echoic.model.runtime.repository import default_model_dir as bundled_model_dir
+
+__all__ = ["RebuildError", "bundled_model_dir", "is_export", "rebuild", "recalibrate_norms"]
 
 
 class RebuildError(ValueError):

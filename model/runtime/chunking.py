@@ -11,10 +11,11 @@ in output frames (20 ms for wav2vec2, 40 ms for a Conformer-CTC). A NeMo model's
 is its samples too: its features (NeMo's recipe) are computed on the window. Chunk n's
 frames are final once the audio through its right context has arrived, so a word shows
 up at most C + R after it was said (plus a step's compute). The cost, measured in the
-README ("Serving other models"): each frame sees L + C + R of context instead of the
-whole utterance, each window is normalised over its own samples (an "utterance" card's
-statistics need the whole utterance), and the model runs (L + C + R) / C times the
-audio. Recognize (whole audio) does not stream: it runs the utterance whole, as offline.
+docs/models-and-import.md ("Serving other models"): each frame sees L + C + R of context
+instead of the whole utterance, each window is normalised over its own samples (an
+"utterance" card's statistics need the whole utterance), and the model runs
+(L + C + R) / C times the audio. Recognize (whole audio) does not stream: it runs the
+utterance whole, as offline.
 
 Whole utterances are not run whole without bound, though: a wav2vec2's self-attention
 holds (frames)^2 scores per head and layer (5 GB for the tiny test model on 5 minutes

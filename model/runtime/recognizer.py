@@ -27,12 +27,21 @@ from typing import Any
 import numpy as np
 
 from echoic.model.core.decoding import (
+    FILE_ENDPOINTING,
+    MAX_CUT_DELAY,
     BeamSearchDecoder,
     DecoderConfig,
+    Endpointing,
     GreedyDecoder,
     StreamingDecoder,
     Transcript,
+    joined,
 )
+
+__all__ = [
+    "FILE_ENDPOINTING", "LM_FILE", "MAX_CUT_DELAY", "Endpointing", "Recognizer", "Stream",
+    "default_model_dir",
+]  # fmt: skip
 from echoic.model.core.features import (
     FeatureStream,
     batch_features,
@@ -50,14 +59,9 @@ from echoic.model.runtime.chunking import (
     window_frames,
 )
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
+from echoic.model.runtime.repository import default_model_dir
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
 LM_FILE = "lm.arpa"  # an optional word LM shipped beside the graphs
-
-
-def default_model_dir() -> Path:
-    """The model bundled with the package (used when no model is named)."""
-    return DEFAULT_MODEL_DIR
 
 
 class Recognizer:
@@ -100,9 +104,12 @@ class Recognizer:
         self.whole_chunking = (
             whole_chunks(self.card, whole_seconds) if can_chunk(self.card) else None
         )
-        self.lm_path: str | None = None  # the word LM in use (beam search)
+        self.lm_path = self._lm_path(self.decoder_config)  # the word LM in use (beam search)
         self._beam_decoders = beam_decoders or BeamSearchDecoder
-        self._decoder = self._make_decoder(self.decoder_config)
+        # Built at first use (`load_decoder`): a beam search's LM takes a while to load,
+        # which a job that is refused for its settings should not wait for.
+        self._built: Any = None
+        self._building = threading.Lock()
 
     @property
     def sample_rate(self) -> int:
@@ -118,13 +125,30 @@ class Recognizer:
         """Streaming gives offline's log-probs (stream.onnx); overlapped chunks do not."""
         return self.engine.streamable
 
+    def _lm_path(self, cfg: DecoderConfig) -> str | None:
+        """The word LM a beam search of `cfg` uses: its own, else the model's, or none."""
+        if cfg.kind == "greedy" or not cfg.use_lm:
+            return None
+        if cfg.lm_path:
+            return cfg.lm_path
+        shipped = self.engine.model_dir / LM_FILE
+        return str(shipped) if shipped.is_file() else None
+
+    def load_decoder(self) -> None:
+        """Build the decoder now (a beam search loads its LM) rather than at first use."""
+        self._decoder  # noqa: B018 - the property builds it
+
+    @property
+    def _decoder(self) -> Any:
+        if self._built is None:
+            with self._building:
+                if self._built is None:
+                    self._built = self._make_decoder(self.decoder_config)
+        return self._built
+
     def _make_decoder(self, cfg: DecoderConfig) -> Any:
         if cfg.kind == "greedy":
             return GreedyDecoder(self.vocab, frame_seconds=self.frame_seconds)
-        lm = cfg.lm_path or None
-        if lm is None and cfg.use_lm and (self.engine.model_dir / LM_FILE).is_file():
-            lm = str(self.engine.model_dir / LM_FILE)
-        self.lm_path = lm if cfg.use_lm else None
         return self._beam_decoders(
             self.vocab,
             frame_seconds=self.frame_seconds,
@@ -185,37 +209,83 @@ class Recognizer:
             return np.zeros((0, self.vocab.size), dtype=np.float32)
         return np.concatenate(kept)
 
-    def decode(self, log_probs: np.ndarray, n_best: int = 1) -> Transcript:
+    def decode(
+        self, log_probs: np.ndarray, n_best: int = 1, endpointing: Endpointing | None = None
+    ) -> Transcript:
         """One utterance's transcript from its log-probs (T', V); with beam search and
-        n_best > 1 it carries up to n_best - 1 `alternatives`."""
-        return self._decoder.decode(log_probs, n_best)
+        n_best > 1 it carries up to n_best - 1 `alternatives`. With `endpointing` (and a
+        model that streams by steps), the audio is cut into utterances as a stream of
+        the same steps is on the server, each decoded afresh, and their transcripts
+        joined (`joined`)."""
+        steps = self.card.chunk_frames
+        if endpointing is None or not self.streams_exactly:
+            return self._decoder.decode(log_probs, n_best)
+        utterances: list[tuple[float, Transcript]] = []
+        decoder, start = self._decoder.stream(), 0  # the utterance's first frame
+        decoder.n_best = n_best
+        for at in range(0, len(log_probs), steps):
+            partial = decoder.accept(log_probs[at : at + steps])
+            spoken = (min(at + steps, len(log_probs)) - start) * self.frame_seconds
+            if at + steps < len(log_probs) and endpointing.due(
+                partial.words, spoken, self.frame_seconds
+            ):
+                utterances.append((start * self.frame_seconds, decoder.finalize()))
+                decoder, start = self._decoder.stream(), at + steps
+                decoder.n_best = n_best
+        utterances.append((start * self.frame_seconds, decoder.finalize()))
+        return joined(utterances)
 
-    def transcribe(self, audios: Sequence[np.ndarray], n_best: int = 1) -> list[Transcript]:
-        """Transcripts of whole utterances, run through the model as one batch."""
-        return [self.decode(lp, n_best) for lp in self.log_probs(audios)]
+    def transcribe(
+        self,
+        audios: Sequence[np.ndarray],
+        n_best: int = 1,
+        endpointing: Endpointing | None = None,
+    ) -> list[Transcript]:
+        """Transcripts of whole files, run through the model as one batch; with
+        `endpointing`, each cut into utterances (`decode`)."""
+        return [self.decode(lp, n_best, endpointing) for lp in self.log_probs(audios)]
 
-    def transcribe_blocks(self, blocks: Iterable[np.ndarray], n_best: int = 1) -> Transcript:
-        """One utterance given a block at a time (float32 mono at `sample_rate`), through
-        the streaming graph: memory holds a block, the recurrent state and the transcript,
-        whatever the length (`transcribe` holds the whole utterance's features and
-        log-probs). The transcript equals `transcribe`'s up to export's parity tolerance."""
+    def transcribe_blocks(
+        self,
+        blocks: Iterable[np.ndarray],
+        n_best: int = 1,
+        endpointing: Endpointing | None = None,
+    ) -> Transcript:
+        """One file given a block at a time (float32 mono at `sample_rate`), through the
+        streaming graph: memory holds a block, the recurrent state and the transcript,
+        whatever the length (`transcribe` holds the whole file's features and log-probs).
+        The transcript equals `transcribe`'s (with the same `endpointing`) up to export's
+        parity tolerance."""
         stream = self.stream()
         stream.n_best = n_best
-        # Rows decoded a minute of audio at a time: a decoder's partial transcript is
-        # rebuilt at every call, which done per window costs time quadratic in the length.
-        stream.deferred_decoding = True
-        decoded = 0  # output frames decoded so far
-        for block in blocks:
-            stream.accept_audio(block)
+        # Without endpointing, rows are decoded a minute of audio at a time: a decoder's
+        # partial transcript is rebuilt at every call, which done per window costs time
+        # quadratic in the length. With it, every step (as on the server), and an
+        # utterance is at most endpointing.max_utterance long.
+        cutting = endpointing is not None and self.streams_exactly
+        stream.deferred_decoding = not cutting
+        utterances: list[tuple[float, Transcript]] = []
+        start = decoded = 0  # output frames: where the utterance starts, decoded so far
+
+        def run() -> None:
+            nonlocal start, decoded
             while self.step([stream]):
-                pass
-            if (stream.frames_decoded - decoded) * self.frame_seconds >= 60.0:
+                if cutting and not stream.is_final:
+                    spoken = (stream.frames_decoded - start) * self.frame_seconds
+                    if endpointing.due(stream.result().words, spoken, self.frame_seconds):
+                        utterances.append((start * self.frame_seconds, stream.restart_decoder()))
+                        start = stream.frames_decoded
+            if not cutting and (stream.frames_decoded - decoded) * self.frame_seconds >= 60.0:
                 stream.decode_pending()
                 decoded = stream.frames_decoded
+
+        for block in blocks:
+            stream.accept_audio(block)
+            run()
         stream.finish()
-        while self.step([stream]):
-            pass
-        return stream.result()
+        run()
+        utterances.append((start * self.frame_seconds, stream.result()))
+        return joined(utterances)
 
     # ---- streaming -----------------------------------------------------------------
 

@@ -15,6 +15,12 @@ below); `echoic deploy` publishes into one. The rules both sides keep:
 The default repository (`default_repository`) is `$ECHOIC_MODEL_REPO`, else
 `$XDG_DATA_HOME/echoic/models`, else `~/.local/share/echoic/models`; the first time
 it is used it is seeded with the bundled model (`seed_with_bundled`).
+
+A repository may name its default model, the one a request that names none gets, in
+`REPO/.default-model` (one line: the name). Seeding names the bundled model there, so
+deploying a second model name leaves clients that name none on the model they had
+(`default_model`); `echoic deploy --make-default` names another, `echoic serve
+--default-model` overrides it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,15 @@ from echoic.model.core.files import fsync_directory
 from echoic.model.runtime.card import OFFLINE_FILE, REPORT_FILE, STREAM_FILE, ModelCard
 
 ENV_REPO = "ECHOIC_MODEL_REPO"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default"
+
+
+def default_model_dir() -> Path:
+    """The model bundled with the package (used when no model is named)."""
+    return DEFAULT_MODEL_DIR
+
+
+DEFAULT_FILE = ".default-model"  # REPO/.default-model: the name requests naming none get
 
 
 def default_repository() -> Path:
@@ -178,14 +193,51 @@ def remove_version(repo: Path, name: str, version: str) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def read_default(repo: Path) -> str:
+    """The model name `repo`'s .default-model gives; "" when it has none."""
+    try:
+        return (repo / DEFAULT_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+def write_default(repo: Path, name: str) -> None:
+    """Name `repo`'s default model, in one rename."""
+    check_name("name", name)
+    fd, tmp = tempfile.mkstemp(prefix=DEFAULT_FILE + ".", dir=repo)
+    with os.fdopen(fd, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, repo / DEFAULT_FILE)
+    fsync_directory(repo)
+
+
+def default_model(named: str, served: list[str] | set[str]) -> tuple[str, str]:
+    """(the model a request naming none gets, why) among the `served` names, given the
+    default `named` (the server's --default-model, else the repository's .default-model):
+    that one when served, else the only model; ("", why not) when there is none."""
+    if named and named in served:
+        return named, "the default model"
+    if len(served) == 1:
+        return next(iter(served)), "the only model"
+    why = f"the default model {named!r} is not served" if named else "no default model is named"
+    return "", f"several models are served and {why}"
+
+
 def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
     """Put a copy of the bundled model into `repo` when the repository has no model at
     all (the first use of the default repository); returns the new version's path, or
     None when the repository already had models (it is then left as it is)."""
     repo.mkdir(parents=True, exist_ok=True)
-    if scan_repository(repo):
-        return None
     card = read_report_card(bundled)
+    found = scan_repository(repo)
+    if not read_default(repo) and (not found or card.name in found):
+        # The seeded model stays the default when other names are deployed beside it
+        # (a repository seeded before .default-model existed gets it named now).
+        write_default(repo, card.name)
+    if found:
+        return None
     try:
         return copy_version(bundled, repo, card.name, card.version)
     except FileExistsError:  # another process seeded it first

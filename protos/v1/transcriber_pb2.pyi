@@ -220,7 +220,9 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., state: _Optional[_Union[ModelInfo.State, str]] = ..., sample_rate_hertz: _Optional[int] = ..., streamable: _Optional[bool] = ..., vocabulary_size: _Optional[int] = ..., frame_seconds: _Optional[float] = ..., chunk_seconds: _Optional[float] = ..., lookahead_seconds: _Optional[float] = ..., has_language_model: _Optional[bool] = ..., active_streams: _Optional[int] = ..., path: _Optional[str] = ..., rnn_type: _Optional[str] = ..., bidirectional: _Optional[bool] = ..., parameters: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "server_version")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    server_version: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., server_version: _Optional[str] = ...) -> None: ...
