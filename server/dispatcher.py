@@ -6,18 +6,22 @@ once), puts that step in its model version's queue and awaits it. The
 dispatcher loop takes whatever is queued the moment the engine is free (up to
 `max_batch` streams; with `max_wait_ms` > 0 it first waits that long for a
 fuller batch), runs ONE batched `Recognizer.step` - the new feature frames of
-all its streams in one batch, a single stream.onnx call, then each stream's
-greedy decoding (a beam search only queues its rows, decoded beside the batch in
-the decoder pool) - in a worker thread, and wakes each stream to read its rows. Under
-light load a window waits for nobody; under heavy load batches grow instead of
-queues.
+all its streams in one batch, a single stream.onnx call - and then each greedy
+stream's `Stream.settle` (its decoding, the endpoint test, an ended utterance
+finalized), all in one worker-thread call, and hands each stream what its step
+gave (`Stepped`). A beam search's step only queues its rows: the dispatcher
+settles such a stream in the decoder pool, beside the batch, so neither the batch
+nor the event loop waits for a beam, and hands it what it gave once that is done.
+Either way a stream awaits once per step. Under light load a window waits for
+nobody; under heavy load batches grow instead of queues.
 
 A stream has at most one step in the queue (it awaits each), so a stream with
 several windows ready takes one per batch and cannot starve the others. Full
 utterances of a model that cannot stream (no stream.onnx) go through the same
 queue as offline jobs: `Recognizer.log_probs` computes their features and runs
-them as one batch through model.onnx. The dispatcher calls `Recognizer` and
-nothing below it.
+them as one batch through model.onnx, and their transcripts are decoded in the
+decoder pool (`decode_whole`). The dispatcher calls `Recognizer` and `Stream` and
+nothing below them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from echoic.model.runtime.recognizer import Recognizer, Stream
+from echoic.model.core.decoding import Transcript
+from echoic.model.runtime.recognizer import Recognizer, Stepped, Stream
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
@@ -59,13 +64,17 @@ class Dispatcher:
         max_batch: int,
         max_wait_ms: float,
         executor: Executor,
+        decoders: Executor,
         metrics: Metrics,
         labels: tuple[str, str],
     ) -> None:
+        """executor: where batches run (one at a time); decoders: where beam searches and
+        whole utterances are decoded, beside the batches."""
         self._recognizer = recognizer
         self._max_batch = max_batch
         self._max_wait = max_wait_ms / 1000.0
         self._executor = executor
+        self._decoders = decoders
         self._metrics = metrics
         self._labels = labels
         chunk_frames = recognizer.card.chunk_frames or 1
@@ -76,15 +85,23 @@ class Dispatcher:
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"dispatch {labels}")
 
-    async def step(self, stream: Stream) -> None:
-        """Run the stream's next step in the next batch; return once the stream has its
-        rows (decoded, or queued for a beam search: `LoadedModel.decode`)."""
-        await self._submit("stream", stream)
+    async def step(self, stream: Stream) -> Stepped:
+        """Run the stream's next step in the next batch, and settle it (`Stream.settle`:
+        in the batch's worker thread, or a deferred stream's in the decoder pool); what
+        the step gave."""
+        return await self._submit("stream", stream)
 
     async def offline(self, audio: np.ndarray) -> np.ndarray:
         """Log-probs (T', V) of one whole utterance (float32 samples at the model's rate),
         its features and model.onnx batched with the other utterances queued."""
         return await self._submit("offline", audio)
+
+    async def decode_whole(
+        self, recognizer: Recognizer, log_probs: np.ndarray, n_best: int
+    ) -> Transcript:
+        """One whole utterance's transcript (a model that cannot stream), in the decoder pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._decoders, recognizer.decode, log_probs, n_best)
 
     async def _submit(self, kind: str, payload: Any) -> Any:
         if self._closed:
@@ -138,8 +155,30 @@ class Dispatcher:
                 compute = time.perf_counter() - started
                 self._observe(batch, compute)
                 for work, result in zip(batch, results, strict=True):
-                    if not work.future.done():  # a cancelled client's window is dropped
+                    if work.future.done():  # a cancelled client's window is dropped
+                        continue
+                    if work.kind == "stream" and work.payload.deferred:
+                        self._settle_beside(work, loop)
+                    else:
                         work.future.set_result(result)
+
+    def _settle_beside(self, work: _Work, loop: asyncio.AbstractEventLoop) -> None:
+        """A deferred stream (a beam search) settled in the decoder pool, its waiter
+        woken with what it gave (or its error) once that is done."""
+        settled = loop.run_in_executor(self._decoders, work.payload.settle)
+
+        def hand_over(done: asyncio.Future) -> None:
+            if work.future.done():
+                if not done.cancelled():
+                    done.exception()  # its client is gone: retrieved, not logged as lost
+            elif done.cancelled():
+                work.future.cancel()
+            elif (error := done.exception()) is not None:
+                work.future.set_exception(error)
+            else:
+                work.future.set_result(done.result())
+
+        settled.add_done_callback(hand_over)
 
     async def _wait_for_more(self) -> None:
         deadline = time.perf_counter() + self._max_wait
@@ -171,10 +210,13 @@ class Dispatcher:
         return batch
 
     def _run_batch(self, batch: Sequence[_Work]) -> list[Any]:
-        """In a worker thread: one batched model call for the whole batch."""
+        """In a worker thread: one batched model call for the whole batch, then every
+        stream settled that decodes in the batch (a greedy one), so its waiter gets what
+        its step gave in one hand-over."""
         if batch[0].kind == "stream":
-            self._recognizer.step([work.payload for work in batch])
-            return [None] * len(batch)
+            streams: list[Stream] = [work.payload for work in batch]
+            self._recognizer.step(streams)
+            return [None if s.deferred else s.settle() for s in streams]
         return self._recognizer.log_probs([work.payload for work in batch])
 
     def _observe(self, batch: Sequence[_Work], compute: float) -> None:

@@ -26,16 +26,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
-import numpy as np
-
-from echoic.model.core.decoding import DecoderConfig, Transcript
+from echoic.model.core.decoding import DecoderConfig
+from echoic.model.runtime.card import ModelCard
 from echoic.model.runtime.chunking import ChunkConfig
 from echoic.model.runtime.engine import Engine
-from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
+from echoic.model.runtime.recognizer import LM_FILE, Recognizer, default_model_dir
 from echoic.model.runtime.repository import (
     check_name,
     default_model,
@@ -52,7 +51,6 @@ from echoic.server.dispatcher import Dispatcher
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
-T = TypeVar("T")
 
 LOADED, DRAINING = "loaded", "draining"
 
@@ -92,36 +90,30 @@ def default_decoder(config: ServerConfig, has_lm: bool) -> DecoderConfig:
     return DecoderConfig("beam", min(DecoderConfig.beam_size, config.max_beam_size))
 
 
+@dataclass(eq=False)
 class LoadedModel:
-    """One model version in memory: its recognizers (one engine, a decoder each), its
-    dispatcher, and how many calls use it."""
+    """One model version in memory: what it is, its dispatcher (its batches, and its
+    decoding beside them), its recognizers (one engine, a decoder each) and how many
+    calls use it. The work itself is the dispatcher's: `dispatcher.step(stream)`."""
 
-    def __init__(
-        self,
-        name: str,
-        version: str,
-        path: Path,
-        greedy: Recognizer,
-        dispatcher: Dispatcher,
-        decoders: Executor,
-        beams: BeamProcesses | None = None,
-        default_decoder: DecoderConfig | None = None,
-    ) -> None:
-        """beams: the decoder processes that run beam searches (`--beam-processes`); None:
-        they run in the `decoders` threads. default_decoder: what a request that names no
-        decoder gets (`default_decoder`); None = greedy."""
-        self.name, self.version, self.path = name, version, path
-        self._decoders = decoders
-        self._beams = beams
-        self.card = greedy.card
-        self.greedy = greedy
-        self.state = LOADED
-        self.active = 0  # open streams and requests on this version, count
-        self.has_lm = (path / LM_FILE).is_file()
-        self.default_decoder = default_decoder or DecoderConfig()
-        self._dispatcher = dispatcher
-        self._recognizers: dict[DecoderConfig, Recognizer] = {}
-        self._lock = asyncio.Lock()
+    name: str
+    version: str
+    path: Path
+    greedy: Recognizer  # the engine's recognizer with greedy decoding, and the batches'
+    dispatcher: Dispatcher
+    # What builds a beam search: the decoder processes' (`--beam-processes`); None: in
+    # this process, in the dispatcher's decoder threads.
+    beam_decoders: Callable[..., Any] | None = None
+    default_decoder: DecoderConfig = field(default_factory=DecoderConfig)  # `default_decoder`
+    has_lm: bool = False  # the version ships a word LM (lm.arpa)
+    state: str = LOADED
+    active: int = 0  # open streams and requests on this version, count
+    _recognizers: dict[DecoderConfig, Recognizer] = field(default_factory=dict, repr=False)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def card(self) -> ModelCard:
+        return self.greedy.card
 
     @property
     def streamable(self) -> bool:
@@ -134,11 +126,9 @@ class LoadedModel:
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
         recognizer = Recognizer(
-            self.greedy.engine,
-            decoder,
-            chunking=self.greedy.chunking,
-            beam_decoders=self._beams.decoder if self._beams is not None else None,
-        )
+            self.greedy.engine, decoder, chunking=self.greedy.chunking,
+            beam_decoders=self.beam_decoders,
+        )  # fmt: skip
         recognizer.load_decoder()  # here, in a worker thread, not in a request's decoding
         return recognizer
 
@@ -159,33 +149,6 @@ class LoadedModel:
             if decoder not in self._recognizers:
                 self._recognizers[decoder] = await asyncio.to_thread(self._recognizer, decoder)
             return self._recognizers[decoder]
-
-    async def step(self, stream: Stream) -> None:
-        """Run the stream's next step in this version's next batch."""
-        await self._dispatcher.step(stream)
-
-    async def decode(self, stream: Stream, call: Callable[[], T] | None = None) -> T | None:
-        """Decode what the stream's steps queued (deferred decoding: beam search), and
-        finalize it once the stream is final, in the decoder pool, so that neither the
-        batch every stream shares nor the event loop waits for a beam; or run `call`
-        (the stream's decoding, such as ending an utterance) there instead."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._decoders, call or stream.result)
-
-    async def decode_whole(
-        self, recognizer: Recognizer, log_probs: np.ndarray, n_best: int
-    ) -> Transcript:
-        """One whole utterance's transcript (a model that cannot stream), in the decoder pool."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._decoders, recognizer.decode, log_probs, n_best)
-
-    async def log_probs(self, audio: np.ndarray) -> np.ndarray:
-        """Log-probs (T', V) of one whole utterance, batched with others through model.onnx."""
-        return await self._dispatcher.offline(audio)
-
-    async def close(self) -> None:
-        """Stop this version's dispatcher; work still queued fails with DispatcherClosed."""
-        await self._dispatcher.close()
 
 
 class ModelRegistry:
@@ -427,12 +390,15 @@ class ModelRegistry:
             max_batch=cfg.max_batch,
             max_wait_ms=cfg.max_wait_ms,
             executor=self._executor,
+            decoders=self._decoders,
             metrics=self._metrics,
             labels=(name, version),
         )
+        has_lm = (path / LM_FILE).is_file()
         model = LoadedModel(
-            name, version, path, greedy, dispatcher, self._decoders, self._beams,
-            default_decoder(cfg, (path / LM_FILE).is_file()),
+            name, version, path, greedy, dispatcher,
+            beam_decoders=self._beams.decoder if self._beams is not None else None,
+            default_decoder=default_decoder(cfg, has_lm), has_lm=has_lm,
         )  # fmt: skip
         # The default decoder's LM loads now, beside the serving version, rather than in
         # the first request that names no decoder.
@@ -467,7 +433,7 @@ class ModelRegistry:
         self.loaded.remove(model)
         if self.serving.get(model.name) is model:
             del self.serving[model.name]
-        await model.close()
+        await model.dispatcher.close()  # work still queued fails with DispatcherClosed
         self._metrics.set_model_state(model.name, model.version, None)
         log.info("unloaded %s version %s", model.name, model.version)
 

@@ -1,24 +1,17 @@
 """One request or stream on the server: its config, its audio, its utterances, its results.
 
-A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and an
-`UtteranceStream` (samples -> transcripts), and turns what the stream decodes
-into `SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
+A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and a
+runtime `Stream` (samples -> utterances, made with the request's endpointing and
+decoder settings: `model/runtime/recognizer.py`, where endpointing lives), and
+turns what each step gives (`Stepped`, one await of the dispatcher per step) into
+`SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
 decoded audio, a final one at each endpoint and at the end of the audio.
 
-Endpointing (as in sherpa-onnx and Riva; the rule is
-`model/runtime/recognizer.py:Endpointing`, shared with files transcribed locally),
-checked after every model step:
-rule 1 ends an utterance after `trailing_silence_ms` of trailing silence (CTC
-blanks and spaces after its last word) once it has a word; rule 2 ends it once it
-reaches `max_utterance_ms`, at the first step that does not end inside a
-character's run of frames (at most MAX_CUT_DELAY later), so that the next
-utterance does not write that character again (an utterance of silence alone
-ends without a result, so silence never produces empty finals). The stream then
-goes on with a fresh
-utterance: the CTC decoder restarts, while the acoustic model's recurrent state
-and window position carry on, since the audio is one continuous signal (nothing
-is dropped or re-padded at the boundary, and no step is spent warming up a new
-state).
+Endpointing (the rule is `model/runtime/recognizer.py:Endpointing`, shared with
+files transcribed locally): rule 1 ends an utterance after `trailing_silence_ms`
+of trailing silence (CTC blanks and spaces after its last word) once it has a
+word; rule 2 ends it once it reaches `max_utterance_ms`, at the first step that
+does not end inside a character's run of frames (at most MAX_CUT_DELAY later).
 Word times are seconds from the start of the stream's audio.
 
 Errors a client can fix are `RequestError(code, message)`; the service turns
@@ -35,7 +28,7 @@ import numpy as np
 from echoic.model.core.audio import AudioError
 from echoic.model.core.decoding import DecoderConfig, Transcript
 from echoic.model.core.text import normalize_text
-from echoic.model.runtime.recognizer import Endpointing, Recognizer, Stream
+from echoic.model.runtime.recognizer import Endpointing, Recognizer, Utterance
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
 from echoic.server.models import LoadedModel
@@ -200,37 +193,6 @@ def parse_config(
     )
 
 
-class UtteranceStream(Stream):
-    """A `Stream` cut into utterances at endpoints: the decoder restarts, the model runs on."""
-
-    def __init__(self, recognizer: Recognizer) -> None:
-        super().__init__(recognizer)
-        self.utterance_index = 0  # utterances ended so far, count
-        self._utterance_start_frame = 0  # output frame where the current utterance starts
-
-    @property
-    def utterance_start(self) -> float:
-        """Where the current utterance starts in the audio, s."""
-        return self._utterance_start_frame * self.recognizer.frame_seconds
-
-    @property
-    def utterance_seconds(self) -> float:
-        """Audio decoded in the current utterance, s."""
-        return self.decoded_seconds - self.utterance_start
-
-    def end_utterance(self) -> Transcript:
-        """Finalize the current utterance and start the next at the current position.
-
-        An utterance without words (silence) is dropped: it is not counted, and the
-        caller does not report it.
-        """
-        final = self.restart_decoder()
-        self._utterance_start_frame = self.frames_decoded
-        if final.words:
-            self.utterance_index += 1
-        return final
-
-
 def _alternative(transcript: Transcript, start: float, words: bool):
     alternative = pb.SpeechRecognitionAlternative(
         transcript=transcript.text, confidence=transcript.confidence
@@ -303,11 +265,16 @@ class Session:
         )
         self._recognizer = recognizer
         streams = model.streamable and (model.streams_exactly or not whole)
-        self.stream = UtteranceStream(recognizer) if streams else None
-        if self.stream is not None:
-            self.stream.n_best = options.alternatives
-            # A beam search is decoded in the decoder pool, not in the shared batch.
-            self.stream.deferred_decoding = recognizer.decoder_config.kind == "beam"
+        # A beam search is decoded in the decoder pool, not in the shared batch (the
+        # recognizer's default for its decoder).
+        self.stream = (
+            recognizer.stream(
+                endpointing=Endpointing(options.trailing_silence, options.max_utterance),
+                n_best=options.alternatives,
+            )
+            if streams
+            else None
+        )
         self._offline: list[np.ndarray] = []  # samples, for a model that cannot stream
         self.samples = 0  # samples at the model's rate accepted, count
         self._last_interim = 0.0  # decoded audio at the last interim result, s
@@ -340,60 +307,40 @@ class Session:
             self.stream.finish(features_now=features_now)
 
     async def advance(self) -> list[pb.SpeechRecognitionResult]:
-        """Decode every ready window (through the dispatcher); the results to send now."""
+        """Run every ready step (through the dispatcher, one await each); the results to
+        send now."""
         if self.stream is None:
             return await self._advance_offline()
         out: list[pb.SpeechRecognitionResult] = []
         stream, opts = self.stream, self.options
         while stream.is_ready():
-            await self.model.step(stream)
-            if stream.has_undecoded or (stream.deferred_decoding and stream.is_final):
-                await self.model.decode(stream)
+            stepped = await self.model.dispatcher.step(stream)
+            out += (self._result(u, True) for u in stepped.finals)
+            if stepped.endpoint:
+                self._last_interim = stepped.decoded_seconds
+            elif (
+                stepped.partial is not None
+                and opts.interim
+                and stepped.decoded_seconds - self._last_interim >= opts.interim_interval
+            ):
+                self._last_interim = stepped.decoded_seconds
+                out.append(self._result(stepped.partial, False))
             if stream.is_final:
                 break
-            if self._endpoint():
-                start, index = stream.utterance_start, stream.utterance_index
-                end = stream.decoded_seconds
-                if stream.deferred_decoding:  # the beam search's end, in the decoder pool
-                    final = await self.model.decode(stream, stream.end_utterance)
-                else:
-                    final = stream.end_utterance()
-                if final.words:
-                    out.append(self._result(final, True, index, start, end))
-                self._last_interim = stream.decoded_seconds
-            elif opts.interim and (
-                stream.decoded_seconds - self._last_interim >= opts.interim_interval
-            ):
-                self._last_interim = stream.decoded_seconds
-                out.append(self._result(stream.result(), False))
         if stream.is_final and not self.done:
             self.done = True
-            final = stream.result()
-            if stream.utterance_index == 0 or final.words:
-                out.append(self._result(final, True))
+            # Whole audio whose features were computed at finish (`features_now`) may
+            # leave no step to run: its last utterance is settled here.
+            out += (self._result(u, True) for u in stream.settle().finals)
         return out
 
-    def _endpoint(self) -> bool:
-        stream, opts = self.stream, self.options
-        rule = Endpointing(opts.trailing_silence, opts.max_utterance)  # files' rule too
-        words = stream.result().words
-        return rule.due(words, stream.utterance_seconds, stream.recognizer.frame_seconds)
-
-    def _result(
-        self,
-        transcript: Transcript,
-        final: bool,
-        index: int | None = None,
-        start: float | None = None,
-        end: float | None = None,
-    ) -> pb.SpeechRecognitionResult:
-        stream = self.stream
+    def _result(self, utterance: Utterance, final: bool) -> pb.SpeechRecognitionResult:
         return result_proto(
-            transcript,
+            utterance.transcript,
             final=final,
-            index=stream.utterance_index if index is None else index,
-            start=stream.utterance_start if start is None else start,
-            end=self.decoded_seconds if end is None else min(end, self.seconds),
+            index=utterance.index,
+            start=utterance.start,
+            end=min(utterance.end, self.seconds),
             words=self.options.words,
         )
 
@@ -402,8 +349,9 @@ class Session:
         if self.done or not self.finished:
             return []
         audio = np.concatenate(self._offline) if self._offline else np.zeros(0, np.float32)
-        log_probs = await self.model.log_probs(audio)
-        transcript = await self.model.decode_whole(
+        dispatcher = self.model.dispatcher
+        log_probs = await dispatcher.offline(audio)
+        transcript = await dispatcher.decode_whole(
             self._recognizer, log_probs, self.options.alternatives
         )
         self.done = True

@@ -4,13 +4,25 @@ Two ways in, one model:
 
 - `Recognizer.transcribe(audios)`: whole utterances, run as one padded batch
   through model.onnx (batch jobs, `echoic transcribe`, `echoic eval`).
-- `Recognizer.stream()`: a `Stream` per live utterance, with the small API
-  `accept_audio()`, `is_ready()`, `finish()`, `result()`. Streams do not run the
-  model themselves, nor compute their features: `accept_audio` only stores the
-  samples (and `finish` only marks the end), and `Recognizer.step(streams)`
-  computes the new feature frames of every stream with work ready as one batch,
-  then runs one batched stream.onnx call for those with a window ready. That is
-  the one place where streaming work is batched; the server's dispatcher calls it.
+- `Recognizer.stream()`: a `Stream` per live audio stream, with the small API
+  `accept_audio()`, `is_ready()`, `finish()`, `result()`, made with its endpointing
+  and decoding settings. Streams do not run the model themselves, nor compute their
+  features: `accept_audio` only stores the samples (and `finish` only marks the end),
+  and `Recognizer.step(streams)` computes the new feature frames of every stream
+  with work ready as one batch, then runs one batched stream.onnx call for those
+  with a window ready. That is the one place where streaming work is batched; the
+  server's dispatcher calls it, then each stream's `settle`, which says what the
+  step gave: the partial utterance, and the utterances that ended (an endpoint, or
+  the end of the audio).
+
+Endpointing (as in sherpa-onnx and Riva; the rule is `Endpointing`, shared with
+files transcribed locally) is checked after every step: the stream is cut into
+utterances, the CTC decoder restarts at each cut, while the acoustic model's
+recurrent state and window position carry on, since the audio is one continuous
+signal (nothing is dropped or re-padded at the boundary, and no step is spent
+warming up a new state). An utterance of silence alone ends without a result, so
+silence never produces empty finals. Utterance times are seconds from the start
+of the stream's audio.
 
 Streaming output equals offline output for the same audio (the model was
 trained chunked; `Engine` and `WindowFeeder` pad exactly as the network does).
@@ -21,6 +33,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +52,8 @@ from echoic.model.core.decoding import (
 )
 
 __all__ = [
-    "FILE_ENDPOINTING", "LM_FILE", "MAX_CUT_DELAY", "Endpointing", "Recognizer", "Stream",
-    "default_model_dir",
+    "FILE_ENDPOINTING", "LM_FILE", "MAX_CUT_DELAY", "Endpointing", "Recognizer", "Stepped",
+    "Stream", "Utterance", "default_model_dir",
 ]  # fmt: skip
 from echoic.model.core.features import (
     FeatureStream,
@@ -256,25 +269,22 @@ class Recognizer:
         whatever the length (`transcribe` holds the whole file's features and log-probs).
         The transcript equals `transcribe`'s (with the same `endpointing`) up to export's
         parity tolerance."""
-        stream = self.stream()
-        stream.n_best = n_best
         # Without endpointing, rows are decoded a minute of audio at a time: a decoder's
         # partial transcript is rebuilt at every call, which done per window costs time
         # quadratic in the length. With it, every step (as on the server), and an
         # utterance is at most endpointing.max_utterance long.
         cutting = endpointing is not None and self.streams_exactly
-        stream.deferred_decoding = not cutting
+        stream = self.stream(
+            n_best=n_best, endpointing=endpointing if cutting else None, deferred=not cutting
+        )
         utterances: list[tuple[float, Transcript]] = []
-        start = decoded = 0  # output frames: where the utterance starts, decoded so far
+        decoded = 0  # output frames decoded so far (without endpointing)
 
         def run() -> None:
-            nonlocal start, decoded
+            nonlocal decoded
             while self.step([stream]):
-                if cutting and not stream.is_final:
-                    spoken = (stream.frames_decoded - start) * self.frame_seconds
-                    if endpointing.due(stream.result().words, spoken, self.frame_seconds):
-                        utterances.append((start * self.frame_seconds, stream.restart_decoder()))
-                        start = stream.frames_decoded
+                if cutting:
+                    utterances.extend((u.start, u.transcript) for u in stream.settle().finals)
             if not cutting and (stream.frames_decoded - decoded) * self.frame_seconds >= 60.0:
                 stream.decode_pending()
                 decoded = stream.frames_decoded
@@ -284,13 +294,24 @@ class Recognizer:
             run()
         stream.finish()
         run()
-        utterances.append((start * self.frame_seconds, stream.result()))
+        if not cutting:
+            utterances.append((0.0, stream.result()))
         return joined(utterances)
 
     # ---- streaming -----------------------------------------------------------------
 
-    def stream(self) -> Stream:
-        return Stream(self)
+    def stream(
+        self,
+        *,
+        endpointing: Endpointing | None = None,
+        n_best: int = 1,
+        deferred: bool | None = None,
+    ) -> Stream:
+        """A live stream (see `Stream`); deferred None: a beam search's rows are decoded
+        by `settle` off the batch, a greedy decoder's in it."""
+        if deferred is None:
+            deferred = self.decoder_config.kind == "beam"
+        return Stream(self, endpointing=endpointing, n_best=n_best, deferred=deferred)
 
     def decoder_stream(self) -> StreamingDecoder:
         """A fresh streaming decoder (one per utterance of a `Stream`)."""
@@ -331,20 +352,62 @@ class Recognizer:
         return len(ready)
 
 
+@dataclass(frozen=True)
+class Utterance:
+    """One utterance of a stream: its transcript, its place among the stream's utterances
+    and in its audio (s from the start of the stream's audio; word times count from
+    `start`)."""
+
+    transcript: Transcript
+    index: int  # utterances with words that ended before this one, count
+    start: float  # s
+    end: float  # s
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What a step gave a stream (`Stream.settle`)."""
+
+    finals: tuple[Utterance, ...]  # utterances that ended: at an endpoint, or the last one
+    partial: Utterance | None  # the current utterance so far; None once the stream is final
+    endpoint: bool  # an endpoint cut the stream at this step
+    decoded_seconds: float  # audio the model has given rows for, s
+
+
 class Stream:
-    """One live utterance: audio in, partial and final transcripts out.
+    """One live audio stream: audio in, utterances with partial and final transcripts out.
 
     accept_audio(samples): float32 mono at the model's rate, any length.
     is_ready(): the stream has work for the model (`Recognizer.step` runs it).
     finish(): no more audio; the remaining windows become ready.
-    result(): the transcript so far (final once `is_final`).
+    settle(): after a step, what it gave (`Stepped`): the decoder has the step's rows,
+      the endpoint is tested, an utterance that ended is finalized.
+    result(): the current utterance's transcript so far (final once `is_final`).
+
+    Made with its settings, which never change: `endpointing` (None: one utterance),
+    `n_best` (transcripts a final result carries, itself included: `Transcript.alternatives`,
+    beam search only) and `deferred` (True: a step only queues its rows, and `settle`
+    decodes them, run wherever the caller likes: a beam search off the batch every
+    stream shares).
 
     `compute_pending_features`, `has_window`, `next_window`, `state` and
     `accept_step` are the side that `Recognizer.step` drives.
     """
 
-    def __init__(self, recognizer: Recognizer) -> None:
+    def __init__(
+        self,
+        recognizer: Recognizer,
+        *,
+        endpointing: Endpointing | None = None,
+        n_best: int = 1,
+        deferred: bool = False,
+    ) -> None:
+        if n_best < 1:
+            raise ValueError(f"n_best must be at least 1, got {n_best}")
         self.recognizer = recognizer
+        self.endpointing = endpointing or Endpointing()
+        self.n_best = n_best
+        self.deferred = deferred
         self._feeder: WindowFeeder | ChunkFeeder
         self._features: FeatureStream | None = None  # none for a waveform model: samples
         if recognizer.chunking is not None:  # go straight to its feeder
@@ -354,17 +417,21 @@ class Stream:
             self._features = FeatureStream(recognizer.card.features)
             self._feeder = recognizer.engine.feeder()
             self._state = recognizer.engine.initial_state(1)
-        self._decoder: StreamingDecoder = recognizer.decoder_stream()
-        self._n_best = 1
+        self._decoder: StreamingDecoder = self._new_decoder()
         self._result = Transcript("", (), 0.0)
         self._lock = threading.Lock()
         self._ended = False  # finish() was called; the feeder finishes at the next step
-        # True: a step only queues its log-prob rows, and `decode_pending` (run wherever
-        # the caller likes: a beam search off the batch every stream shares) decodes them.
-        self.deferred_decoding = False
         self._undecoded: list[np.ndarray] = []  # rows a step queued, not yet decoded
+        self._last_given = False  # settle() has given the last utterance
         self.samples_in = 0  # audio samples accepted
         self.frames_decoded = 0  # output frames the model has given (decoded, or queued)
+        self.utterance_index = 0  # utterances with words ended so far, count
+        self._utterance_start_frame = 0  # output frame where the current utterance starts
+
+    def _new_decoder(self) -> StreamingDecoder:
+        decoder = self.recognizer.decoder_stream()
+        decoder.n_best = self.n_best
+        return decoder
 
     # ---- the caller's side ---------------------------------------------------------
 
@@ -416,16 +483,15 @@ class Stream:
         return self.frames_decoded * self.recognizer.frame_seconds
 
     @property
-    def n_best(self) -> int:
-        """Transcripts a final result carries, itself included (`Transcript.alternatives`,
-        beam search only; greedy decoding has one)."""
-        return self._n_best
+    def utterance_start(self) -> float:
+        """Where the current utterance starts in the audio, s."""
+        return self._utterance_start_frame * self.recognizer.frame_seconds
 
-    @n_best.setter
-    def n_best(self, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"n_best must be at least 1, got {n}")
-        self._n_best = self._decoder.n_best = n
+    @property
+    def utterance_seconds(self) -> float:
+        """Audio decoded in the current utterance, s (counted in frames, as
+        `Recognizer.decode` counts it, so both cut at the same step)."""
+        return (self.frames_decoded - self._utterance_start_frame) * self.recognizer.frame_seconds
 
     def result(self) -> Transcript:
         """The transcript so far; the final one once `is_final`."""
@@ -434,17 +500,42 @@ class Stream:
             self._result = self._decoder.finalize()
         return self._result
 
-    @property
-    def has_undecoded(self) -> bool:
-        """Steps queued rows that `decode_pending` has not decoded yet (deferred decoding)."""
-        return bool(self._undecoded)
-
     def decode_pending(self) -> Transcript:
         """Decode the rows the steps queued (deferred decoding); the transcript so far."""
         rows, self._undecoded = self._undecoded, []
         if rows:  # one call: the decoder rebuilds its partial transcript once, not per step
             self._result = self._decoder.accept(np.concatenate(rows))
         return self._result
+
+    def settle(self) -> Stepped:
+        """After a step: the rows it queued decoded (deferred decoding), the endpoint
+        tested, and an utterance that ended finalized; what the step gave. Once the stream
+        is final its last utterance is given once (an utterance of silence only when it
+        is the stream's only one). Runs where the caller decodes: in the batch's worker
+        thread for a greedy stream, in a decoder thread for a deferred one."""
+        self.decode_pending()
+        decoded = min(self.decoded_seconds, self.audio_seconds)
+        if self.is_final:
+            finals: tuple[Utterance, ...] = ()
+            if not self._last_given:
+                self._last_given = True
+                final = self.result()
+                if self.utterance_index == 0 or final.words:
+                    finals = (self._utterance(final, self.audio_seconds),)
+            return Stepped(finals, None, False, self.audio_seconds)
+        frame = self.recognizer.frame_seconds
+        if not self.endpointing.due(self._result.words, self.utterance_seconds, frame):
+            partial = self._utterance(self._result, decoded)
+            return Stepped((), partial, False, decoded)
+        ended = self._utterance(self.restart_decoder(), decoded)
+        self._utterance_start_frame = self.frames_decoded
+        if ended.transcript.words:
+            self.utterance_index += 1
+            return Stepped((ended,), None, True, decoded)
+        return Stepped((), None, True, decoded)  # silence: dropped, never reported
+
+    def _utterance(self, transcript: Transcript, end: float) -> Utterance:
+        return Utterance(transcript, self.utterance_index, self.utterance_start, end)
 
     def restart_decoder(self) -> Transcript:
         """Finalize the decoder's utterance and start a new one at the current position.
@@ -454,8 +545,7 @@ class Stream:
         """
         self.decode_pending()
         final = self._decoder.finalize()
-        self._decoder = self.recognizer.decoder_stream()
-        self._decoder.n_best = self._n_best
+        self._decoder = self._new_decoder()
         self._result = Transcript("", (), 0.0)
         return final
 
@@ -501,7 +591,7 @@ class Stream:
         are decoded now, or queued for `decode_pending` with deferred decoding."""
         self._state = state
         self.frames_decoded += len(log_probs)
-        if self.deferred_decoding:
+        if self.deferred:
             self._undecoded.append(log_probs)
         else:
             self._result = self._decoder.accept(log_probs)
