@@ -32,10 +32,19 @@ from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.beam_processes import BeamProcessDied
 from echoic.server.config import ServerConfig
+from echoic.server.core import Refusal
 from echoic.server.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
 from echoic.server.models import DecoderError, LoadedModel, ModelLookupError, ModelRegistry
-from echoic.server.session import Options, RequestError, Session, invalid, parse_config
+from echoic.server.session import (
+    GRPC_STATUS,
+    Options,
+    RequestError,
+    Session,
+    invalid,
+    open_session,
+    parse_config,
+)
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")
@@ -222,25 +231,14 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         the model resolved from `opts`, the final results, the audio's length.
         `method` labels the final-result latency metric; `name` is the audio's name in
         error messages."""
-        model = self._registry.resolve(opts.model, opts.version)
-        self._registry.acquire(model)
-        session = None
-        try:
-            recognizer = await model.recognizer(opts.decoder)
-            session = Session(
-                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds,
-                time_limit=self._config.decode_timeout_seconds,
-                whole=True,
-            )  # fmt: skip
+        async with open_session(
+            self._registry, opts, self._config, name=name, whole=True
+        ) as session:
             await self.off_loop(self._decode_whole, session, audio)
             ended = time.perf_counter()
             results = await session.advance()
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
-            return Whole(results, session.seconds, model)
-        finally:
-            if session is not None:
-                session.audio.close()
-            self._registry.release(model)
+            return Whole(results, session.seconds, session.model)
 
     async def recognize_paced(
         self,
@@ -257,22 +255,14 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         the last with the final result. The finals are Recognize's (the same stream). A
         model that streams only by overlapped chunks (an imported one) runs the file whole,
         as Recognize does: no interim results, and the final one is Recognize's."""
-        model = self._registry.resolve(opts.model, opts.version)
-        self._registry.acquire(model)
-        session: Session | None = None
-        try:
-            recognizer = await model.recognizer(opts.decoder)
-            whole = not model.streams_exactly
-            session = Session(
-                model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds,
-                time_limit=self._config.decode_timeout_seconds,
-                whole=whole,
-            )  # fmt: skip
+        async with open_session(
+            self._registry, opts, self._config, name=name, whole=None
+        ) as session:
             samples = await self.off_loop(self._decode_all, session, audio)
-            if whole:
+            if not session.model.streams_exactly:  # run whole
                 self._accept(session, samples)
                 samples = samples[:0]
-            step = max(1, int(step_seconds * model.card.sample_rate))
+            step = max(1, int(step_seconds * session.model.card.sample_rate))
             for start in range(0, len(samples), step):
                 self._accept(session, samples[start : start + step])
                 yield await session.advance()
@@ -280,10 +270,6 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             ended = time.perf_counter()
             yield await session.advance()
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
-        finally:
-            if session is not None:
-                session.audio.close()
-            self._registry.release(model)
 
     def _decode_whole(self, session: Session, data: bytes) -> None:
         """In a worker thread: decode all the audio, feed it and finish the stream."""
@@ -338,23 +324,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             interim=sc.interim_results,
             interval_ms=sc.interim_interval_ms,
         )
-        model = self._registry.resolve(opts.model, opts.version)
-        if not model.streamable:
-            raise invalid(
-                f"model {model.name!r} version {model.version!r} cannot stream (a full-context "
-                "model without stream.onnx, and for an imported one, echoic serve --chunk-ms 0):"
-                " send the whole audio with Recognize instead"
-            )
-        self._registry.acquire(model)
-        session = None
-        try:
-            recognizer = await model.recognizer(opts.decoder)
-            session = Session(
-                model, recognizer, opts, name="audio_content",
-                max_seconds=self._config.max_audio_seconds,
-                time_limit=self._config.decode_timeout_seconds,
-            )  # fmt: skip
-            ref = _ref(model)
+        async with open_session(
+            self._registry, opts, self._config, name="audio_content", live=True
+        ) as session:
+            ref = _ref(session.model)
             while True:
                 message = await self._read(context, closes_at, ending)
                 if message is grpc.aio.EOF:
@@ -384,10 +357,6 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     latency = time.perf_counter() - ended
                     self._metrics.final_latency.labels("StreamingRecognize").observe(latency)
                     return
-        finally:
-            if session is not None:
-                session.audio.close()  # a FLAC or Ogg decoder's threads end with the call
-            self._registry.release(model)
 
     def feed_stream(self, session: Session, data: bytes) -> None:
         """A live stream's next bytes, decoded and accepted under the stream limits (any
@@ -562,6 +531,8 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
 def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, RequestError):
         return e.code, str(e)
+    if isinstance(e, Refusal):  # the core's, in no door's words
+        return GRPC_STATUS[e.kind], str(e)
     if isinstance(e, (AudioError, ModelLookupError, DecoderError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, BeamProcessDied):

@@ -14,24 +14,34 @@ word; rule 2 ends it once it reaches `max_utterance_ms`, at the first step that
 does not end inside a character's run of frames (at most MAX_CUT_DELAY later).
 Word times are seconds from the start of the stream's audio.
 
-Errors a client can fix are `RequestError(code, message)`; the service turns
-them into gRPC status codes.
+Errors a client can fix are `RequestError(code, message)`, a `server/core.py:Refusal`
+whose kind follows its gRPC status code; the service turns them into gRPC status
+codes, the HTTP door into HTTP statuses. `open_session` is the one place a request
+or stream is opened on a model version and closed again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import numpy as np
 
 from echoic.model.core.audio import AudioError
-from echoic.model.core.decoding import DecoderConfig, Transcript
+from echoic.model.core.decoding import DecoderConfig
 from echoic.model.core.text import normalize_text
 from echoic.model.runtime.recognizer import Endpointing, Recognizer, Utterance
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
-from echoic.server.models import LoadedModel
+from echoic.server.config import ServerConfig
+from echoic.server.core import Options, Refusal, RefusalKind, Result
+from echoic.server.models import LoadedModel, ModelRegistry
+
+__all__ = [
+    "GRPC_STATUS", "Options", "RequestError", "Session", "invalid", "open_session",
+    "parse_config", "result_proto",
+]  # fmt: skip
 
 _ENCODINGS = {
     pb.RecognitionConfig.ENCODING_UNSPECIFIED: "auto",
@@ -47,34 +57,32 @@ _ENCODINGS = {
 MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
 
 
-class RequestError(Exception):
-    """A request the server refuses: a gRPC status code and a sentence saying what to change."""
+# The gRPC status of each kind of refusal (echoic's and Riva's doors; the HTTP door maps
+# these statuses on to HTTP's).
+GRPC_STATUS = {
+    RefusalKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RefusalKind.TOO_LARGE: grpc.StatusCode.OUT_OF_RANGE,
+    RefusalKind.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RefusalKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RefusalKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    RefusalKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    RefusalKind.UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+    RefusalKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_KIND_OF_STATUS = {code: kind for kind, code in GRPC_STATUS.items()}
+
+
+class RequestError(Refusal):
+    """A request the server refuses, said in gRPC's words: a status code (its kind follows
+    from it) and a sentence saying what to change."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
+        super().__init__(_KIND_OF_STATUS.get(code, RefusalKind.INTERNAL), message)
         self.code = code
 
 
 def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-@dataclass(frozen=True)
-class Options:
-    """A RecognitionConfig, checked and in server units."""
-
-    encoding: str  # "auto", "linear16", "mulaw", "alaw", "wav", "flac" or "ogg"
-    sample_rate: int | None  # Hz of the audio sent; None = from the header
-    channels: int  # channels of LINEAR16 audio, count
-    model: str  # model name; "" = the only one served
-    version: str  # model version; "" = the serving one
-    words: bool  # fill word times and confidences
-    decoder: DecoderConfig | None  # None: the server's default for the model (--decoder)
-    trailing_silence: float  # endpointing rule 1, s; 0 = off
-    max_utterance: float  # endpointing rule 2, s; 0 = off
-    interim: bool = False  # send interim results
-    interim_interval: float = 0.0  # least decoded audio between interim results, s
-    alternatives: int = 1  # most alternatives in a final result, count
 
 
 MAX_BOOSTED_WORDS = 1000  # words in all of a request's decoder.boosts, count
@@ -193,46 +201,69 @@ def parse_config(
     )
 
 
-def _alternative(transcript: Transcript, start: float, words: bool):
-    alternative = pb.SpeechRecognitionAlternative(
-        transcript=transcript.text, confidence=transcript.confidence
-    )
-    if words:
-        alternative.words.extend(
-            pb.WordInfo(
-                word=w.text, start_time=start + w.start, end_time=start + w.end,
-                confidence=w.confidence,
-            )
-            for w in transcript.words
-        )  # fmt: skip
-    return alternative
-
-
-def result_proto(
-    transcript: Transcript,
-    *,
-    final: bool,
-    index: int,
-    start: float,
-    end: float,
-    words: bool,
-) -> pb.SpeechRecognitionResult:
-    """A result whose word times are shifted by `start` (s) to count from the audio's start.
-
-    A final transcript's `alternatives` (beam search, `max_alternatives` > 1) follow it.
-    """
-    n = len(transcript.words)
-    stable = n if final else min(transcript.stable_words, n)
-    others = transcript.alternatives if final else ()
+def result_proto(result: Result) -> pb.SpeechRecognitionResult:
+    """A core `Result` as echoic's message."""
     return pb.SpeechRecognitionResult(
-        alternatives=[_alternative(t, start, words) for t in (transcript, *others)],
-        is_final=final,
-        stability=1.0 if final else (stable / n if n else 0.0),
-        stable_words=stable,
-        utterance_index=index,
-        utterance_start_time=start,
-        utterance_end_time=end,
+        alternatives=[
+            pb.SpeechRecognitionAlternative(
+                transcript=a.text,
+                confidence=a.confidence,
+                words=[
+                    pb.WordInfo(
+                        word=w.text, start_time=w.start, end_time=w.end, confidence=w.confidence
+                    )
+                    for w in a.words
+                ],
+            )
+            for a in result.alternatives
+        ],
+        is_final=result.is_final,
+        stability=result.stability,
+        stable_words=result.stable_words,
+        utterance_index=result.utterance_index,
+        utterance_start_time=result.start,
+        utterance_end_time=result.end,
     )
+
+
+@asynccontextmanager
+async def open_session(
+    registry: ModelRegistry,
+    opts: Options,
+    config: ServerConfig,
+    *,
+    name: str,
+    live: bool = False,
+    whole: bool | None = False,
+) -> AsyncIterator[Session]:
+    """The one place a request or stream is opened, for every door: the model version
+    resolved from `opts` and held for the session's life (a draining version unloads once
+    its last session closes), the recognizer for its decoder, a `Session` with the
+    server's audio limits; closed and released however it ends. live: a stream whose
+    audio comes as it is spoken, refused for a model that cannot stream. whole: all the
+    audio comes at once (Recognize); None: whole only for a model that streams by
+    overlapped chunks (a paced file: `TranscriberService.recognize_paced`)."""
+    model = registry.resolve(opts.model, opts.version)
+    if live and not model.streamable:
+        raise invalid(
+            f"model {model.name!r} version {model.version!r} cannot stream (a full-context "
+            "model without stream.onnx, and for an imported one, echoic serve --chunk-ms 0):"
+            " send the whole audio with Recognize instead"
+        )
+    registry.acquire(model)
+    session = None
+    try:
+        recognizer = await model.recognizer(opts.decoder)
+        session = Session(
+            model, recognizer, opts, name=name, max_seconds=config.max_audio_seconds,
+            time_limit=config.decode_timeout_seconds,
+            whole=not model.streams_exactly if whole is None else whole,
+        )  # fmt: skip
+        yield session
+    finally:
+        if session is not None:
+            session.audio.close()  # a FLAC or Ogg decoder's threads end with the session
+        registry.release(model)
 
 
 class Session:
@@ -335,14 +366,8 @@ class Session:
         return out
 
     def _result(self, utterance: Utterance, final: bool) -> pb.SpeechRecognitionResult:
-        return result_proto(
-            utterance.transcript,
-            final=final,
-            index=utterance.index,
-            start=utterance.start,
-            end=min(utterance.end, self.seconds),
-            words=self.options.words,
-        )
+        end = min(utterance.end, self.seconds)
+        return result_proto(Result.of(utterance, final=final, words=self.options.words, end=end))
 
     async def _advance_offline(self) -> list[pb.SpeechRecognitionResult]:
         """A model without stream.onnx: the whole utterance once the audio has ended."""
@@ -355,9 +380,4 @@ class Session:
             self._recognizer, log_probs, self.options.alternatives
         )
         self.done = True
-        return [
-            result_proto(
-                transcript, final=True, index=0, start=0.0, end=self.seconds,
-                words=self.options.words,
-            )
-        ]  # fmt: skip
+        return [self._result(Utterance(transcript, 0, 0.0, self.seconds), True)]

@@ -227,8 +227,9 @@ class Endpointing:
     at the first step that does not end inside a character's run of frames (at most
     MAX_CUT_DELAY later), so the next utterance does not write that character again.
     The decoder then starts afresh (a beam search's LM context too); the acoustic model
-    runs on over the cut. The one rule for the server's streams and requests
-    (server/session.py) and for files (`model/runtime/recognizer.py:Recognizer.transcribe`)."""
+    runs on over the cut. The one rule for live streams (`model/runtime/recognizer.py:
+    Stream.settle`, the server's streams and requests) and for files
+    (`model/runtime/recognizer.py:Recognizer.transcribe`)."""
 
     trailing_silence: float = 0.0  # s; 0 = rule 1 off
     max_utterance: float = 0.0  # s; 0 = rule 2 off

@@ -1,0 +1,47 @@
+"""The recognition core's own types (server/core.py): every kind of refusal has its
+answer at every door, and a gRPC-worded refusal carries the kind its status means."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from echoic.model.core.decoding import Transcript, Word
+from echoic.model.runtime.recognizer import Utterance
+from echoic.server.core import Refusal, RefusalKind, Result
+from echoic.server.openai_api import api_error
+from echoic.server.service import status_of
+from echoic.server.session import RequestError
+
+
+@pytest.mark.parametrize("kind", list(RefusalKind), ids=lambda k: k.value)
+def test_every_refusal_kind_has_a_status_at_each_door(kind: RefusalKind) -> None:
+    """A refusal from the core reaches a gRPC client with its kind's status and an HTTP
+    client with the HTTP status of that, its sentence unchanged; only INTERNAL is a 500."""
+    refusal = Refusal(kind, "what to change")
+    code, message = status_of(refusal)
+    assert message == "what to change"
+    assert (code == grpc.StatusCode.INTERNAL) == (kind is RefusalKind.INTERNAL)
+    error = api_error(refusal)
+    assert error.message == "what to change"
+    assert (error.status == 500) == (kind is RefusalKind.INTERNAL)
+    # The same kind said in gRPC's words is the same refusal.
+    assert RequestError(code, "what to change").kind is kind
+
+
+def test_a_result_counts_word_times_from_the_audios_start() -> None:
+    """Word times in a result count from the stream's start; interim results give only
+    the stable words as stable, and alternatives only once final."""
+    words = (Word("a", 0.1, 0.2, 0.9), Word("b", 0.3, 0.4, 0.8))
+    other = Transcript("a c", words, 0.5)
+    transcript = Transcript("a b", words, 0.85, stable_words=1, alternatives=(other,))
+    utterance = Utterance(transcript, index=2, start=10.0, end=10.5)
+    interim = Result.of(utterance, final=False, words=True, end=10.5)
+    got = [(w.text, w.start, w.end) for w in interim.alternatives[0].words]
+    assert got == [("a", pytest.approx(10.1), pytest.approx(10.2)),
+                   ("b", pytest.approx(10.3), pytest.approx(10.4))]  # fmt: skip
+    assert (interim.stable_words, interim.stability, len(interim.alternatives)) == (1, 0.5, 1)
+    final = Result.of(utterance, final=True, words=False, end=10.5)
+    assert (final.stable_words, final.stability, len(final.alternatives)) == (2, 1.0, 2)
+    assert final.alternatives[0].words == ()
+    assert (final.utterance_index, final.start, final.end) == (2, 10.0, 10.5)
