@@ -53,12 +53,15 @@ def recognition_config(
     max_alternatives: int = 0,
     trailing_silence_ms: int = 0,
     max_utterance_ms: int = 0,
+    punctuation: bool = False,
+    inverse_normalization: bool = False,
 ) -> pb.RecognitionConfig:
     """A RecognitionConfig from plain values (see the .proto for each field).
 
     encoding: 'auto' (WAV/FLAC from the header), 'linear16', 'wav' or 'flac'.
     decoder: 'greedy' or 'beam'. trailing_silence_ms / max_utterance_ms turn on
     endpointing (a stream is split into utterances, each with its final result).
+    punctuation / inverse_normalization: readable final transcripts (FormattingConfig).
     """
     kinds = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
     if decoder not in kinds:
@@ -72,6 +75,9 @@ def recognition_config(
         enable_word_time_offsets=words,
         max_alternatives=max_alternatives,
         decoder=pb.DecoderConfig(kind=kinds[decoder], beam_size=beam_size, disable_lm=disable_lm),
+        formatting=pb.FormattingConfig(
+            punctuation=punctuation, inverse_normalization=inverse_normalization
+        ),
     )
     if trailing_silence_ms or max_utterance_ms:
         config.endpointing.CopyFrom(
