@@ -429,7 +429,7 @@ class RealtimeSession:
                     item_id=index, content_index=0, delta=delta,
                 ))  # fmt: skip
             if r.is_final:
-                best = (await self._formatted(r)).alternatives[0]
+                best = self._formatted(r).alternatives[0]
                 await self.send(_event(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=index, content_index=0, transcript=best.transcript,
@@ -449,14 +449,12 @@ class RealtimeSession:
             ))  # fmt: skip
 
 
-    async def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
+    def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
         if self.formatter is None:
             return r
         copy = pb.SpeechRecognitionResult()
         copy.CopyFrom(r)
-        if self.formatter.punctuation:  # the tagger: off the event loop
-            return (await asyncio.to_thread(format_results, [copy], self.formatter))[0]
-        return format_results([copy], self.formatter)[0]
+        return format_results([copy], self.formatter)[0]  # in place: see server/formatting.py
 
 
 def _parse(text: str) -> dict[str, Any]:

@@ -25,7 +25,6 @@ them into gRPC status codes.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -355,8 +354,6 @@ class Session:
         formatter = self.options.formatting
         if formatter is None or not any(r.is_final for r in out):
             return out
-        if formatter.punctuation:  # the tagger: in a worker thread, off the event loop
-            return await asyncio.to_thread(format_results, out, formatter)
         return format_results(out, formatter)
 
     async def _advance(self) -> list[pb.SpeechRecognitionResult]:

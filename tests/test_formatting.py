@@ -251,3 +251,19 @@ def test_transcribe_formatting_writes_sentences_and_srt_cues_end_at_them(speech,
     )  # fmt: skip
     record = json.loads(plain.stdout)
     assert record["text"] == record["text"].lower() and "3:30" not in record["text"]
+
+
+def test_an_exported_tagger_is_what_the_runtime_loads(tmp_path) -> None:
+    """model/nn/punctuation.py's export (checked against torch) read back by the runtime:
+    its word list and scores from the metadata, one mark and one case per token."""
+    pytest.importorskip("torch", reason="exporting needs the train extra")
+    from echoic.model.core.punctuation import WordList
+    from echoic.model.nn.punctuation import Tagger, TaggerConfig, export_tagger
+
+    cfg = TaggerConfig(words=3, word_dim=4, char_dim=4, char_filters=4, hidden=4)
+    path = tmp_path / "tagger.onnx"
+    export_tagger(Tagger(cfg), WordList(("the", "a", "of")), {"made": "here"}, path)
+    tagger = Punctuator(path)
+    assert tagger.words.words == ("the", "a", "of") and tagger.scores == {"made": "here"}
+    marks, cases = tagger.tag(["the", "3:30", "unheard"])
+    assert len(marks) == len(cases) == 3 and marks[-1] in (2, 3)
