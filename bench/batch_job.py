@@ -37,10 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import start_server, stop_server  # noqa: E402
+from serve_load import start_server, stop_server  # this folder: python bench/batch_job.py
 
-from echoic.clients import Client, ClientError, RetryPolicy  # noqa: E402
+from echoic.clients import Client, ClientError, RetryPolicy
 
 ECHOIC = [sys.executable, "-m", "echoic.cli.main"]
 SENTENCES = """\

@@ -28,7 +28,6 @@ import http.client
 import io
 import json
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,14 +36,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import soundfile as sf
+from serve_load import free_port, start_server, stop_server  # this folder, as a script
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import free_port, start_server, stop_server  # noqa: E402
-
-from echoic.model.core.audio import decode_audio  # noqa: E402
-from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
-from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.openai_api import recognition_config, transcription_request  # noqa: E402
+from echoic.model.core.audio import decode_audio
+from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+from echoic.server.openai_api import recognition_config, transcription_request
 
 SENTENCE = "the quick brown fox jumps over the lazy dog and she sells sea shells by the shore"
 

@@ -24,7 +24,7 @@ Needs a CUDA GPU and triton; elsewhere it says so and exits. Three tables:
 --quick prints table 1 for the bidirectional GRU alone (the issue-20 target: B = 4,
 H = 1024, fwd+bwd, at least 3x cuDNN), in a few minutes, and skips tables 2 and 3.
 
-Use the ratios to set AUTO_MAX_ROWS in echoic/model/nn/persistent/function.py, and
+Use the ratios to set auto_max_rows in echoic/model/nn/persistent/function.py, and
 the order of rows and tiles in capacity.candidates.
 """
 
@@ -113,7 +113,7 @@ def _variants(cell: str, hidden: int, dtype, directions: int) -> dict:
 
 def _persistent(result: dict, variants: dict, cell: str, problems, leaves, autocast, repeats):
     """Time each variant that fits into result[variant], or say why it does not."""
-    from echoic.model.nn.persistent import recurrences
+    from echoic.model.nn.persistent import PersistentKernelError, recurrences
 
     for name, cfg in variants.items():
         if isinstance(cfg, str):
@@ -124,7 +124,10 @@ def _persistent(result: dict, variants: dict, cell: str, problems, leaves, autoc
             with autocast():
                 return recurrences(cell, problems, backend="triton", config=cfg)
 
-        result[name] = _phases(run, leaves, repeats)
+        try:  # a launch refuses what `plan` accepted only where the two disagree: say so
+            result[name] = _phases(run, leaves, repeats)
+        except PersistentKernelError as e:
+            result[name] = f"{type(e).__name__} at launch: {e}"
 
 
 def layer_case(cell: str, hidden: int, batch: int, steps: int, directions: int, dtype, repeats):

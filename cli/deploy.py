@@ -187,7 +187,7 @@ def _checkpoint_name(path: Path) -> str:
         from echoic.model.nn.checkpoint import load_checkpoint
     except ModuleNotFoundError as e:
         _explain_missing(e)
-    return str(load_checkpoint(path)["model_config"]["name"])
+    return str(load_checkpoint(path).model_config["name"])
 
 
 def _export(checkpoint: Path, out: Path, name: str, version: str) -> None:

@@ -20,6 +20,12 @@
 #                                           one call of at most 9.5 minutes (a lent GPU
 #                                           machine runs one command for 10), each part
 #                                           under its own time limit
+#   bash scripts/gpu_check.sh quick         the same without the table, and `echoic train`
+#                                           of the default recipe with the persistent
+#                                           kernels (40 steps, a validation, a checkpoint)
+#                                           in at most 5.5 minutes: a lent session's
+#                                           device time (15 minutes, each start 1-2) fits
+#                                           it twice, so that a fix can be checked again
 #
 # Each part writes its log (and the tests a JUnit XML) to $OUT when set, else .gpu-out/.
 # The tests and train parts run with ECHOIC_PERSISTENT_STRICT=1: where the persistent
@@ -30,6 +36,10 @@
 # folders (what pyproject's package-dir does for an install), so nothing is installed
 # but the fetched wheels, and only when an import fails. Compiled kernels are cached in
 # .gpu-cache/ so that later calls on the same machine skip the compiles.
+#
+# pytest runs with -p no:benchmark: the CUDA image has pytest-benchmark beside
+# pytest-xdist, and the warning it gives under xdist is an error with the suite's
+# filterwarnings = error (an INTERNALERROR before any test ran).
 #
 # Environment: PYTHON (default python3; for fetch, .venv/bin/python when there is one),
 # PYVER: the GPU machine's Python, for fetch (default 3.12, the GPU image's),
@@ -134,7 +144,7 @@ tests)
     # pytest-xdist (in the CUDA image), four at a time.
     parallel=()
     "$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 4)
-    "$PYTHON" -m pytest -p no:cacheprovider -rA "${parallel[@]}" -m "gpu or slow" -k "$select" \
+    "$PYTHON" -m pytest -p no:cacheprovider -p no:benchmark -rA "${parallel[@]}" -m "gpu or slow" -k "$select" \
         tests/test_persistent_rnn.py -o junit_family=legacy --junitxml="$OUT/$log.xml" 2>&1 |
         tee "$OUT/$log.log"
     ;;
@@ -145,7 +155,7 @@ train)
     if [[ -f .gpu-data/corpus/manifest.jsonl ]]; then
         export ECHOIC_TEST_CORPUS="$ROOT/.gpu-data/corpus/manifest.jsonl"
     fi
-    "$PYTHON" -m pytest -p no:cacheprovider -rA -m gpu ${1:+-k "$*"} tests/test_train.py \
+    "$PYTHON" -m pytest -p no:cacheprovider -p no:benchmark -rA -m gpu ${1:+-k "$*"} tests/test_train.py \
         -o junit_family=legacy --junitxml="$OUT/gpu_train.xml" 2>&1 | tee "$OUT/gpu_train.log"
     ;;
 bench)
@@ -158,13 +168,32 @@ bench)
     fi
     "$PYTHON" "bench/$name.py" "$@" 2>&1 | tee "$OUT/bench_$name.log"
     ;;
-all)
+recipe)
+    # `echoic train` of a recipe on the GPU with rnn_impl (default persistent), strict,
+    # on the fetched corpus: 40 steps, a validation and a checkpoint.
+    import_root
+    mkdir -p "$OUT"
+    export ECHOIC_PERSISTENT_STRICT=1
+    impl=${1:-persistent}
+    recipe=${2:-training/recipes/default.toml}
+    manifest="$ROOT/.gpu-data/corpus/manifest.jsonl"
+    run="$WORK/.gpu-runs/$impl"
+    rm -rf "$run"
+    "$PYTHON" -m echoic.cli.main train --config "$recipe" --no-progress "out_dir=$run" \
+        "data.train_manifest=$manifest" "data.val_manifest=$manifest" max_steps=40 \
+        eval_every=40 device=cuda "rnn_impl=$impl" 2>&1 | tee "$OUT/recipe_$impl.log"
+    ;;
+all | quick)
     # A part that runs over its limit is stopped (with its process group) and reported;
     # the parts after it still run, and every log written so far stays in $OUT.
     # The oracle first (a broken barrier makes every other result meaningless), the table
     # before the long GPU tests so that it is printed even if they run out of time.
-    parts=("20 env" "60 tests barrier" "200 bench persistent_rnn --quick" "200 tests gpu"
-        "90 train")
+    if [[ $part == all ]]; then
+        parts=("20 env" "60 tests barrier" "200 bench persistent_rnn --quick" "200 tests gpu"
+            "90 train")
+    else
+        parts=("20 env" "40 tests barrier" "150 tests gpu" "80 train" "40 recipe persistent")
+    fi
     for limit_and_part in "${parts[@]}"; do
         read -r limit this <<<"$limit_and_part"
         status=0

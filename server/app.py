@@ -238,7 +238,9 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     decoders = ThreadPoolExecutor(
         max_workers=max(DECODER_THREADS, config.beam_processes), thread_name_prefix="echoic-decode"
     )
-    executors = (executor, decoders)
+    # Whole files and buffered streams are decoded here: see TranscriberService.
+    audio = ThreadPoolExecutor(max_workers=config.decode_threads, thread_name_prefix="echoic-audio")
+    executors = (executor, decoders, audio)
     beams = registry = None
     try:
         if config.beam_processes:
@@ -265,7 +267,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         options += [("grpc.max_connection_age_ms", age_ms),
                     ("grpc.max_connection_age_grace_ms", grace_ms)]  # fmt: skip
     grpc_server = grpc.aio.server(options=options)
-    service = TranscriberService(config, registry, metrics)
+    service = TranscriberService(config, registry, metrics, audio)
     add_to_server(service, grpc_server)
     riva = _add_riva(service, registry, grpc_server)
     health = health_aio.HealthServicer()

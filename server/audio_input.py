@@ -28,9 +28,12 @@ WAV or FLAC header when it gives the length, as PCM, FLAC or Ogg samples arrive,
 for buffered audio while it is decoded (a block at a time, stopping at the limit):
 `AudioTooLong`, before the rest is decoded.
 
-Recognize goes through the same class (all bytes, then `finish()`), so a request
-and a stream of the same bytes give the same samples. Errors are `AudioError`.
-`close()` frees what an input holds (a FLAC or Ogg decoder's threads) when a call ends early.
+A whole file (Recognize, an HTTP upload) goes through the same class, all its bytes at
+once (`decode_whole`), with the same header checks; its FLAC or Ogg is decoded from
+memory by `decode_audio` rather than through a pipe, so nothing waits for bytes that will
+not come (a truncated upload ends at its last byte, and no thread is left reading).
+Errors are `AudioError`. `close()` frees what an input holds (a FLAC or Ogg decoder's
+threads and pipe) when a call ends early; an error from `feed` or `finish` closes it too.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class AudioInput:
         channels: int = 1,
         name: str = "audio",
         max_seconds: float = 0.0,
+        time_limit: float = 0.0,
     ) -> None:
         check_format(encoding, sample_rate, channels)
         self.encoding = encoding
@@ -111,7 +115,13 @@ class AudioInput:
         self._declared_rate = sample_rate
         self._channels = channels
         self._mode = "raw" if encoding in RAW_ENCODINGS else "sniff"
-        self._pending = b""  # bytes not yet turned into samples (or the whole buffered file)
+        # bytes not yet turned into samples (or the whole buffered file): a bytearray, which
+        # grows in place, so a file buffered a message at a time is not copied per message
+        self._pending = bytearray()
+        self._whole = False  # all the bytes come in one `feed` (decode_whole)
+        # s decoding a buffered container (a whole file, MP3) may take, from memory, before
+        # DecodeTooSlow; 0 = no limit
+        self.time_limit = time_limit
         g711 = encoding in ("mulaw", "alaw")  # one byte a sample
         self._sample_bytes = 1 if g711 else 2
         self._sample_format = encoding if g711 else "int16"
@@ -143,8 +153,25 @@ class AudioInput:
             return self.bytes_in
         return self._decoder.backlog if self._decoder is not None else 0
 
+    def decode_whole(self, data: bytes) -> np.ndarray:
+        """All of a file's bytes at once (Recognize, an HTTP upload): its samples, as
+        `feed(data)` then `finish()` give them, except that FLAC and Ogg are decoded from
+        memory (`decode_audio`): no thread and no pipe, and libsndfile never waits for
+        bytes."""
+        if self.bytes_in:
+            raise RuntimeError("decode_whole takes all the bytes: this input was fed already")
+        self._whole = True
+        return np.concatenate([self.feed(data), self.finish()])
+
     def feed(self, data: bytes) -> np.ndarray:
         """Take the next bytes; return the samples they complete (possibly none)."""
+        try:
+            return self._feed(data)
+        except BaseException:
+            self.close()  # a decoder's pipe and threads end with the error
+            raise
+
+    def _feed(self, data: bytes) -> np.ndarray:
         self.bytes_in += len(data)
         self._pending += data
         if self._mode == "sniff":
@@ -158,8 +185,8 @@ class AudioInput:
         if self._mode in ("flac", "ogg"):
             if self._ogg_pages is not None:
                 self._ogg_pages.feed(self._pending)
-            self._decoder.feed(self._pending)
-            self._pending = b""
+            self._decoder.feed(bytes(self._pending))
+            self._pending.clear()
             return self._from_decoder(last=False)
         return _EMPTY
 
@@ -170,6 +197,13 @@ class AudioInput:
 
     def finish(self) -> np.ndarray:
         """The audio has ended: the remaining samples (flushes the resampler)."""
+        try:
+            return self._finish()
+        except BaseException:
+            self.close()  # e.g. a truncated Ogg: its decoder must not wait for the rest
+            raise
+
+    def _finish(self) -> np.ndarray:
         if self.bytes_in == 0:
             raise AudioError(f"{self.name}: no audio data (0 bytes)")
         if self._mode in ("flac", "ogg"):
@@ -180,6 +214,9 @@ class AudioInput:
         if self._mode in ("sniff", "wav-header", "flac-header"):
             self._mode = "buffer"  # too short to tell: let decode_audio say what is wrong
         if self._mode == "buffer":
+            if self._ogg_pages is not None:  # a whole Ogg file, decoded from memory
+                self._ogg_pages.feed(self._pending)
+                self._ogg_pages.end()
             samples = decode_audio(
                 self._pending,
                 self.target_rate,
@@ -187,8 +224,9 @@ class AudioInput:
                 sample_rate=self._declared_rate,
                 name=self.name,
                 max_seconds=self.max_seconds,
+                time_limit=self.time_limit,
             )
-            self._pending = b""
+            self._pending = bytearray()
             self.source_samples = len(samples)
             self._rate = self.target_rate
             return samples
@@ -204,7 +242,7 @@ class AudioInput:
     # ------------------------------------------------------------------ formats
 
     def _sniff(self) -> None:
-        head = self._pending[:4]
+        head = bytes(self._pending[:4])
         if len(head) < 4:
             return
         found = {b"RIFF": "wav", b"fLaC": "flac", b"OggS": "ogg"}.get(head)
@@ -218,9 +256,12 @@ class AudioInput:
         elif found == "flac":
             self._mode = "flac-header"
         elif found == "ogg":
-            self._mode = "ogg"  # the rate and channels come from the decoder
             self._ogg_pages = _OggPages(self.name)
-            self._decoder = _StreamDecoder(self.name, "Ogg", _FdPipe())
+            if self._whole:
+                self._mode = "buffer"  # decoded from memory at the end
+            else:
+                self._mode = "ogg"  # the rate and channels come from the decoder
+                self._decoder = _StreamDecoder(self.name, "Ogg", _FdPipe())
         elif self.encoding == "auto" and _is_mp3(head):
             self._mode = "buffer"
         else:
@@ -252,6 +293,8 @@ class AudioInput:
         if total == 0:  # the encoder did not know the length
             raise unknown_length(self.name)
         check_length(total, rate, self.max_seconds, self.name, exact=True)
+        if self._whole:
+            return  # decoded from memory at the end, as "buffer"
         self._mode, self._rate = "flac", rate
         self._decoder = _StreamDecoder(self.name, "FLAC", _Pipe())
 
@@ -319,11 +362,12 @@ class AudioInput:
         usable = len(self._pending) - len(self._pending) % frame
         if self._data_left is not None:
             usable = min(usable, self._data_left - self._data_left % frame)
-        raw, rest = self._pending[:usable], self._pending[usable:]
+        # a view, not a copy, of what is decoded now (a whole file's samples, at most)
+        raw, rest = memoryview(self._pending)[:usable], self._pending[usable:]
         if self._data_left is not None:
             self._data_left -= usable
             if self._data_left < frame:
-                rest = b""  # chunks after the data (LIST, ...) are not audio
+                rest = bytearray()  # chunks after the data (LIST, ...) are not audio
         self._pending = rest
         frames = self.source_samples + len(raw) // frame
         check_length(frames, self._rate, self.max_seconds, self.name, exact=False)
@@ -493,6 +537,19 @@ class _FdPipe:
                 self._write_fd = -1
 
 
+class _OwnLockSoundFile(sf.SoundFile):
+    """A SoundFile that opens under a lock of its own. python-soundfile holds one lock for
+    every file it opens, around libsndfile's open and the read of libsndfile's global
+    error code after a failed one; a stream's open reads a pipe, and waits there for the
+    header's bytes, which a client may send slowly or never: under the shared lock every
+    other open in the process (every FLAC, Ogg or MP3 request) would wait with it. The
+    price: two opens failing at the same moment may each name the other's reason."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self._sf_error_lock = threading.Lock()  # found before the class's: see above
+        super().__init__(*args, **kwargs)
+
+
 class _StreamDecoder:
     """libsndfile decoding a FLAC or Ogg stream in a thread of its own as its bytes arrive,
     from `source` (a `_Pipe`, or an `_FdPipe` for Ogg)."""
@@ -513,7 +570,7 @@ class _StreamDecoder:
         # libsndfile closes the pipe's read end when the file closes, or fails to open.
         file = self._source.read_fd if isinstance(self._source, _FdPipe) else self._source
         try:
-            with sf.SoundFile(file) as f:
+            with _OwnLockSoundFile(file) as f:
                 self.format = (f.samplerate, f.channels)  # set before the first block is put
                 while True:
                     block = f.read(_DECODER_BLOCK, dtype="float32", always_2d=True)

@@ -203,8 +203,28 @@ class ServerConfig:
         "(413) as it arrives, never held whole",
         Flag(metavar="MB"),
     )
+    upload_timeout_seconds: float = setting(
+        300.0,
+        "s an HTTP upload may take from its headers to its last byte, however steadily it "
+        "sends (with --idle-timeout-seconds between two reads); past it 408. A request takes "
+        "a --max-streams slot only once its upload is complete",
+        Flag(metavar="S"),
+    )
     grace_seconds: float = setting(
         30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
+    )
+    decode_threads: int = setting(
+        4,
+        "threads that decode whole files (Recognize, HTTP uploads) and buffered streams "
+        "(MP3) at their end, count: a pool of their own, so that slow decodes wait for each "
+        "other, never for the server's other work",
+        Flag(metavar="N"),
+    )
+    decode_timeout_seconds: float = setting(
+        120.0,
+        "s one such decode may take (CPU, from memory: it never waits for bytes); past it the "
+        "request gets DEADLINE_EXCEEDED (HTTP 408); 0 = no limit",
+        Flag(metavar="S"),
     )
 
     # What the server shows.
@@ -249,6 +269,7 @@ class ServerConfig:
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "bad metrics_port"),
             (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),
             (self.max_upload_mb > 0, "max_upload_mb must be > 0"),
+            (self.upload_timeout_seconds > 0, "upload_timeout_seconds must be > 0"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
             (self.beam_processes >= 0, "beam_processes must be >= 0 (0 = decoder threads)"),
@@ -259,6 +280,8 @@ class ServerConfig:
             (self.idle_timeout_seconds > 0, "idle_timeout_seconds must be > 0"),
             (self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024"),
             (self.grace_seconds >= 0, "grace_seconds must be >= 0"),
+            (self.decode_threads >= 1, "decode_threads must be >= 1"),
+            (self.decode_timeout_seconds >= 0, "decode_timeout_seconds must be >= 0"),
             (self.max_connection_age_seconds >= 0, "max_connection_age_seconds must be >= 0"),
             ((self.tls_cert is None) == (self.tls_key is None), "TLS needs both cert and key"),
             (self.tls_client_ca is None or self.tls_cert is not None, "mTLS needs a server cert"),

@@ -22,20 +22,24 @@ traceback. Every request is counted by route and status, with its latency.
 The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
 413 as soon as that many bytes have arrived (at once when its Content-Length or
 `Expect: 100-continue` says so), and a client that sends nothing for
-`--idle-timeout-seconds` gets 408.
+`--idle-timeout-seconds`, or has not sent it all within `--upload-timeout-seconds`, gets
+408. The request takes its `--max-streams` slot once the upload is complete, so a slow
+upload holds no slot that a ready request could use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from aiohttp import BodyPartReader, ClientError, web
+from aiohttp import BodyPartReader, ClientError, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from echoic.server.config import ServerConfig
@@ -59,6 +63,7 @@ from echoic.server.service import RateLimitedWarning, TranscriberService
 from echoic.server.session import Options, parse_config
 
 log = logging.getLogger("echoic.server")
+T = TypeVar("T")
 
 CHUNK = 64 * 1024  # bytes read from an upload at a time
 MAX_FIELDS = 32  # form fields besides the file, count
@@ -66,6 +71,27 @@ FORM_SLACK = MAX_FIELDS * MAX_FIELD_BYTES  # bytes a form may hold besides the f
 UNMATCHED = "unmatched"  # the route label of a path that matches no route
 PAGE = Path(__file__).parent / "static" / "index.html"  # the browser page, self-contained
 SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get to end
+
+
+class _ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's own log (a request it cannot parse, a handler's error it answers): a
+    client's mistake (a header line over 8,190 bytes, a request that is not HTTP) is one
+    rate-limited warning line, as the gRPC door logs them; a client gone is nothing; the
+    rest is aiohttp's error with its traceback, as before."""
+
+    def __init__(self, warn: RateLimitedWarning) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._warn = warn
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(error, ConnectionError):
+            return
+        if isinstance(error, HttpProcessingError):
+            peer = args[0] if args else "?"
+            self._warn("HTTP 400 from %s: %s", peer, str(error).strip()[:200])
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
 class HttpDoor:
@@ -111,8 +137,13 @@ class HttpDoor:
         """Listen on host:port (TLS with `ssl_context`; SO_REUSEPORT with `reuse_port`, for
         a worker of `echoic serve --workers`); returns the port."""
         runner = web.AppRunner(
-            self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS
-        )
+            self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS,
+            logger=_ProtocolLog(self._warn),
+            # A connection with no request in progress (idle between requests, never sent
+            # one, or still sending its headers) is closed after the idle timeout; aiohttp's
+            # default holds it an hour, and a thousand such sockets exhaust the descriptors.
+            keepalive_timeout=self._config.idle_timeout_seconds,
+        )  # fmt: skip
         await runner.setup()
         site = web.TCPSite(
             runner, host.strip("[]"), port, ssl_context=ssl_context, reuse_port=reuse_port
@@ -164,8 +195,8 @@ class HttpDoor:
             response = self._refuse(request, e)
         except web.HTTPException as e:  # aiohttp's own: no such route, wrong method
             response = self._refuse(request, ApiError(e.status, f"{e.reason}: {request.path}"))
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away: counted 499 below, nobody to answer
         except Exception as e:  # noqa: BLE001 - every error becomes OpenAI's error JSON
             error = api_error(e)
             if error.status == 500:
@@ -191,8 +222,9 @@ class HttpDoor:
     # ------------------------------------------------------------------ routes
 
     async def transcriptions(self, request: web.Request) -> web.Response:
+        self._service.refuse_if_draining()
+        fields, audio = await self._read_form(request)
         with self._service.admitted(HTTP_TRANSCRIPTIONS):
-            fields, audio = await self._read_form(request)
             if audio is None:
                 raise bad(
                     "the form has no file field: send the audio as a file named `file` "
@@ -309,19 +341,21 @@ class HttpDoor:
             raise self._too_large()
         fields: dict[str, list[str]] = {}
         audio: bytearray | None = None
+        ends = asyncio.get_running_loop().time() + self._config.upload_timeout_seconds  # loop time
+        bound = partial(self._idle_bound, ends=ends, content=request.content)
         try:
             reader = await request.multipart()
-            while (part := await self._idle_bound(reader.next())) is not None:
+            while (part := await bound(reader.next())) is not None:
                 if not isinstance(part, BodyPartReader) or not part.name:
                     raise bad("a form part has no name, or is itself multipart: not a form")
                 if part.name == "file":
                     if audio is not None:
                         raise bad("the form has two file fields: send one file", "file")
-                    audio = await self._read_part(part, self.upload_limit)
+                    audio = await self._read_part(part, self.upload_limit, bound)
                     continue
                 if sum(map(len, fields.values())) >= MAX_FIELDS:
                     raise bad(f"the form has more than {MAX_FIELDS} fields")
-                value = await self._read_part(part, MAX_FIELD_BYTES)
+                value = await self._read_part(part, MAX_FIELD_BYTES, bound)
                 try:
                     fields.setdefault(part.name, []).append(value.decode())
                 except UnicodeDecodeError:
@@ -333,9 +367,11 @@ class HttpDoor:
             ) from None
         return fields, audio
 
-    async def _read_part(self, part: BodyPartReader, limit: int) -> bytearray:
+    async def _read_part(
+        self, part: BodyPartReader, limit: int, bound: Callable[[Awaitable[T]], Awaitable[T]]
+    ) -> bytearray:
         data = bytearray()
-        while chunk := await self._idle_bound(part.read_chunk(CHUNK)):
+        while chunk := await bound(part.read_chunk(CHUNK)):
             data += chunk
             if len(data) > limit:
                 if part.name == "file":
@@ -343,14 +379,32 @@ class HttpDoor:
                 raise bad(f"form field {part.name} is over {limit} bytes", part.name)
         return data
 
-    async def _idle_bound(self, read: Awaitable[Any]) -> Any:
-        """`read`, or 408 when the client sends nothing for the idle timeout."""
+    async def _idle_bound(self, read: Awaitable[T], *, ends: float, content: StreamReader) -> T:
+        """`read`, or 408 when the client sends nothing for the idle timeout, or the upload
+        is not complete by `ends` (the loop's time). A read may wait for more than one
+        chunk (a multipart boundary, a long preamble): bytes still arriving (`content`'s
+        count) are not idle."""
         idle = self._config.idle_timeout_seconds
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(read)
+        seen = content.total_bytes
         try:
-            return await asyncio.wait_for(read, idle)
-        except asyncio.TimeoutError:
-            raise ApiError(
-                408,
-                f"the upload sent nothing for {idle:g} s: send the request at once",
-                code="request_timeout",
-            ) from None
+            while True:
+                left = ends - loop.time()
+                done, _ = await asyncio.wait({task}, timeout=max(min(idle, left), 0.0))
+                if task in done:
+                    return task.result()
+                if loop.time() >= ends:
+                    limit = self._config.upload_timeout_seconds
+                    message = (f"the upload was not complete within {limit:g} s "
+                               "(--upload-timeout-seconds): send the request at once")  # fmt: skip
+                    raise ApiError(408, message, code="request_timeout")
+                if content.total_bytes == seen:
+                    raise ApiError(
+                        408,
+                        f"the upload sent nothing for {idle:g} s: send the request at once",
+                        code="request_timeout",
+                    )
+                seen = content.total_bytes
+        finally:
+            task.cancel()  # nothing if it is done; a read left waiting ends with the request

@@ -37,6 +37,7 @@ from echoic.model.runtime.chunking import ChunkConfig
 from echoic.model.runtime.engine import Engine
 from echoic.model.runtime.recognizer import LM_FILE, Recognizer, Stream, default_model_dir
 from echoic.model.runtime.repository import (
+    check_name,
     default_repository,
     incomplete,
     scan_repository,
@@ -319,19 +320,40 @@ class ModelRegistry:
             if not self._closed:
                 await self._sync()
 
-    async def _sync(self) -> None:
-        found = await asyncio.to_thread(scan_repository, self.repo)
-        for name, versions in found.items():
-            current = self.serving.get(name)
+    def _survey(self) -> dict[str, list[tuple[str, Path, str | None]]]:
+        """In a worker thread (it reads every candidate's files): per model name, the
+        versions newer than the serving one, newest first, each with why it is not to be
+        loaded now (None: load it; "" : it failed as it is). A name or version that could
+        not be a deployed one (a newline, an escape) is skipped with one log line."""
+        plan: dict[str, list[tuple[str, Path, str | None]]] = {}
+        for name, versions in scan_repository(self.repo).items():
+            serving = self.serving.get(name)
+            plan[name] = []
             for version in sorted(versions, key=version_key, reverse=True):
                 path = versions[version]
-                if current is not None and current.version == version:
+                if serving is not None and serving.version == version:
                     break  # the newest loadable version is the one serving
-                if self._failed.get(path) == _signature(path):
-                    continue
-                if why := incomplete(path):
+                try:
+                    check_name("name", name)
+                    check_name("version", version)
+                except ValueError as e:
+                    why = f"skipped: {e}"
+                else:
+                    failed = self._failed.get(path) == _signature(path)
+                    why = "" if failed else incomplete(path)
+                plan[name].append((version, path, why))
+        return plan
+
+    async def _sync(self) -> None:
+        plan = await asyncio.to_thread(self._survey)
+        for name, candidates in plan.items():
+            current = self.serving.get(name)
+            for version, path, why in candidates:
+                if why == "":
+                    continue  # failed to load as it is
+                if why:
                     if self._waiting.get(path) != why:  # one line per change, not per poll
-                        log.info("model %s version %s not loaded yet: %s", name, version, why)
+                        log.info("model %r version %r not loaded yet: %s", name, version, why)
                         self._waiting[path] = why
                     continue
                 self._waiting.pop(path, None)
@@ -345,7 +367,7 @@ class ModelRegistry:
                 self._failed.pop(path, None)
                 self._switch(model)
                 break
-        for name in set(self.serving) - set(found):
+        for name in set(self.serving) - set(plan):
             gone = self.serving.pop(name)
             log.info("model %s: its directory is gone; draining version %s", name, gone.version)
             self._drain(gone)

@@ -32,7 +32,13 @@ A socket is one stream of the shared engine: admitted by the gRPC service's coun
 A client mistake (JSON that does not parse, audio before the update, audio after
 `.done`, a bad field) is answered with an `error` event, counted in
 echoic_realtime_errors_total{code} and logged (rate-limited); the socket stays open.
-A socket silent for --idle-timeout-seconds gets an error event and is closed.
+An error of the stream itself (audio that cannot be decoded, over a limit) is fatal, as
+it ends a StreamingRecognize: its `error` event, then the socket closes (1008). So does
+a socket silent for --idle-timeout-seconds, or open for --max-stream-seconds.
+
+An update takes only the settings above: other keys are ignored (neither stored nor
+echoed), values must be scalars, and a message other than an append is at most
+MAX_CONTROL_BYTES; a message over PARSE_ON_LOOP_BYTES is parsed off the event loop.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ TOKEN_PREFIX = "realtime-token."
 SECRET_SECONDS = 600  # s a minted client secret stays valid for opening a socket
 MAX_SECRETS = 10_000  # minted secrets remembered at once, count (the oldest go first)
 G711_RATE = 8000  # Hz of g711_ulaw and g711_alaw, fixed by OpenAI's protocol
+MAX_CONTROL_BYTES = 64 * 1024  # bytes of a message that is not input_audio_buffer.append
+PARSE_ON_LOOP_BYTES = 64 * 1024  # bytes of JSON parsed on the event loop; more in a thread
+MAX_INT = 2**31 - 1  # the largest integer setting (they become int32 config fields)
 _ENCODINGS = {  # input_audio_format -> the RecognitionConfig encoding it is
     "pcm16": pb.RecognitionConfig.LINEAR16,
     "g711_ulaw": pb.RecognitionConfig.MULAW,
@@ -86,6 +95,14 @@ class ClientMistake(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class StreamFailed(Exception):
+    """The stream's audio failed (`cause`): an `error` event, then the socket closes."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _event(kind: str, **fields: Any) -> dict[str, Any]:
@@ -203,17 +220,28 @@ class RealtimeSession:
         conversation = {"id": f"conv_{uuid.uuid4().hex}", "object": "realtime.conversation"}
         await self.send(_event("conversation.created", conversation=conversation))
         ending = asyncio.ensure_future(self.door._service.ending())
+        limit = config.max_stream_seconds
+        closes_at = time.monotonic() + limit if limit else None  # --max-stream-seconds
         try:
             while True:
+                idle = config.idle_timeout_seconds
+                wait = idle if closes_at is None else min(idle, closes_at - time.monotonic())
                 receive = asyncio.ensure_future(self.ws.receive())
                 done, _ = await asyncio.wait(
-                    (receive, ending), timeout=config.idle_timeout_seconds,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )  # fmt: skip
+                    (receive, ending), timeout=max(wait, 0.0), return_when=asyncio.FIRST_COMPLETED
+                )
                 if receive not in done:
                     receive.cancel()
                     if ending in done:  # the shutdown's grace is over: end with the results
                         await self._end_now()
+                        return
+                    if closes_at is not None and time.monotonic() >= closes_at:
+                        await self._close_with(self.door.mistake(
+                            "max_stream_seconds",
+                            f"the socket was open for this server's limit of {limit:g} s "
+                            "(--max-stream-seconds): open a new socket for more audio",
+                            self.peer,
+                        ))  # fmt: skip
                         return
                     raise asyncio.TimeoutError
                 message = receive.result()
@@ -226,15 +254,15 @@ class RealtimeSession:
                         raise ClientMistake(
                             "invalid_event", "send events as JSON text messages, not binary"
                         )
-                    model = await self.handle(_parse(message.data), model)
+                    event = await self._parse(message.data)
+                    model = await self.handle(event, model)
                 except ClientMistake as e:
                     await self.send(self.door.mistake(e.code, str(e), self.peer))
+                except StreamFailed as e:  # as a StreamingRecognize ends: the socket closes
+                    await self._close_with(self._error_event(e.cause))
+                    return
                 except Exception as e:  # noqa: BLE001 - an error event, never a traceback
-                    error = api_error(e)
-                    if error.status == 500:
-                        log.exception("realtime session failed")
-                    code = error.code or "invalid_request_error"
-                    await self.send(self.door.mistake(code, error.message, self.peer))
+                    await self.send(self._error_event(e))
         except ConnectionError:
             return  # the client went away
         except asyncio.TimeoutError:
@@ -249,6 +277,32 @@ class RealtimeSession:
                 self.session.audio.close()  # a FLAC or Ogg decoder's threads end with the socket
             if model is not None:
                 self.door._registry.release(model)
+
+    def _error_event(self, e: Exception) -> dict[str, Any]:
+        error = api_error(e)
+        if error.status == 500:
+            log.exception("realtime session failed")
+        code = error.code or "invalid_request_error"
+        return self.door.mistake(code, error.message, self.peer)
+
+    async def _close_with(self, event: dict[str, Any]) -> None:
+        """A fatal error: its event, then the socket closes (1008, policy violation)."""
+        await self.send(event)
+        await self.ws.close(code=1008, message=event["error"]["code"].encode()[:120])
+
+    async def _parse(self, text: str) -> dict[str, Any]:
+        """The event a text message holds; a big one is parsed off the event loop, and only
+        an audio append may be bigger than MAX_CONTROL_BYTES."""
+        if len(text) <= PARSE_ON_LOOP_BYTES:
+            return _parse(text)
+        event = await self.door._service.off_loop(_parse, text)
+        if event["type"] != "input_audio_buffer.append" and len(text) > MAX_CONTROL_BYTES:
+            raise ClientMistake(
+                "message_too_large",
+                f"a {event['type']} message of {len(text)} bytes: only "
+                f"input_audio_buffer.append may be over {MAX_CONTROL_BYTES} bytes",
+            )
+        return event
 
     async def _end_now(self) -> None:
         """The server is stopping: the audio so far gets its final results (the last with
@@ -292,8 +346,12 @@ class RealtimeSession:
                 data = base64.b64decode(audio or "", validate=True)
             except (binascii.Error, TypeError, ValueError):
                 raise ClientMistake("invalid_audio", "`audio` must be base64 audio bytes") from None
-            self.door._service.feed_stream(self.session, data)
-            await self._send_results(await self.session.advance(), last=False)
+            try:
+                self.door._service.feed_stream(self.session, data)
+                results = await self.session.advance()
+            except Exception as e:  # noqa: BLE001 - the stream is over, whatever failed
+                raise StreamFailed(e) from e
+            await self._send_results(results, last=False)
         elif kind == "input_audio_buffer.commit":
             await self.send(_event("input_audio_buffer.committed", item_id=self._item_id()))
         elif kind == "input_audio_buffer.done":
@@ -305,9 +363,13 @@ class RealtimeSession:
                     "input_audio_buffer.done before transcription_session.update and any audio",
                 )
             self.done = True
-            await self.door._service.finish_stream(self.session)
-            ended = time.perf_counter()
-            await self._send_results(await self.session.advance(), last=True)
+            try:
+                await self.door._service.finish_stream(self.session)
+                ended = time.perf_counter()
+                results = await self.session.advance()
+            except Exception as e:  # noqa: BLE001 - the stream is over, whatever failed
+                raise StreamFailed(e) from e
+            await self._send_results(results, last=True)
             latency = time.perf_counter() - ended
             self.door._metrics.final_latency.labels(HTTP_REALTIME).observe(latency)
         elif kind in ("input_audio_buffer.clear", "session.update"):
@@ -333,13 +395,16 @@ class RealtimeSession:
 
     async def _configure(self, update: dict[str, Any], model: Any) -> Any:
         settings = json.loads(json.dumps(self.settings))  # a deep copy
-        for key in ("input_audio_format",):
-            if key in update:
-                settings[key] = update[key]
+        # Only the settings this server reads are taken (others, such as a client's
+        # turn_detection, are ignored: never stored, never echoed); each must be a scalar.
+        if "input_audio_format" in update:
+            settings["input_audio_format"] = _scalar(update, "input_audio_format")
         for section in ("input_audio_params", "input_audio_transcription", "recognition_config",
                         "endpointing_config"):  # fmt: skip
-            if isinstance(update.get(section), dict):
-                settings[section].update(update[section])
+            given = update.get(section)
+            if isinstance(given, dict):
+                for key in settings[section].keys() & given.keys():
+                    settings[section][key] = _scalar(given, key, section)
         fmt = settings["input_audio_format"]
         if not isinstance(fmt, str) or fmt not in _ENCODINGS:
             raise ClientMistake(
@@ -376,10 +441,15 @@ class RealtimeSession:
                 int(params.get("num_channels") or 1),
             )
             silence = int(silence)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ClientMistake(
                 "invalid_value", "sample_rate_hz, num_channels and stop_history are integers"
             ) from None
+        if not all(0 <= n <= MAX_INT for n in (rate, channels, silence)):
+            raise ClientMistake(
+                "invalid_value",
+                f"sample_rate_hz, num_channels and stop_history are integers in 0-{MAX_INT}",
+            )
         recognition = settings["recognition_config"]
         words = bool(recognition.get("enable_word_time_offsets"))
         raw = fmt != "none"  # no header: the rate and channels come from the session
@@ -412,8 +482,9 @@ class RealtimeSession:
         if self.session is not None:
             self.session.audio.close()
         self.session = Session(
-            chosen, recognizer, opts, name="audio", max_seconds=service._config.max_audio_seconds
-        )
+            chosen, recognizer, opts, name="audio", max_seconds=service._config.max_audio_seconds,
+            time_limit=service._config.decode_timeout_seconds,
+        )  # fmt: skip
         asr["model"] = chosen.name
         self.settings = settings
         self.formatter = formatter
@@ -457,11 +528,22 @@ class RealtimeSession:
         return format_results([copy], self.formatter)[0]  # in place: see server/formatting.py
 
 
+def _scalar(given: dict[str, Any], key: str, section: str = "") -> Any:
+    """`given[key]`, a setting: a string, number, boolean or null."""
+    value = given[key]
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        name = f"{section}.{key}" if section else key
+        raise ClientMistake("invalid_value", f"{name} must be a string, number or boolean")
+    return value
+
+
 def _parse(text: str) -> dict[str, Any]:
     try:
         event = json.loads(text)
     except ValueError as e:
         raise ClientMistake("invalid_json", f"the message is not JSON ({e})") from None
+    except RecursionError:
+        raise ClientMistake("invalid_json", "the message's JSON is nested too deeply") from None
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         raise ClientMistake("invalid_event", "an event is a JSON object with a string `type`")
     return event

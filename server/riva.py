@@ -44,7 +44,7 @@ from riva.client.proto import riva_audio_pb2 as raudio
 
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.service import Malformed, TranscriberService, lenient
-from echoic.server.session import invalid
+from echoic.server.session import check_phrase_count, invalid
 
 SERVICE_NAME = rasr.DESCRIPTOR.services_by_name["RivaSpeechRecognition"].full_name
 API = "Riva's riva_asr.proto (nvidia-riva-client)"
@@ -112,6 +112,7 @@ def echoic_config(config: rasr.RecognitionConfig, first_audio: bytes = b"") -> p
     if silence > 0:
         out.endpointing.trailing_silence_ms = silence
     _apply_custom(dict(config.custom_configuration), out)
+    check_phrase_count(sum(len(c.phrases) for c in config.speech_contexts), "speech_contexts")
     contexts = [c for c in config.speech_contexts if c.phrases]
     if contexts:  # word boosting: the beam decoder, Riva's boost in echoic's nats
         out.decoder.kind = pb.DecoderConfig.BEAM

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -24,7 +25,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from echoic.model.core.audio import AudioError, AudioTooLong
+from echoic.model.core.audio import AudioError, AudioTooLong, DecodeTooSlow
 from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
@@ -136,10 +137,20 @@ def add_to_server(service: TranscriberService, server: grpc.aio.Server) -> None:
 
 
 class TranscriberService(pb_grpc.TranscriberServicer):
-    def __init__(self, config: ServerConfig, registry: ModelRegistry, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        registry: ModelRegistry,
+        metrics: Metrics,
+        audio_pool: Executor,
+    ) -> None:
         self._config = config
         self._registry = registry
         self._metrics = metrics
+        # Whole files and buffered streams are decoded here (--decode-threads), not in the
+        # loop's default executor, which everything else shares: slow or hostile audio
+        # waits for other audio, never holds up the rest of the server.
+        self._audio_pool = audio_pool
         self.active = 0  # admitted StreamingRecognize and Recognize calls, count
         self.draining = False  # shutting down: new calls get UNAVAILABLE
         self._ending = asyncio.Event()  # set: open streams end now, with their final results
@@ -217,14 +228,17 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             recognizer = await model.recognizer(opts.decoder)
             session = Session(
                 model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds,
+                time_limit=self._config.decode_timeout_seconds,
                 whole=True,
             )  # fmt: skip
-            await asyncio.to_thread(self._decode_whole, session, audio)
+            await self.off_loop(self._decode_whole, session, audio)
             ended = time.perf_counter()
             results = await session.advance()
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
             return Whole(results, session.seconds, model)
         finally:
+            if session is not None:
+                session.audio.close()
             self._registry.release(model)
 
     async def recognize_paced(
@@ -250,9 +264,10 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             whole = not model.streams_exactly
             session = Session(
                 model, recognizer, opts, name=name, max_seconds=self._config.max_audio_seconds,
+                time_limit=self._config.decode_timeout_seconds,
                 whole=whole,
             )  # fmt: skip
-            samples = await asyncio.to_thread(self._decode_all, session, audio)
+            samples = await self.off_loop(self._decode_all, session, audio)
             if whole:
                 self._accept(session, samples)
                 samples = samples[:0]
@@ -274,15 +289,20 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         self._accept(session, self._decode_all(session, data))
         session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
-    @staticmethod
-    def _decode_all(session: Session, data: bytes) -> np.ndarray:
+    def _decode_all(self, session: Session, data: bytes) -> np.ndarray:
         try:
-            return np.concatenate([session.audio.feed(data), session.audio.finish()])
+            return session.audio.decode_whole(data)
         except AudioTooLong as e:
             raise invalid(
                 f"the audio is {e.length} but this server accepts at most {e.limit:g} s per "
                 "request: split it, or stream it with StreamingRecognize"
             ) from None
+        except DecodeTooSlow as e:
+            raise _too_slow(e) from None
+
+    async def off_loop(self, call: Callable[..., T], *args: Any) -> T:
+        """`call(*args)` on a client's bytes (decoding, parsing), in the audio pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._audio_pool, call, *args)
 
     async def _stream(self, context: grpc.aio.ServicerContext) -> None:
         ending = asyncio.ensure_future(self._ending.wait())  # done: end with final results
@@ -331,6 +351,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             session = Session(
                 model, recognizer, opts, name="audio_content",
                 max_seconds=self._config.max_audio_seconds,
+                time_limit=self._config.decode_timeout_seconds,
             )  # fmt: skip
             ref = _ref(model)
             while True:
@@ -378,7 +399,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         """A live stream's audio has ended: the rest decoded (buffered audio: off the
         loop, in a worker thread) and the stream finished."""
         finish = partial(self._stream_audio, session.audio.finish)
-        self._accept(session, await asyncio.to_thread(finish))
+        self._accept(session, await self.off_loop(finish))
         session.finish()
 
     @staticmethod
@@ -392,6 +413,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                 f"the stream went over this server's limit of {e.limit:g} s of audio: "
                 "close it and open a new stream for the rest",
             ) from None
+        except DecodeTooSlow as e:
+            raise _too_slow(e) from None
 
     def _check_stream_limits(self, session: Session) -> None:
         waiting = session.audio.undecoded_bytes
@@ -512,6 +535,14 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         finally:
             self.active -= 1
             self._metrics.active_streams.labels(method).dec()
+
+
+def _too_slow(e: DecodeTooSlow) -> RequestError:
+    return RequestError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"decoding the audio took over this server's limit of {e.limit:g} s "
+        "(--decode-timeout-seconds): send shorter audio, or WAV or FLAC, which decode fastest",
+    )
 
 
 MAX_DETAILS = 1000  # characters of a status message: enough to act on, never a whole input

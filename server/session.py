@@ -95,11 +95,19 @@ MAX_BOOSTED_CHARS = 50  # characters of one boosted word
 DEFAULT_BOOST = 5.0  # nats, for a WordBoost whose boost is 0
 
 
+def check_phrase_count(phrases: int, where: str) -> None:
+    """Every boosted phrase counts, even one that normalises to no word ("!"), and is
+    counted before any is read: a request with millions of them is refused at once."""
+    if phrases > MAX_BOOSTED_WORDS:
+        raise invalid(f"{where}: {phrases} phrases; at most {MAX_BOOSTED_WORDS} in all")
+
+
 def _boosts(d: pb.DecoderConfig) -> tuple[tuple[str, float], ...]:
     """decoder.boosts as (word, nats), words normalised as transcripts are; the largest
     boost wins for a word given twice."""
     words: dict[str, float] = {}
     given = 0
+    check_phrase_count(sum(len(entry.words) for entry in d.boosts), "decoder.boosts")
     for entry in d.boosts:
         nats = entry.boost or DEFAULT_BOOST
         if not -100.0 <= nats <= 100.0:
@@ -295,10 +303,12 @@ class Session:
         name: str,
         *,
         max_seconds: float = 0.0,
+        time_limit: float = 0.0,
         whole: bool = False,
     ) -> None:
-        """whole: all the audio comes at once (Recognize); a model that streams only by
-        overlapped chunks then runs it whole instead, with the whole utterance as context."""
+        """max_seconds, time_limit: the audio's limits (`AudioInput`'s). whole: all the audio
+        comes at once (Recognize); a model that streams only by overlapped chunks then runs
+        it whole instead, with the whole utterance as context."""
         self.model = model
         self.options = options
         self.audio = AudioInput(
@@ -308,6 +318,7 @@ class Session:
             channels=options.channels,
             name=name,
             max_seconds=max_seconds,
+            time_limit=time_limit,
         )
         self._recognizer = recognizer
         streams = model.streamable and (model.streams_exactly or not whole)

@@ -25,6 +25,7 @@ from echoic.training.distributed import (
     detect_env,
     init_distributed,
     is_main,
+    placement,
     rendezvous_address,
 )
 
@@ -210,6 +211,40 @@ def test_single_process_needs_no_process_group() -> None:
 def test_unknown_device_type_is_an_error() -> None:
     with pytest.raises(DistributedError, match="'tpu'"):
         init_distributed(DistEnv(), "tpu")
+
+
+def _rank(local_rank: int) -> DistEnv:
+    return DistEnv(rank=local_rank, world_size=4, local_rank=local_rank, local_world_size=4)
+
+
+@pytest.mark.parametrize(
+    ("device_type", "backend", "local_rank", "gpus", "placed"),
+    [
+        pytest.param("cuda", "auto", 1, 2, ("cuda:1", "nccl"), id="gpu-a-rank"),
+        pytest.param("cuda", "nccl", 1, 2, ("cuda:1", "nccl"), id="nccl-named"),
+        pytest.param("cuda", "gloo", 3, 1, ("cuda:0", "gloo"), id="four-ranks-share-one-gpu"),
+        pytest.param("cuda", "gloo", 3, 2, ("cuda:1", "gloo"), id="four-ranks-share-two-gpus"),
+        pytest.param("cpu", "auto", 3, 0, ("cpu", "gloo"), id="cpu"),
+        pytest.param("cpu", "gloo", 3, 0, ("cpu", "gloo"), id="cpu-gloo-named"),
+    ],
+)
+def test_placement(device_type, backend, local_rank: int, gpus: int, placed) -> None:
+    """Where a rank runs and over what (no GPU needed: the GPU count is given)."""
+    device, chosen = placement(_rank(local_rank), device_type, backend, gpus=gpus)
+    assert (str(device), chosen) == placed
+
+
+@pytest.mark.parametrize(
+    ("device_type", "backend", "message"),
+    [
+        pytest.param("cuda", "auto", "or let ranks share GPUs with dist_backend=gloo", id="nccl"),
+        pytest.param("cpu", "nccl", "NCCL runs on GPUs only", id="nccl-on-cpu"),
+    ],
+)
+def test_placement_refuses_what_cannot_run(device_type, backend, message: str) -> None:
+    """NCCL takes one GPU a rank: a fourth rank with one GPU is told how to share it."""
+    with pytest.raises(DistributedError, match=message):
+        placement(_rank(3), device_type, backend, gpus=1)
 
 
 @pytest.mark.slow

@@ -23,7 +23,13 @@ import torch
 from echoic.cli.main import main
 from echoic.model.core.configs import to_dict
 from echoic.model.core.features import FeatureStream, compute_features
-from echoic.model.nn.checkpoint import FORMAT, load_model
+from echoic.model.nn.checkpoint import (
+    FORMAT,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    load_model,
+)
 from echoic.model.nn.export import ExportError, build_card, export_model
 from echoic.model.nn.network import DeepSpeech2
 from echoic.model.runtime.card import CARD_KEY, ModelCard, ModelError, read_card
@@ -45,17 +51,45 @@ _model = tiny_model
 
 
 def _save_checkpoint(path: Path, model: DeepSpeech2) -> Path:
-    """A checkpoint with the keys `training.train` writes that export reads."""
-    return checkpoint.save_atomic(
-        {
-            "format": FORMAT,
-            "model": model.state_dict(),
-            "model_config": to_dict(model.cfg),
-            "config_hash": "0123456789abcdef",
-            "step": 42,
-        },
-        path,
+    """A checkpoint with what export reads (the rest at Checkpoint's defaults)."""
+    saved = Checkpoint(
+        model=model.state_dict(),
+        model_config=to_dict(model.cfg),
+        config_hash="0123456789abcdef",
+        step=42,
     )
+    return checkpoint.save_atomic(saved.to_dict(), path)
+
+
+@pytest.mark.parametrize(
+    ("saved", "message"),
+    [
+        pytest.param({"model": {}}, "format echoic-checkpoint-1 expected", id="no-format"),
+        pytest.param([1, 2], "format echoic-checkpoint-1 expected", id="not-a-dict"),
+        pytest.param({"format": FORMAT, "model": {}}, "without model_config", id="no-config"),
+    ],
+)
+def test_a_checkpoint_that_is_not_one_is_named(saved, message: str, tmp_path: Path) -> None:
+    torch.save(saved, tmp_path / "last.pt")
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(tmp_path / "last.pt")
+
+
+def test_a_checkpoint_reads_back_what_was_written(tmp_path: Path) -> None:
+    """The file is a plain dict (readable without echoic's class); keys a later version
+    adds are left out when this one reads it."""
+    model = _model()
+    path = _save_checkpoint(tmp_path / "last.pt", model)
+    raw = torch.load(path, weights_only=False)
+    assert raw["format"] == FORMAT and raw["step"] == 42 and raw["world_size"] == 1
+    torch.save({**raw, "from_a_later_version": 1}, path)
+    back = load_checkpoint(path)
+    assert (back.step, back.config_hash, back.model_config) == (
+        42,
+        raw["config_hash"],
+        raw["model_config"],
+    )
+    assert back.model.keys() == model.state_dict().keys()
 
 
 @pytest.fixture(scope="module")

@@ -536,20 +536,19 @@ def test_a_client_that_disconnects_mid_upload_is_counted(server, clips) -> None:
     assert post_form(server, [], [("file", wav)])[0] == 200
 
 
-def test_a_slow_upload_gets_408_and_holds_a_stream_slot_meanwhile(clips) -> None:
-    """An upload that stalls for --idle-timeout-seconds gets 408. While it is open it is
-    admitted like any gRPC call: with --max-streams 1 a Recognize is refused, and an
-    HTTP request is refused with 429 while a gRPC stream holds the slot."""
+def test_a_slow_upload_gets_408_and_holds_no_stream_slot_meanwhile(clips) -> None:
+    """An upload that stalls for --idle-timeout-seconds gets 408. While it arrives it holds
+    no --max-streams slot (it takes one once complete): with --max-streams 1 a Recognize
+    is answered meanwhile; an HTTP request is refused with 429 while a gRPC stream holds
+    the slot."""
     with http_server(idle_timeout_seconds=1.0, max_streams=1) as server:
         body, content_type = multipart([], [("file", clips[0][0])])
         headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
         with _raw_upload(server, headers) as sock, grpc.insecure_channel(server.address) as ch:
             sock.sendall(body[:1000])
             stub = pb_grpc.TranscriberStub(ch)
-            with pytest.raises(grpc.RpcError) as e:
-                stub.Recognize(pb.RecognizeRequest(config=RECOGNIZE, audio_content=clips[0][0]),
-                               timeout=TIMEOUT)  # fmt: skip
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            request = pb.RecognizeRequest(config=RECOGNIZE, audio_content=clips[0][0])
+            assert stub.Recognize(request, timeout=TIMEOUT).results
             status, body_json = _response(sock)  # the server ends the stalled upload
         assert status == 408 and body_json["error"]["code"] == "request_timeout"
         # Now a gRPC stream holds the only slot: HTTP gets 429, as OpenAI's rate limit.
@@ -574,6 +573,26 @@ def test_a_slow_upload_gets_408_and_holds_a_stream_slot_meanwhile(clips) -> None
             release.set()
             list(call)
         assert post_form(server, [], [("file", clips[0][0])])[0] == 200
+
+
+def test_an_upload_trickling_past_its_deadline_gets_408(clips) -> None:
+    """Bytes that keep coming, each within --idle-timeout-seconds, do not keep an upload
+    open past --upload-timeout-seconds."""
+    with http_server(idle_timeout_seconds=1.0, upload_timeout_seconds=2.0) as server:
+        body, content_type = multipart([], [("file", clips[0][0])])
+        headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
+        with _raw_upload(server, headers) as sock:
+            sock.sendall(body[:1000])
+            stop = time.monotonic() + TIMEOUT
+            try:
+                for i in range(1000, len(body)):
+                    assert time.monotonic() < stop, "the trickling upload was never ended"
+                    sock.sendall(body[i : i + 1])
+                    time.sleep(0.3)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server answered and closed while bytes still came
+            status, body_json = _response(sock)
+        assert status == 408 and "--upload-timeout-seconds" in body_json["error"]["message"]
 
 
 # ---------------------------------------------------------------- health and metrics

@@ -349,3 +349,30 @@ def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeyp
     shutil.rmtree(repo / "echoic-en-default")
     assert seed_with_bundled(repo, default_model_dir()) is None
     assert sorted(p.name for p in repo.iterdir()) == ["mine"]
+
+
+def test_a_version_that_cannot_be_read_is_skipped_with_one_line(tiny_model_dir, tmp_path, caplog):
+    """export.json files that are not an export's (an empty card, a card of the wrong type,
+    JSON nested 100,000 deep) and a model directory whose name holds a newline and an
+    escape: the server starts on the good version, logs each bad one once (names quoted,
+    never raw, and that name not loaded), and a later good version is still picked up."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="echoic.server")
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo / "tiny" / "1")
+    empty = '{"model_card": {}}'
+    deep = "[" * 100_000 + "]" * 100_000
+    bad = {"2": empty, "3": '{"model_card": 7}', "4": deep}
+    for version, report in bad.items():
+        shutil.copytree(tiny_model_dir, repo / "tiny" / version)
+        (repo / "tiny" / version / "export.json").write_text(report)
+    shutil.copytree(tiny_model_dir, repo / "forged\n\x1b[31mERROR" / "1")  # a good model
+    with running(model_repo=repo, poll_seconds=0.1) as server, channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        assert _versions(stub) == [("tiny", "1")]
+        shutil.copytree(tiny_model_dir, repo / "tiny" / "6")
+        wait_until(lambda: _versions(stub) == [("tiny", "6")], what="version 6 to serve")
+    skipped = [r.getMessage() for r in caplog.records if "not loaded yet" in r.getMessage()]
+    assert len(skipped) == 4, "\n".join(skipped)
+    assert not any("\x1b" in m or "\n" in m for m in caplog.messages), skipped

@@ -140,9 +140,12 @@ TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.f
         (dict(sample_rate_hertz=16000, model="nope"), TONE, "unknown model"),
         (dict(sample_rate_hertz=16000), TONE[:-1], "stray"),
         (dict(encoding=riva_client.AudioEncoding.FLAC), b"fLaC" + bytes(200), "decode"),
+        # phrases that normalise to no word count too, before any is read
+        (dict(sample_rate_hertz=16000, speech_contexts=[rasr.SpeechContext(
+            phrases=["!"] * 2000, boost=20.0)]), TONE, "2000 phrases; at most 1000"),
     ],
     ids=["language", "custom-key", "custom-value", "per-channel", "no-rate",
-         "unknown-model", "half-a-sample", "bad-flac"],
+         "unknown-model", "half-a-sample", "bad-flac", "wordless-phrases"],
 )  # fmt: skip
 def test_errors_are_invalid_argument_that_say_what_to_fix(server, fields, audio, says) -> None:
     """As echoic's own API answers them: INVALID_ARGUMENT with a sentence, for whole

@@ -26,7 +26,8 @@ FLAGS = {
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
     "--punctuation-model",
-    "--max-message-bytes", "--max-upload-mb",
+    "--max-message-bytes", "--max-upload-mb", "--upload-timeout-seconds", "--decode-threads",
+    "--decode-timeout-seconds",
     "--max-connection-age", "--grace-seconds", "--no-reflection", "--expose-paths",
     "--tls-cert", "--tls-key", "--tls-client-ca", "--log-level", "-h", "--help",
 }  # fmt: skip

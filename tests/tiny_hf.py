@@ -78,3 +78,9 @@ def save_tiny_ctc(
     processor = transformers.Wav2Vec2Processor(feature_extractor=extractor, tokenizer=tokenizer)
     processor.save_pretrained(out)
     return out
+
+
+if __name__ == "__main__":  # python -m tests.tiny_hf OUT (bench/long_audio_memory.py)
+    import sys
+
+    save_tiny_ctc(Path(sys.argv[1]))

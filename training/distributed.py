@@ -3,9 +3,9 @@
 Ranks are launched by `torchrun`, by MPI (`mpirun -np N`, Open MPI, MPICH/Hydra or
 Intel MPI) or by Slurm's `srun`; `detect_env` reads rank and world size from
 whichever launcher's variables are present. The collectives themselves always run
-over torch.distributed: NCCL on GPU, gloo on CPU (this PyTorch build has no MPI
-backend, so MPI only starts the processes and, when needed, tells them where to
-meet).
+over torch.distributed: NCCL on GPU, gloo on CPU, or gloo on GPUs that several ranks
+share (`placement`; this PyTorch build has no MPI backend, so MPI only starts the
+processes and, when needed, tells them where to meet).
 
     env = detect_env()
     device = init_distributed(env, "cuda")
@@ -190,32 +190,50 @@ def rendezvous_address(env: DistEnv, environ: Mapping[str, str] = os.environ) ->
     return addr or DEFAULT_MASTER_ADDR, int(port) if port else DEFAULT_MASTER_PORT
 
 
+Backend = Literal["auto", "nccl", "gloo"]
+
+
+def placement(
+    env: DistEnv, device_type: str, backend: Backend = "auto", gpus: int | None = None
+) -> tuple[torch.device, str]:
+    """This rank's device and the process group's backend.
+
+    "auto" is NCCL on GPUs (one GPU a rank: NCCL refuses two ranks on one GPU) and gloo
+    on the CPU. gloo on GPUs lets ranks share them: local rank r runs on GPU r % GPUs
+    (`gpus`, default: those visible), e.g. `mpirun -np 2` on a machine with one GPU.
+    """
+    if device_type == "cuda":
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        if backend == "gloo":
+            return torch.device("cuda", env.local_rank % gpus), "gloo"
+        if env.local_rank >= gpus:
+            raise DistributedError(
+                f"local rank {env.local_rank} needs GPU {env.local_rank} but only {gpus} are"
+                " visible; start at most that many ranks per node, or let ranks share"
+                " GPUs with dist_backend=gloo"
+            )
+        return torch.device("cuda", env.local_rank), "nccl"
+    if device_type == "cpu":
+        if backend == "nccl":
+            raise DistributedError("NCCL runs on GPUs only: device=cpu takes dist_backend gloo")
+        return torch.device("cpu"), "gloo"
+    raise DistributedError(f"device type {device_type!r} is not 'cuda' or 'cpu'")
+
+
 def init_distributed(
     env: DistEnv,
     device_type: str,
+    backend: Backend = "auto",
     timeout_s: float = 1800.0,
     environ: Mapping[str, str] = os.environ,
 ) -> torch.device:
-    """Pin the device and join the process group; returns this rank's device.
-
-    device_type is "cuda" (NCCL, GPU `local_rank`) or "cpu" (gloo). A single process
-    starts no process group. timeout_s bounds every collective, so a rank that dies
-    turns into an error on the others rather than a hang.
+    """Pin the device and join the process group (`placement`'s backend); returns this
+    rank's device. A single process starts no process group. timeout_s bounds every
+    collective, so a rank that dies turns into an error on the others rather than a hang.
     """
-    if device_type == "cuda":
-        if env.local_rank >= torch.cuda.device_count():
-            raise DistributedError(
-                f"local rank {env.local_rank} needs GPU {env.local_rank} but only"
-                f" {torch.cuda.device_count()} are visible; start at most that many ranks per node"
-            )
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
-        backend = "nccl"
-    elif device_type == "cpu":
-        device = torch.device("cpu")
-        backend = "gloo"
-    else:
-        raise DistributedError(f"device type {device_type!r} is not 'cuda' or 'cpu'")
+    device, backend = placement(env, device_type, backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not env.is_distributed or dist.is_initialized():
         return device
     addr, port = rendezvous_address(env, environ)

@@ -44,7 +44,7 @@ from torch import nn
 
 from echoic.model.core.configs import apply_overrides, config_hash, from_dict, to_dict
 from echoic.model.core.text import Vocabulary
-from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
+from echoic.model.nn.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, count_parameters, ctc_loss
 from echoic.model.nn.rebuild import is_export, rebuild, recalibrate_norms
 from echoic.training import checkpoint, distributed
@@ -85,6 +85,9 @@ class TrainConfig:
     rnn_impl: Literal["auto", "cudnn", "persistent"] = "cudnn"  # GRU / plain RNN kernels on
     # GPU: persistent (echoic.model.nn.persistent, cuDNN where they do not fit), auto (persistent
     # where they fit and are expected faster), cudnn. Same parameters and checkpoints.
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"  # collectives between ranks: auto =
+    # NCCL on GPUs (a GPU a rank), gloo on CPUs; gloo on GPUs lets ranks share them (local
+    # rank r on GPU r % GPUs). Sums in another order: part of what a run computes.
     threads: int = 0  # intra-op CPU threads per rank; 0 = cores / local ranks. The weights
     # depend on it: a checkpoint records the count used and resumes only with that count.
     stats_utterances: int = 300  # utterances sampled for feature mean/std
@@ -127,12 +130,12 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 # ---- set-up ----------------------------------------------------------------------
 
 
-def _device(cfg: TrainConfig, env: distributed.DistEnv) -> torch.device:
+def _device_type(cfg: TrainConfig) -> str:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda but no CUDA GPU is visible")
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
+        return "cuda"
+    return "cpu"
 
 
 def make_deterministic(device: torch.device) -> None:
@@ -239,12 +242,12 @@ def start(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, prog
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, total))
     step, epoch = 0, 0
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        sampler.load_state_dict(resume["sampler"])
-        step, epoch = resume["step"], resume["epoch"]
-        checkpoint.set_rng_state(resume["rng"][env.rank])
+        model.load_state_dict(resume.model)
+        optimizer.load_state_dict(resume.optimizer)
+        scheduler.load_state_dict(resume.scheduler)
+        sampler.load_state_dict(resume.sampler)
+        step, epoch = resume.step, resume.epoch
+        checkpoint.set_rng_state(resume.rng[env.rank])
     # After the resume: DDP broadcasts rank 0's weights when it wraps them.
     wrapped: nn.Module = model
     if env.world_size > 1:
@@ -293,19 +296,19 @@ def _resumable(
     if not ckpt_path.exists():
         return None
     resume = load_checkpoint(ckpt_path)
-    if resume["model_config"] != to_dict(cfg.model):
+    if resume.model_config != to_dict(cfg.model):
         raise CheckpointError(
             f"{ckpt_path} holds a different model (its [model] config differs from this"
             " recipe's); use a new out_dir or the recipe that wrote it"
         )
-    saved_threads = resume["train_config"].get("threads", 0)  # 0: not recorded (older)
+    saved_threads = resume.train_config.get("threads", 0)  # 0: not recorded (older)
     if saved_threads and saved_threads != cfg.threads:
         raise CheckpointError(
             f"{ckpt_path} was trained with {saved_threads} intra-op thread(s), this run would use"
             f" {cfg.threads}, and the weights depend on it: pass threads={saved_threads} to resume"
         )
-    if resume["config_hash"] != weights_hash(cfg) and env.rank == 0:
-        ours, theirs = _flat(to_dict(cfg, NOT_HASHED)), _flat(resume["train_config"])
+    if resume.config_hash != weights_hash(cfg) and env.rank == 0:
+        ours, theirs = _flat(to_dict(cfg, NOT_HASHED)), _flat(resume.train_config)
         changed = sorted(k for k, v in ours.items() if theirs.get(k) != v)
         print(
             f"note: resuming {ckpt_path} with a changed training config"
@@ -313,9 +316,9 @@ def _resumable(
             " an uninterrupted one",
             file=sys.stderr,
         )
-    if resume["world_size"] != env.world_size:
+    if resume.world_size != env.world_size:
         raise CheckpointError(
-            f"{ckpt_path} was written with world size {resume['world_size']}, not"
+            f"{ckpt_path} was written with world size {resume.world_size}, not"
             f" {env.world_size}: exact resume needs the same number of ranks"
         )
     return resume
@@ -362,7 +365,7 @@ def _init_from(model: DeepSpeech2, cfg: TrainConfig, train_utts: list[Utterance]
         source, info = rebuild(path)
         theirs = source.state_dict()
     else:
-        theirs = load_checkpoint(path)["model"]
+        theirs = load_checkpoint(path).model
     ours = model.state_dict()
     misfit = sorted(set(ours) ^ set(theirs)) or [
         k for k in ours if ours[k].shape != theirs[k].shape
@@ -476,23 +479,20 @@ def save(run: Run) -> None:
     rngs = distributed.all_gather_object(checkpoint.rng_state())
     if run.main:
         cfg = run.cfg
-        checkpoint.save_atomic(
-            {
-                "format": FORMAT,
-                "model": run.model.state_dict(),
-                "model_config": to_dict(cfg.model),
-                "train_config": to_dict(cfg, NOT_SAVED),  # threads: the count used
-                "config_hash": weights_hash(cfg),
-                "optimizer": run.optimizer.state_dict(),
-                "scheduler": run.scheduler.state_dict(),
-                "sampler": run.sampler.state_dict(),
-                "rng": rngs,
-                "step": run.step,
-                "epoch": run.epoch,
-                "world_size": run.env.world_size,
-            },
-            run.ckpt_path,
+        saved = Checkpoint(
+            model=run.model.state_dict(),
+            model_config=to_dict(cfg.model),
+            train_config=to_dict(cfg, NOT_SAVED),  # threads: the count used
+            config_hash=weights_hash(cfg),
+            optimizer=run.optimizer.state_dict(),
+            scheduler=run.scheduler.state_dict(),
+            sampler=run.sampler.state_dict(),
+            rng=rngs,
+            step=run.step,
+            epoch=run.epoch,
+            world_size=run.env.world_size,
         )
+        checkpoint.save_atomic(saved.to_dict(), run.ckpt_path)
     distributed.barrier()
 
 
@@ -503,12 +503,11 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> Path | None:
     """Train (or resume) according to `cfg`; returns the path of the final checkpoint on
     rank 0 (the one that wrote it), None on the others."""
     env = distributed.detect_env()
-    device = _device(cfg, env)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(env.local_world_size, 1))
     cfg = dataclasses.replace(cfg, threads=threads)  # the count used is what is recorded
     torch.set_num_threads(threads)
+    device = distributed.init_distributed(env, _device_type(cfg), cfg.dist_backend)
     make_deterministic(device)
-    distributed.init_distributed(env, device.type)
     try:
         return _train(cfg, env, device, progress)
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,14 @@ class AudioTooLong(AudioError):
         return f"{self.seconds:.1f} s long" if self.exact else f"longer than {self.seconds:.1f} s"
 
 
+class DecodeTooSlow(AudioError):
+    """Decoding took longer than the caller's time limit; it stopped there."""
+
+    def __init__(self, name: str, limit: float) -> None:
+        self.limit = limit  # s
+        super().__init__(f"{name}: decoding the audio took over {limit:g} s")
+
+
 def check_length(frames: int, rate: int, limit: float, name: str, *, exact: bool) -> None:
     """AudioTooLong when `frames` at `rate` Hz are more than `limit` s (0 = no limit)."""
     if limit and frames > limit * rate:
@@ -123,16 +132,19 @@ def _decode_container(
     target_rate: int,
     max_seconds: float,
     name: str,
+    time_limit: float = 0.0,
 ) -> np.ndarray:
     """A container's audio as float32 mono at `target_rate`, decoded a block at a time
     (memory bounded by the output, whatever the source rate and channels), after its
-    header is checked: rate, channels, and a length over `max_seconds` (when known)."""
+    header is checked: rate, channels, and a length over `max_seconds` (when known).
+    It reads from memory with every byte present, so libsndfile never waits for more."""
     try:
         f = sf.SoundFile(io.BytesIO(data))
     except (sf.SoundFileError, RuntimeError) as e:
         raise _undecodable(e, encoding, name) from e
-    return np.concatenate(list(_container_blocks(f, encoding, sample_rate, target_rate,
-                                                 max_seconds, name)))  # fmt: skip
+    blocks = _container_blocks(f, encoding, sample_rate, target_rate, max_seconds, name,
+                               time_limit)  # fmt: skip
+    return np.concatenate(list(blocks))
 
 
 def _container_blocks(
@@ -142,10 +154,12 @@ def _container_blocks(
     target_rate: int,
     max_seconds: float,
     name: str,
+    time_limit: float = 0.0,
 ) -> Iterator[np.ndarray]:
     """An open container's audio as float32 mono blocks at `target_rate` (closed at the
     end): the same blocks, so the same samples, whether they are joined or used one by
-    one."""
+    one. DecodeTooSlow once decoding has taken `time_limit` s (0 = no limit)."""
+    stop_at = time.monotonic() + time_limit if time_limit else None
     with f:
         allowed = _CONTAINER_FORMATS.get(encoding)
         if allowed is not None and f.format not in allowed:
@@ -169,6 +183,8 @@ def _container_blocks(
                 raise _undecodable(e, encoding, name) from e
             if not len(block):
                 break
+            if stop_at is not None and time.monotonic() > stop_at:
+                raise DecodeTooSlow(name, time_limit)
             frames += len(block)
             check_length(frames, rate, max_seconds, name, exact=False)
             if not np.isfinite(block).all():
@@ -279,6 +295,7 @@ def decode_audio(
     channels: int = 1,
     name: str = "<bytes>",
     max_seconds: float = 0.0,
+    time_limit: float = 0.0,
 ) -> np.ndarray:
     """Decode `data` to float32 mono in [-1, 1] at `target_rate` Hz.
 
@@ -288,7 +305,8 @@ def decode_audio(
     For containers, a `sample_rate` that disagrees with the header is an error rather
     than silently ignored. Audio longer
     than `max_seconds` (0 = no limit) raises AudioTooLong as soon as that is known:
-    from the header, or once that much has been decoded.
+    from the header, or once that much has been decoded; a container that takes more than
+    `time_limit` s (0 = no limit) to decode raises DecodeTooSlow.
     """
     if encoding not in ENCODINGS:
         raise AudioError(
@@ -302,7 +320,9 @@ def decode_audio(
         raise AudioError(f"{name}: no audio data (0 bytes)")
 
     if encoding not in RAW_ENCODINGS:
-        return _decode_container(data, encoding, sample_rate, target_rate, max_seconds, name)
+        return _decode_container(
+            data, encoding, sample_rate, target_rate, max_seconds, name, time_limit
+        )
     samples, rate = _read_raw(data, encoding, sample_rate, channels, max_seconds, name)
     if samples.shape[0] == 0:
         raise AudioError(f"{name}: the audio has no samples (0 s long)")

@@ -53,6 +53,7 @@ from echoic.model.runtime.card import (
 from echoic.model.runtime.repository import check_name
 
 if TYPE_CHECKING:
+    from echoic.model.nn.checkpoint import Checkpoint
     from echoic.model.runtime.engine import Engine
 
 OPSET = 17
@@ -70,7 +71,7 @@ class ExportError(Exception):
 
 
 def build_card(
-    model: DeepSpeech2, ckpt: dict[str, Any], *, name: str, version: str, chunk: int
+    model: DeepSpeech2, ckpt: Checkpoint, *, name: str, version: str, chunk: int
 ) -> ModelCard:
     """The card of `model` streamed with `chunk` output frames per step (0: not streamable)."""
     cfg = model.cfg
@@ -106,9 +107,9 @@ def build_card(
         rnn_hidden=cfg.rnn_hidden,
         bidirectional=cfg.bidirectional,
         parameters=count_parameters(model),
-        config_hash=str(ckpt.get("config_hash", "")),
+        config_hash=ckpt.config_hash,
         model_config_hash=config_hash(cfg),
-        training_step=int(ckpt.get("step", 0)),
+        training_step=ckpt.step,
         opset=OPSET,
     )
 

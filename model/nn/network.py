@@ -124,8 +124,10 @@ class SequenceBatchNorm(nn.Module):
             var = valid.var(0, unbiased=False)
             with torch.no_grad():
                 n = max(valid.shape[0], 2)
-                self.running_mean.lerp_(mean.detach().float(), self.momentum)
-                self.running_var.lerp_(var.detach().float() * n / (n - 1), self.momentum)
+                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
+                self.running_var.lerp_(
+                    var.detach().to(self.running_var.dtype) * n / (n - 1), self.momentum
+                )
         else:
             mean, var = self.running_mean, self.running_var
         scale = self.weight * torch.rsqrt(var + self.eps)
@@ -273,7 +275,9 @@ class RecurrentLayer(nn.Module):
         ctx_out = ctx.new_zeros(b, k, r, self.cfg.rnn_hidden)
         if r:
             # Right context of window k continues the forward state at the end of chunk k.
-            h0 = tuple(e.reshape(1, b * k, -1) for e in ends)  # each (1, B*K, H)
+            # cuDNN takes only a contiguous state, and `ends` are strided views of the
+            # outputs (every chunk-th step): a copy (the CPU modules accept either).
+            h0 = tuple(e.reshape(1, b * k, -1).contiguous() for e in ends)  # each (1, B*K, H)
             ctx_f, _ = self.fwd(ctx.reshape(b * k, r, -1), h0 if len(h0) > 1 else h0[0])
             ctx_out = ctx_f.reshape(b, k, r, -1)
         if self.bwd is None:

@@ -71,14 +71,24 @@ def read_report_card(path: Path) -> ModelCard:
     )
 
 
+MAX_REPORT_BYTES = 16 * 2**20  # an export.json bigger than this is not an export's, bytes
+
+
 def incomplete(path: Path) -> str | None:
-    """Why a version directory is not ready to load yet; None when it is."""
-    if not (path / REPORT_FILE).is_file():
+    """Why a version directory is not ready to load yet; None when it is. A report that
+    cannot be read, whatever is wrong with it, is a reason, never an exception."""
+    report = path / REPORT_FILE
+    if not report.is_file():
         return f"no {REPORT_FILE} yet (`echoic export` writes it last; copy it last)"
     try:
+        size = report.stat().st_size
+        if size > MAX_REPORT_BYTES:
+            return f"{REPORT_FILE} is {size} bytes, too big to be an export's"
         card = read_report_card(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{REPORT_FILE} is not readable yet ({e})"
+    except RecursionError:
+        return f"{REPORT_FILE} is not readable (JSON nested too deeply)"
+    except Exception as e:  # noqa: BLE001 - any file that is not an export's report
+        return f"{REPORT_FILE} is not readable yet ({type(e).__name__}: {str(e)[:200]!r})"
     needed = [OFFLINE_FILE, *([STREAM_FILE] if card.streamable else [])]
     missing = [name for name in needed if not (path / name).is_file()]
     return f"{', '.join(missing)} missing (its {REPORT_FILE} names it)" if missing else None

@@ -21,8 +21,8 @@ without a GPU) `auto` and `persistent` run the cuDNN modules (in strict mode,
 
 from echoic.model.nn.persistent.capacity import KernelConfig, PersistentKernelError
 from echoic.model.nn.persistent.function import (
-    AUTO_MAX_ROWS,
     Problem,
+    auto_max_rows,
     choose,
     plan,
     recurrences,
@@ -30,7 +30,7 @@ from echoic.model.nn.persistent.function import (
 )
 
 __all__ = [
-    "AUTO_MAX_ROWS",
+    "auto_max_rows",
     "KernelConfig",
     "PersistentKernelError",
     "Problem",

@@ -76,6 +76,11 @@ MMA_MIN = 16  # a tensor-core product needs each of its dimensions to be at leas
 TILE_DTYPES = ("bfloat16", "float16")  # weight dtypes (torch names) that tiles run with
 
 
+def tile_dtype(dtype: object) -> bool:
+    """Whether tensor-core tiles run with weights of this dtype (a torch.dtype)."""
+    return str(dtype).removeprefix("torch.") in TILE_DTYPES
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     block_h: int  # hidden units per program (a power of two)

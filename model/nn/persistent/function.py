@@ -49,12 +49,32 @@ Backend = Literal["reference", "triton", "triton-steps"]
 Impl = Literal["auto", "cudnn", "persistent"]
 
 # `auto` runs the persistent kernels on Hopper (sm_90) for layers whose largest
-# direction has at most this many rows (batch rows, or windows for the backward
-# direction of a latency-controlled layer). Persistent RNNs win where the batch
-# is small and the recurrent matrix is re-read every step (Diamos et al. 2016);
-# these limits are that design's estimate, not yet measured on this code:
-# bench/persistent_rnn.py prints the crossover to set them from.
-AUTO_MAX_ROWS = {"rnn": 16, "gru": 16}
+# direction has at most `auto_max_rows` rows (batch rows, or windows for the backward
+# direction of a latency-controlled layer). Persistent RNNs win where the batch is small
+# and the recurrent matrix is re-read every step (Diamos et al. 2016). The limits come
+# from bench/persistent_rnn.py on an H200 (2026-11-27, T 200, fwd+bwd against cuDNN,
+# H 512-2048; docs/gpu-runs/2026-11-27-h200): rows (matrix-vector) win up to 4 rows
+# (1.30-3.70x in bf16, 1.85-2.51x in float32) and lose from 16 but for some plain RNNs
+# (0.20-0.79x, float32 0.65x); tiles (16-bit weights) win up to 16 rows in both
+# directions of a GRU or RNN and in one of a GRU (1.16-2.91x), and lose at 64 but in
+# small bidirectional RNNs (0.40-0.96x). One direction of a plain RNN is where cuDNN
+# runs its own persistent algorithm from 8 rows (fp16: 0.24-0.42x; bf16 at 16 rows:
+# 0.45x): there `auto` stops at 4 rows. Float32 between 4 and 16 rows was not measured.
+AUTO_ROWS, AUTO_TILES = 4, 16
+
+
+def auto_max_rows(cell: Cell, directions: int, tiles: bool) -> int:
+    """The most rows for which `auto` runs the kernels: `tiles` when the dtype has
+    tensor-core tiles (16-bit weights)."""
+    if not tiles or (cell == "rnn" and directions == 1):
+        return AUTO_ROWS
+    return AUTO_TILES
+
+
+# A single row runs faster as rows (2.03-3.70x) than as a tile (1.51-3.18x); from 4
+# rows a tile is as fast or faster in most shapes (1.34-3.19x against 1.30-3.01x):
+# `plan` tries tiles first from this many rows up to capacity.TILES_FIRST_ROWS.
+TILES_FIRST_MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -292,11 +312,11 @@ def plan(
     if hidden > capacity.MAX_HIDDEN:
         return f"hidden size {hidden} > {capacity.MAX_HIDDEN}"
     try:
-        from echoic.model.nn.persistent import launch
+        from echoic.model.nn.persistent import launch  # noqa: F401 - needs triton
     except ImportError:
         return "triton is not installed (pip install triton)"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    configs = capacity.candidates(hidden, directions, sms, launch.tile_dtype(dtype), tiles_first)
+    configs = capacity.candidates(hidden, directions, sms, capacity.tile_dtype(dtype), tiles_first)
     return first_fit(cell, hidden, dtype, directions, device, configs)
 
 
@@ -348,9 +368,10 @@ def choose(
     if key in _broken:
         return None
     if impl == "auto":
-        if torch.cuda.get_device_capability(key[-1]) != (9, 0) or rows > AUTO_MAX_ROWS[cell]:
+        most = auto_max_rows(cell, directions, capacity.tile_dtype(key[2]))
+        if torch.cuda.get_device_capability(key[-1]) != (9, 0) or rows > most:
             return None
-    found = plan(*key, rows <= capacity.TILES_FIRST_ROWS)
+    found = plan(*key, TILES_FIRST_MIN_ROWS <= rows <= capacity.TILES_FIRST_ROWS)
     if isinstance(found, str):
         if impl == "persistent":
             shape = f"{cell} H={hidden} {key[2]} x{directions}"

@@ -73,6 +73,18 @@ RNN = tl.constexpr(0)  # CELL values
 GRU = tl.constexpr(1)
 INTERPRETER_POLL_NS = tl.constexpr(1000)  # what one barrier poll counts as without a clock
 
+# The integer arguments that change from launch to launch (rows, steps, the step range,
+# the timeout, the direction flags). Triton would otherwise compile a variant per value
+# class (1, a multiple of 16, anything else), and `launch.check`, which compiles with
+# small placeholder values, would prove a variant that is not the one launched: on an
+# H200 the placeholders' variant kept its weights in registers and the launched one
+# spilled. One variant for all values makes the check, the launch and the offline
+# sm_90 tables (`launch.compile_for_target`, plain i32) compile the same code. H stays
+# specialised (the same value in all three; its multiple of 16 aligns the loads).
+RUNTIME_INTS = (
+    "n_rows0", "n_rows1", "steps0", "steps1", "reverse0", "reverse1", "timeout_ns",
+)  # fmt: skip
+
 
 @triton.jit
 def _pick(d, a, b):
@@ -347,7 +359,7 @@ def _store_gates(out_h, out_x, g_a, g_b, g_c, H, mask, CELL: tl.constexpr, XCOPY
             tl.store(out_x + 2 * H, g_c.to(kind), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=(*RUNTIME_INTS, "s_begin", "s_end"))
 def recurrence_forward_kernel(
     gi0, gi1,  # (N, T, G*H) input projections incl. the folded biases, compute dtype
     h00, h01,  # (N, H) float32 initial states
@@ -430,7 +442,7 @@ def recurrence_forward_kernel(
         s += 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=(*RUNTIME_INTS, "s_hi", "s_lo"))
 def recurrence_backward_kernel(
     dout0, dout1,  # (N, T, H) gradient of the outputs, compute dtype
     hs0, hs1,  # (N, T, H) float32 states from the forward kernel

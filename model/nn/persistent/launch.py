@@ -27,11 +27,11 @@ from torch import Tensor
 from echoic.model.nn.persistent import kernels
 from echoic.model.nn.persistent.capacity import (
     MMA_MIN,
-    TILE_DTYPES,
     KernelConfig,
     PersistentKernelError,
     next_power_of_2,
     resident_blocks,
+    tile_dtype,
 )
 from echoic.model.nn.persistent.reference import GATES, Cell, Direction
 
@@ -111,11 +111,6 @@ def _compile_options(cfg: KernelConfig) -> dict:
     # iterations at most, and each stage would keep another (BLOCK_B, H) float32 tile
     # in shared memory beside the weights (the backward tiles would not fit an SM).
     return dict(num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=True)
-
-
-def tile_dtype(dtype: torch.dtype) -> bool:
-    """Whether tensor-core tiles run with weights of this dtype."""
-    return str(dtype).removeprefix("torch.") in TILE_DTYPES
 
 
 def _tiling(cfg: KernelConfig, hidden: int, dtype: torch.dtype) -> dict:

@@ -1,0 +1,491 @@
+"""The HTTP door, the realtime WebSocket and the compressed-audio decoders behind them,
+against a real server, as a hostile client would use them: one bad request never holds
+up anyone else's, and what a request takes (threads, descriptors, memory, slots) is given
+back when it ends. The bundled model (real words) on the corpus's speech."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
+pytest.importorskip("aiohttp", reason="the HTTP door needs the serve extra (aiohttp)")
+
+import aiohttp  # noqa: E402
+import soundfile as sf  # noqa: E402
+from aiohttp import WSMsgType  # noqa: E402
+
+from echoic.model.core.audio import decode_audio  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from echoic.server.background import BackgroundServer  # noqa: E402
+from tests.test_http import http_server, multipart, post  # noqa: E402
+from tests.test_server import wait_until  # noqa: E402
+
+# s a call may take before the test calls it hung: far above what any of them needs on a
+# loaded 2-core machine, far below the 120 s a decoder thread used to stay blocked
+HUNG = 20.0
+RATE = 16000
+
+
+def _encoded(samples: np.ndarray, fmt: str, subtype: str) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, RATE, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def _transcribe(server: BackgroundServer, audio: bytes) -> tuple[int, dict]:
+    body, content_type = multipart([("model", "whisper-1")], [("file", audio)])
+    return post(server, body, content_type)
+
+
+def _grpc_recognize(server: BackgroundServer, audio: bytes) -> str:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        request = pb.RecognizeRequest(config=pb.RecognitionConfig(), audio_content=audio)
+        response = stub.Recognize(request, timeout=HUNG)
+    return " ".join(r.alternatives[0].transcript for r in response.results)
+
+
+def _decoder_threads() -> list[str]:
+    """Threads of the in-process server that decode audio or feed a decoder."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("echoic-")
+            and t.name.split("-")[1] in ("pipe", "flac", "ogg")]  # fmt: skip
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="module")
+def speech(speech_corpus: Path) -> np.ndarray:
+    """One corpus utterance, 16 kHz samples."""
+    row = json.loads(speech_corpus.read_text().splitlines()[0])
+    return decode_audio((speech_corpus.parent / row["audio_filepath"]).read_bytes(), RATE)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[BackgroundServer]:
+    # streams idle longer than a call may take before the tests call it hung
+    with http_server(max_streams=64, idle_timeout_seconds=3 * HUNG) as s:
+        yield s
+
+
+def test_a_truncated_ogg_upload_holds_up_no_other_request(server, speech) -> None:
+    """The first 100 bytes of an Ogg/Opus file are refused at once, and every decode after
+    it (FLAC, Ogg, MP3 and WAV over HTTP, a gRPC Recognize) is answered as before, instead
+    of waiting behind a decoder blocked on a pipe nobody closes; 40 more such uploads leave
+    no thread or descriptor behind."""
+    files = {
+        "wav": _encoded(speech, "WAV", "PCM_16"),
+        "flac": _encoded(speech, "FLAC", "PCM_16"),
+        "ogg": _encoded(speech, "OGG", "OPUS"),
+        "mp3": _encoded(speech, "MP3", "MPEG_LAYER_III"),
+    }
+    before = {}
+    for fmt, data in files.items():
+        status, body = _transcribe(server, data)
+        assert status == 200, body
+        before[fmt] = body["text"]
+    assert before["flac"] == before["wav"] and before["wav"]
+    grpc_before = _grpc_recognize(server, files["wav"])
+    threads, fds = len(_decoder_threads()), _open_fds()
+
+    status, body = _transcribe(server, files["ogg"][:100])
+    assert status == 400 and "truncated" in body["error"]["message"], body
+    done: dict[str, str] = {}
+
+    def transcribe_all() -> None:
+        for fmt, data in files.items():
+            status, body = _transcribe(server, data)
+            assert status == 200, (fmt, body)
+            done[fmt] = body["text"]
+        done["grpc"] = _grpc_recognize(server, files["wav"])
+
+    worker = threading.Thread(target=transcribe_all)
+    worker.start()
+    worker.join(HUNG)
+    assert not worker.is_alive(), f"hung after a truncated Ogg upload; answered: {sorted(done)}"
+    assert done == {**before, "grpc": grpc_before}
+
+    for _ in range(40):
+        assert _transcribe(server, files["ogg"][:100])[0] == 400
+    wait_until(lambda: len(_decoder_threads()) <= threads, HUNG, "the decoder threads to end")
+    wait_until(lambda: _open_fds() <= fds + 2, HUNG, "the pipes' descriptors to close")
+
+
+def _sox_flac(wav: bytes, tmp_path: Path) -> bytes:
+    if shutil.which("sox") is None:
+        pytest.skip("sox is not installed (apt-get install sox)")
+    (tmp_path / "in.wav").write_bytes(wav)
+    subprocess.run(["sox", tmp_path / "in.wav", tmp_path / "out.flac"], check=True, timeout=60)
+    return (tmp_path / "out.flac").read_bytes()
+
+
+def _ffmpeg_flac(wav: bytes, tmp_path: Path) -> bytes:
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("ffmpeg is not installed (apt-get install ffmpeg)")
+    (tmp_path / "in.wav").write_bytes(wav)
+    subprocess.run(
+        ["ffmpeg", "-loglevel", "error", "-i", tmp_path / "in.wav", tmp_path / "out.flac"],
+        check=True, timeout=60,
+    )  # fmt: skip
+    return (tmp_path / "out.flac").read_bytes()
+
+
+def _libsndfile_flac(wav: bytes, tmp_path: Path) -> bytes:
+    samples, rate = sf.read(io.BytesIO(wav), dtype="int16")
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="FLAC", subtype="PCM_16")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("writer", [
+    pytest.param(_sox_flac, id="sox"),
+    pytest.param(_ffmpeg_flac, id="ffmpeg"),
+    pytest.param(_libsndfile_flac, id="libsndfile"),
+])  # fmt: skip
+def test_flac_from_every_common_writer_is_read_on_every_whole_file_path(
+    server, speech, writer, tmp_path
+) -> None:
+    """sox and ffmpeg write a SEEKTABLE block, which the whole-file paths once refused
+    ("Internal psf_fseek() failed"): HTTP, gRPC Recognize and Riva's offline recognize all
+    give the WAV's transcript."""
+    wav = _encoded(speech, "WAV", "PCM_16")
+    flac = writer(wav, tmp_path)
+    want = _grpc_recognize(server, wav)
+    assert want
+    status, body = _transcribe(server, flac)
+    assert status == 200 and body["text"] == want, body
+    assert _grpc_recognize(server, flac) == want
+    riva = pytest.importorskip("riva.client", reason="the Riva door needs the riva extra")
+    auth = riva.Auth(uri=server.address)
+    asr = riva.ASRService(auth)
+    config = riva.RecognitionConfig(language_code="en-US", max_alternatives=1)
+    response = asr.offline_recognize(flac, config)
+    assert " ".join(r.alternatives[0].transcript for r in response.results) == want
+
+
+def test_a_stream_stalled_inside_its_header_holds_up_no_other_decode(server, speech) -> None:
+    """A StreamingRecognize that sends the first 100 bytes of an Ogg file and then nothing
+    keeps its decoder waiting for the header's rest; meanwhile FLAC, Ogg and MP3 uploads
+    are decoded as before (libsndfile's opens do not wait behind the stalled one)."""
+    ogg = _encoded(speech, "OGG", "OPUS")
+    formats = (("FLAC", "PCM_16"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III"))
+    others = {fmt: _encoded(speech, fmt, subtype) for fmt, subtype in formats}
+    release = threading.Event()
+
+    def stalled() -> Iterator[pb.StreamingRecognizeRequest]:
+        config = pb.RecognitionConfig(encoding=pb.RecognitionConfig.OGG_OPUS)
+        yield pb.StreamingRecognizeRequest(
+            streaming_config=pb.StreamingRecognitionConfig(config=config)
+        )
+        yield pb.StreamingRecognizeRequest(audio_content=ogg[:100])
+        release.wait(HUNG)
+
+    with grpc.insecure_channel(server.address) as channel:
+        call = pb_grpc.TranscriberStub(channel).StreamingRecognize(stalled(), timeout=2 * HUNG)
+        wait_until(lambda: any(n.startswith("echoic-ogg") for n in _decoder_threads()), HUNG,
+                   "the stalled stream's decoder")  # fmt: skip
+        done: dict[str, int] = {}
+
+        def transcribe_all() -> None:
+            for fmt, data in others.items():
+                done[fmt] = _transcribe(server, data)[0]
+
+        worker = threading.Thread(target=transcribe_all)
+        worker.start()
+        worker.join(HUNG)
+        release.set()
+        call.cancel()
+    assert not worker.is_alive(), f"decodes waited behind a stalled stream; answered: {done}"
+    assert done == {"FLAC": 200, "OGG": 200, "MP3": 200}
+
+
+def test_a_decode_past_its_time_limit_is_refused_and_frees_its_thread(speech) -> None:
+    """--decode-timeout-seconds bounds each whole-file decode: past it the request gets
+    408 (DEADLINE_EXCEEDED) naming the flag; audio that needs no container decode (WAV)
+    is answered as before."""
+    ogg = _encoded(speech, "OGG", "OPUS")
+    with http_server(decode_timeout_seconds=1e-6, decode_threads=1) as server:
+        for _ in range(3):  # one decode thread: each refused decode gave it back
+            status, body = _transcribe(server, ogg)
+            assert status == 408 and "--decode-timeout-seconds" in body["error"]["message"]
+        status, body = _transcribe(server, _encoded(speech, "WAV", "PCM_16"))
+        assert status == 200 and body["text"], body
+
+
+# ---------------------------------------------------------------- the realtime socket
+
+
+def _realtime(server: BackgroundServer, talk) -> list:  # noqa: ANN001 - an async function
+    """Run `talk(ws)` on a new realtime socket (after its conversation.created); its result."""
+    url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+
+    async def run() -> list:
+        async with aiohttp.ClientSession() as http:
+            async with http.ws_connect(url, protocols=("realtime",), max_msg_size=0) as ws:
+                first = await ws.receive_json(timeout=HUNG)
+                assert first["type"] == "conversation.created"
+                return await talk(ws)
+
+    return asyncio.run(run())
+
+
+PCM16 = {"input_audio_format": "pcm16",
+         "input_audio_params": {"sample_rate_hz": RATE, "num_channels": 1}}  # fmt: skip
+
+
+def _append(pcm: bytes) -> str:
+    audio = base64.b64encode(pcm).decode()
+    return json.dumps({"type": "input_audio_buffer.append", "audio": audio})
+
+
+async def _until_closed(ws) -> list[dict]:  # noqa: ANN001 - aiohttp's socket
+    """Every event until the server closes the socket (the test fails if it does not)."""
+    events = []
+    stop = asyncio.get_running_loop().time() + HUNG
+    while True:
+        left = stop - asyncio.get_running_loop().time()
+        assert left > 0, f"the socket was not closed; the last events: {events[-3:]}"
+        message = await ws.receive(timeout=left)
+        if message.type != WSMsgType.TEXT:
+            assert message.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
+            return events
+        events.append(json.loads(message.data))
+
+
+def test_a_session_update_takes_only_the_settings_it_knows_within_a_size(server) -> None:
+    """Unknown keys in an update are neither stored nor echoed; a control message over
+    64 KiB, JSON nested 2,000 deep and a stop_history of 1e30 each get an error event a
+    client can act on (not "internal"), and the socket goes on to transcribe."""
+    junk = {f"junk_{i}": i for i in range(1000)}  # under 64 KiB in all
+    update = {"type": "transcription_session.update", "session": {
+        **PCM16, **junk, "input_audio_params": {**PCM16["input_audio_params"], **junk},
+    }}  # fmt: skip
+    huge = {"type": "transcription_session.update",
+            "session": {**PCM16, "x": "y" * 100_000}}  # fmt: skip
+    deep = "[" * 2000 + "]" * 2000
+    absurd = {"type": "transcription_session.update",
+              "session": {**PCM16, "endpointing_config": {"stop_history": 1e30}}}  # fmt: skip
+
+    async def talk(ws) -> list:  # noqa: ANN001
+        await ws.send_json(update)
+        updated = await ws.receive_json(timeout=HUNG)
+        codes = []
+        for message in (json.dumps(huge), deep, json.dumps(absurd)):
+            await ws.send_str(message)
+            event = await ws.receive_json(timeout=HUNG)
+            assert event["type"] == "error", event
+            codes.append(event["error"]["code"])
+        await ws.send_json(update)
+        return [updated, codes, await ws.receive_json(timeout=HUNG)]
+
+    updated, codes, again = _realtime(server, talk)
+    assert updated["type"] == again["type"] == "transcription_session.updated"
+    assert "junk_1" not in json.dumps(updated) and len(json.dumps(updated)) < 2000
+    assert codes == ["message_too_large", "invalid_json", "invalid_value"]
+
+
+@pytest.fixture(scope="module")
+def limited() -> Iterator[BackgroundServer]:
+    """A server whose streams may hold 1 s of audio and stay open 3 s."""
+    with http_server(max_audio_seconds=1.0, max_stream_seconds=3.0) as s:
+        yield s
+
+
+def test_a_fatal_stream_error_closes_the_socket_after_its_event(limited, speech) -> None:
+    """Past the audio limit the socket gets one error event and is closed, as
+    StreamingRecognize ends there: not one error event per later append."""
+    pcm = np.round(np.clip(speech, -1, 1) * 32767).astype("<i2").tobytes()
+    assert len(pcm) > 2 * RATE  # over 1 s
+
+    async def talk(ws) -> list:  # noqa: ANN001
+        await ws.send_json({"type": "transcription_session.update", "session": PCM16})
+        assert (await ws.receive_json(timeout=HUNG))["type"] == "transcription_session.updated"
+        try:
+            for i in range(0, len(pcm), 3200):
+                await ws.send_str(_append(pcm[i : i + 3200]))
+        except ConnectionError:
+            pass  # closed by the server while the rest was sent
+        return await _until_closed(ws)
+
+    events = _realtime(limited, talk)
+    errors = [e for e in events if e["type"] == "error"]
+    assert [e["error"]["code"] for e in errors] == ["out_of_range"], errors
+
+
+def test_a_realtime_socket_is_closed_at_the_max_stream_time(limited) -> None:
+    """A socket that only commits, often enough never to be idle, is closed at
+    --max-stream-seconds with an error event saying so."""
+
+    async def talk(ws) -> list:  # noqa: ANN001
+        await ws.send_json({"type": "transcription_session.update", "session": PCM16})
+        assert (await ws.receive_json(timeout=HUNG))["type"] == "transcription_session.updated"
+
+        async def commit_forever() -> None:
+            while True:
+                await ws.send_json({"type": "input_audio_buffer.commit"})
+                await asyncio.sleep(0.5)
+
+        committing = asyncio.ensure_future(commit_forever())
+        try:
+            return await _until_closed(ws)
+        finally:
+            committing.cancel()
+
+    events = _realtime(limited, talk)
+    assert events[-1]["type"] == "error", events[-1]
+    assert events[-1]["error"]["code"] == "max_stream_seconds"
+
+
+# ---------------------------------------------------------------- what the log shows
+
+
+def test_requests_aiohttp_cannot_parse_are_one_warning_line(caplog) -> None:
+    """20 requests with a header line over aiohttp's 8,190 bytes: each gets 400, and the
+    log gets one rate-limited warning, no ERROR and no traceback (a server of its own, so
+    that no other test's warning shares the rate limit)."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    with http_server() as server:
+        for _ in range(20):
+            address = ("127.0.0.1", server.server.http_port)
+            with socket.create_connection(address, timeout=HUNG) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n")
+                answer = s.recv(100)
+            assert answer.split(b" ")[1] == b"400", answer
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+    warnings = [r for r in caplog.records if "HTTP 400 from" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+def test_a_stream_true_client_that_leaves_is_counted_499_without_errors(
+    server, speech, caplog
+) -> None:
+    """A stream=true client that closes its connection after the first events: counted
+    as 499 (the client went away), not 500, with no ERROR line or traceback."""
+    import logging
+    import socket
+
+    from tests.test_http import metric
+
+    caplog.set_level(logging.INFO)
+    long = np.tile(speech, 8)  # events keep coming for a while
+    body, content_type = multipart(
+        [("model", "whisper-1"), ("stream", "true")], [("file", _encoded(long, "WAV", "PCM_16"))]
+    )
+    route = "/v1/audio/transcriptions"
+    before = metric(server, "echoic_http_requests_total", route=route, status="499")
+    with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=HUNG) as s:
+        head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+        s.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    wait_until(
+        lambda: metric(server, "echoic_http_requests_total", route=route, status="499") > before,
+        HUNG, "the request to be counted 499",
+    )  # fmt: skip
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+# ---------------------------------------------------------------- fuzzing both doors
+
+
+@pytest.mark.slow
+def test_fuzzed_uploads_and_realtime_audio_get_clean_errors_and_the_server_goes_on(
+    server, speech
+) -> None:
+    """Randomly edited WAV, FLAC, Ogg and MP3 files (fixed seed, at most 60 s), uploaded
+    over HTTP and sent as a realtime socket's `none` audio: every answer is a 200 or a 4xx,
+    every error event one a client can act on (never "internal"), and afterwards the server
+    gives the same transcript as before, without hanging."""
+    import time
+
+    from tests.test_hardening import _mutate
+
+    rng = np.random.default_rng(2026)
+    clip = speech[: 2 * RATE]
+    formats = (("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III"))
+    files = [_encoded(clip, fmt, subtype) for fmt, subtype in formats]
+    status, body = _transcribe(server, files[0])
+    assert status == 200
+    before = body["text"]
+    statuses: dict[int, int] = {}
+    codes: dict[str, int] = {}
+    stop = time.monotonic() + 60
+
+    async def realtime_audio(ws, data: bytes) -> list:  # noqa: ANN001
+        session = {"input_audio_format": "none"}
+        await ws.send_json({"type": "transcription_session.update", "session": session})
+        assert (await ws.receive_json(timeout=HUNG))["type"] == "transcription_session.updated"
+        try:
+            for i in range(0, len(data), 2048):
+                await ws.send_str(_append(data[i : i + 2048]))
+            await ws.send_json({"type": "input_audio_buffer.done"})
+        except ConnectionError:
+            pass  # closed after a fatal error
+        events = []
+        while not events or not events[-1].get("is_last_result"):
+            message = await ws.receive(timeout=HUNG)
+            if message.type != WSMsgType.TEXT:
+                break
+            events.append(json.loads(message.data))  # a fatal error event: the close next
+        return events
+
+    for i in range(200):
+        if time.monotonic() > stop:
+            break
+        data = files[i % len(files)]
+        for _ in range(int(rng.integers(1, 4))):
+            data = _mutate(data, rng)
+        if i % 4:
+            status, _ = _transcribe(server, data)
+            assert status == 200 or 400 <= status < 500, (i, status)
+            statuses[status] = statuses.get(status, 0) + 1
+        else:
+            for event in _realtime(server, lambda ws, data=data: realtime_audio(ws, data)):
+                if event["type"] == "error":
+                    code = event["error"]["code"]
+                    assert code not in ("internal", "unknown"), (i, event)
+                    codes[code] = codes.get(code, 0) + 1
+    assert sum(statuses.values()) >= 50 and any(s >= 400 for s in statuses), statuses
+    assert codes, codes
+    status, body = _transcribe(server, files[0])
+    assert status == 200 and body["text"] == before
+
+
+def test_idle_and_slow_header_connections_are_closed_after_the_idle_timeout() -> None:
+    """Connections that send nothing, stop inside their headers, or stay open after an
+    answer are closed by the server after --idle-timeout-seconds, not held for an hour."""
+    import socket
+
+    with http_server(idle_timeout_seconds=1.0) as server:
+        address = ("127.0.0.1", server.server.http_port)
+        socks = [socket.create_connection(address, timeout=HUNG) for _ in range(3)]
+        try:
+            socks[1].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            socks[2].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert socks[2].recv(100).split(b" ")[1] == b"200"
+            for s in socks:
+                while s.recv(65536):  # the rest of an answer, then the server's close
+                    pass
+        finally:
+            for s in socks:
+                s.close()
