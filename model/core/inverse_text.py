@@ -165,9 +165,9 @@ def written_number(n: int) -> str:
 
 MONTHS = ("january february march april may june july august september october november "
           "december").split()  # fmt: skip
-CURRENCIES = {"dollar": ("$", "cent"), "dollars": ("$", "cent"), "pound": ("£", "penny"),
-              "pounds": ("£", "penny"), "euro": ("€", "cent"), "euros": ("€", "cent")}  # fmt: skip
-MINOR = {"cent", "cents", "penny", "pence"}
+CURRENCIES = {"dollar": "$", "dollars": "$", "pound": "£", "pounds": "£", "euro": "€",
+              "euros": "€"}  # fmt: skip
+MINOR = {"cent", "cents", "penny", "pence"}  # a hundredth of any of them
 UNITS = {
     ("kilograms",): "kg", ("kilogram",): "kg", ("grams",): "g", ("gram",): "g",
     ("milligrams",): "mg", ("kilometers",): "km", ("kilometres",): "km", ("kilometer",): "km",
@@ -311,7 +311,7 @@ def money_rule(words: Sequence[str], i: int) -> tuple[list[str], int] | None:
     text, j, whole = amount
     if j >= len(words) or words[j] not in CURRENCIES:
         return None
-    sign, minor = CURRENCIES[words[j]]
+    sign = CURRENCIES[words[j]]
     j += 1
     k = j + 1 if words[j : j + 1] == ["and"] else j
     cents = parse_number(words, k) if k < len(words) else None
