@@ -185,6 +185,16 @@ def test_riva_punctuation_and_verbatim_are_honoured(server, speech, raw) -> None
     assert transcript(enable_automatic_punctuation=True) == _formatted(raw)
     assert transcript() == _formatted(raw, punctuation=False)
     assert transcript(verbatim_transcripts=True) == raw.transcript
+    config = riva_client.RecognitionConfig(language_code="en-US", max_alternatives=1,
+                                           enable_automatic_punctuation=True)  # fmt: skip
+    riva_client.add_audio_file_specs_to_config(config, speech)
+    streaming = riva_client.StreamingRecognitionConfig(config=config, interim_results=True)
+    with riva_client.AudioChunkFileIterator(str(speech), 1600) as chunks:
+        results = [r for response in asr.streaming_response_generator(chunks, streaming)
+                   for r in response.results]  # fmt: skip
+    interim = [r.alternatives[0].transcript for r in results if not r.is_final]
+    assert interim and all(t == t.lower() and "." not in t for t in interim)
+    assert [r.alternatives[0].transcript for r in results if r.is_final] == [_formatted(raw)]
 
 
 def test_openai_door_formats_by_default_and_gives_raw_words_when_asked(server, speech, raw):
