@@ -38,6 +38,12 @@ from echoic.model.core.text import normalize_text
 from echoic.model.runtime.recognizer import Endpointing, Recognizer, Stream
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
+from echoic.server.formatting import (
+    Formatter,
+    FormattingUnavailable,
+    check_available,
+    format_results,
+)
 from echoic.server.models import LoadedModel
 
 _ENCODINGS = {
@@ -82,6 +88,7 @@ class Options:
     interim: bool = False  # send interim results
     interim_interval: float = 0.0  # least decoded audio between interim results, s
     alternatives: int = 1  # most alternatives in a final result, count
+    formatting: Formatter | None = None  # how final transcripts are written; None: raw words
 
 
 MAX_BOOSTED_WORDS = 1000  # words in all of a request's decoder.boosts, count
@@ -124,6 +131,19 @@ def _boosts(d: pb.DecoderConfig) -> tuple[tuple[str, float], ...]:
     if len(words) > MAX_BOOSTED_WORDS:
         raise invalid(f"decoder.boosts: at most {MAX_BOOSTED_WORDS} words")
     return tuple(sorted(words.items()))
+
+
+def formatter_of(punctuation: bool, inverse: bool) -> Formatter | None:
+    """The formatter a request asks for (None: none); RequestError(FAILED_PRECONDITION)
+    when this install cannot punctuate."""
+    if not (punctuation or inverse):
+        return None
+    formatter = Formatter(punctuation=punctuation, inverse=inverse)
+    try:
+        check_available(formatter)
+    except FormattingUnavailable as e:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    return formatter
 
 
 def parse_config(
@@ -197,6 +217,9 @@ def parse_config(
         interim=interim,
         interim_interval=interval_ms / 1000.0,
         alternatives=max(1, config.max_alternatives),
+        formatting=formatter_of(
+            config.formatting.punctuation, config.formatting.inverse_normalization
+        ),
     )
 
 
@@ -340,7 +363,15 @@ class Session:
             self.stream.finish(features_now=features_now)
 
     async def advance(self) -> list[pb.SpeechRecognitionResult]:
-        """Decode every ready window (through the dispatcher); the results to send now."""
+        """Decode every ready window (through the dispatcher); the results to send now,
+        final ones formatted as the options ask (server/formatting.py)."""
+        out = await self._advance()
+        formatter = self.options.formatting
+        if formatter is None or not any(r.is_final for r in out):
+            return out
+        return format_results(out, formatter)
+
+    async def _advance(self) -> list[pb.SpeechRecognitionResult]:
         if self.stream is None:
             return await self._advance_offline()
         out: list[pb.SpeechRecognitionResult] = []
