@@ -40,6 +40,10 @@ Per level it prints:
   RSS         the server's resident memory at the level's end (with --workers, of
               every process together), MB
 
+--formatting both runs every level twice on each server, its streams' finals raw and
+then formatted (punctuation and written forms, docs/formatting.md), on rows of their own
+("+formatting"): what formatting adds to the final latency; "on" runs formatted only.
+
 --decoder beam makes every stream a beam search (beam 32 with the model's LM);
 --beam-streams K adds K beam-search streams to each level, from a client process of
 their own, on a row of their own ("+beam"): what beam streams cost the greedy ones.
@@ -267,7 +271,7 @@ class ClientStats:
 async def one_stream(
     client: AsyncClient, utterances: list[Utterance], first: int, start_delay: float,
     deadline: float, lookahead: float, lag_limit: float, stats: ClientStats,
-    decoder: str = "greedy",
+    decoder: str = "greedy", formatting: bool = False,
 ) -> None:  # fmt: skip
     loop = asyncio.get_running_loop()
     await asyncio.sleep(start_delay)
@@ -291,7 +295,8 @@ async def one_stream(
         try:
             async for response in client.stream(
                 chunks(), encoding="linear16", sample_rate=RATE, interim_results=True,
-                words=False, decoder=decoder,
+                words=False, decoder=decoder, punctuation=formatting,
+                inverse_normalization=formatting,
             ):  # fmt: skip
                 now = loop.time()
                 for result in response.results:
@@ -336,7 +341,7 @@ async def client_level(args: argparse.Namespace) -> ClientStats:
         tasks = [
             one_stream(clients[i % len(clients)], utterances, rng.randrange(len(utterances)),
                        rng.random(), deadline, model.lookahead_seconds, args.lag_limit, stats,
-                       args.decoder)
+                       args.decoder, args.formatting == "on")
             for i in range(args.client_streams)
         ]  # fmt: skip
         # Bounded: the longest utterance after the deadline, plus slack for a slow server.
@@ -362,8 +367,9 @@ class Level:
 
 
 def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
-              profile_dir: Path | None) -> Level:  # fmt: skip
-    """n streams from --clients processes of this script against the server."""
+              profile_dir: Path | None, formatted: bool = False) -> Level:  # fmt: skip
+    """n streams from --clients processes of this script against the server (their finals
+    formatted when `formatted`)."""
     clients = max(1, min(args.clients, n))
     start_at = time.time() + 3.0  # time for every client process to start and connect
     processes = []
@@ -376,7 +382,8 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
                "--start-at", repr(start_at), "--seconds", str(args.seconds),
                "--seed", str(1000 * n + i), "--chunk-ms", str(args.chunk_ms),
                "--lag-limit", str(args.lag_limit), "--channels", str(args.channels),
-               "--utterances", str(args.utterances), "--decoder", decoder]  # fmt: skip
+               "--utterances", str(args.utterances), "--decoder", decoder,
+               "--formatting", "on" if formatted else "off"]  # fmt: skip
         processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     time.sleep(max(0.0, start_at - time.time()))
     batch0, cpu0, wall0 = server.batch_histogram(), server.cpu_seconds(), time.monotonic()
@@ -489,7 +496,7 @@ def percentiles(values: list[float], qs=(50, 95, 99)) -> str:
 
 def print_table(runs: dict[str, list[Level]]) -> None:
     header = (
-        f"{'streams':>7}  {'server':<14} {'utts':>6} {'behind':>6} {'failed':>6}"
+        f"{'streams':>7}  {'server':<22} {'utts':>6} {'behind':>6} {'failed':>6}"
         f"  {'interim p95':>11}  {'final ms p50/95/99':>18}  {'batch (p50/95)':>14}"
         f"  {'srv CPU':>7}  {'cli CPU':>7}  {'RSS MB':>6}  errors"
     )
@@ -499,14 +506,14 @@ def print_table(runs: dict[str, list[Level]]) -> None:
         for mode, level in zip(runs, row, strict=True):
             s = level.stats
             print(
-                f"{level.streams:>7}  {mode:<14} {s.utterances:>6} {s.behind:>6} {s.failed:>6}"
+                f"{level.streams:>7}  {mode:<22} {s.utterances:>6} {s.behind:>6} {s.failed:>6}"
                 f"  {percentiles(s.interim, (95,)):>11}  {percentiles(s.final):>18}"
                 f"  {level.batch:>14}  {level.server_cpu:>6.0f}%  {level.client_cpu:>6.0f}%"
                 f"  {level.rss_mb:>6.0f}  {'; '.join(s.errors)[:60]}"
             )
             if (b := level.beam) is not None:
                 print(
-                    f"{'+beam':>7}  {'beam streams':<14} {b.utterances:>6}"
+                    f"{'+beam':>7}  {'beam streams':<22} {b.utterances:>6}"
                     f" {b.behind:>6} {b.failed:>6}  {percentiles(b.interim, (95,)):>11}"
                     f"  {percentiles(b.final):>18}  {'':>14}  {'':>7}  {'':>7}  {'':>6}"
                     f"  {'; '.join(b.errors)[:60]}"
@@ -514,19 +521,25 @@ def print_table(runs: dict[str, list[Level]]) -> None:
 
 
 def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[Utterance],
-                 args: argparse.Namespace, tmp: Path) -> list[Level]:  # fmt: skip
+                 args: argparse.Namespace, tmp: Path) -> dict[str, list[Level]]:  # fmt: skip
+    """Every level against one server: {row name: levels}, a row per --formatting variant
+    (both: raw and formatted take turns at each level, on the same warm server)."""
+    variants = {"off": (False,), "on": (True,), "both": (False, True)}[args.formatting]
     streams = None if max(args.streams) + 8 <= 256 else max(args.streams) + 8
     log_path = tmp / f"server-{''.join(c if c.isalnum() else '_' for c in name)}.log"
     with open(log_path, "wb") as log:
         server = start_server(args.model, None, None, streams, None, log, flags)
         try:
             asyncio.run(warm_up(server, utterances[0]))
-            levels = []
+            rows: dict[str, list[Level]] = {}
             for n in args.streams:
                 profile_dir = Path(args.out) if args.profile else None
-                levels.append(run_level(server, manifest, n, args, profile_dir))
+                for formatted in variants:
+                    row = name + (" +formatting" if formatted and len(variants) > 1 else "")
+                    level = run_level(server, manifest, n, args, profile_dir, formatted)
+                    rows.setdefault(row, []).append(level)
                 print(f"  {name}: {n} streams done", file=sys.stderr, flush=True)
-            return levels
+            return rows
         except (RuntimeError, ClientError, asyncio.TimeoutError) as e:
             log.flush()
             print(f"server log (tail):\n{log_path.read_text()[-2000:]}", file=sys.stderr)
@@ -549,6 +562,8 @@ def main() -> None:
     p.add_argument("--unbatched", action="store_true",
                    help="also run the levels against a server with --max-batch 1")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per message, ms")
+    p.add_argument("--formatting", choices=("off", "on", "both"), default="off",
+                   help="finals formatted (docs/formatting.md); both: side by side")  # fmt: skip
     p.add_argument(
         "--decoder",
         choices=("greedy", "beam"),
@@ -595,8 +610,9 @@ def main() -> None:
         servers = {" ".join(flags) or "defaults": flags for flags in settings}
         if args.unbatched:
             servers["--max-batch 1"] = [*settings[0], "--max-batch", "1"]
-        runs = {name: bench_server(name, f, manifest.resolve(), utterances, args, Path(tmp))
-                for name, f in servers.items()}  # fmt: skip
+        runs = {row: levels for name, f in servers.items()
+                for row, levels in bench_server(name, f, manifest.resolve(), utterances, args,
+                                                Path(tmp)).items()}  # fmt: skip
         print_table(runs)
 
 

@@ -165,10 +165,16 @@ def _timestamp(seconds: float, separator: str = ",") -> str:
 def _cues(
     words: list[dict[str, Any]], max_words: int = 7, max_seconds: float = 3.5
 ) -> list[list[dict[str, Any]]]:
-    """Words grouped into subtitle cues of up to `max_words` words or `max_seconds` each."""
+    """Words grouped into subtitle cues of up to `max_words` words or `max_seconds` each;
+    a formatted transcript's sentence end ends a cue too (`--formatting`)."""
+    from echoic.model.runtime.formatting import ends_sentence
+
     cues: list[list[dict[str, Any]]] = []
     for w in words:
-        if cues and len(cues[-1]) < max_words and w["end"] - cues[-1][0]["start"] <= max_seconds:
+        if (
+            cues and len(cues[-1]) < max_words and w["end"] - cues[-1][0]["start"] <= max_seconds
+            and not ends_sentence(cues[-1][-1]["word"])
+        ):  # fmt: skip
             cues[-1].append(w)
         else:
             cues.append([w])
@@ -220,6 +226,27 @@ def transcript_record(item: Item, transcript: Any, duration: float, model: str) 
             "text": transcript.text, **details}  # fmt: skip
 
 
+def format_record(record: dict[str, Any], formatter: Any) -> dict[str, Any]:
+    """A record with its transcript and words written as people write them (`--formatting`,
+    model/runtime/formatting.py): each written word timed by the spoken words it came from,
+    its confidence the lowest of theirs."""
+    from echoic.model.runtime.formatting import written_words
+
+    spoken = record["words"]
+    words = [w["word"] for w in spoken] or record_text(record).split()
+    tokens = formatter.format(words)
+    text = " ".join(t.text for t in tokens)
+    out = {**record, ("pred_text" if "pred_text" in record else "text"): text}
+    if spoken:
+        written = written_words(
+            tokens, [w["start"] for w in spoken], [w["end"] for w in spoken],
+            [w["confidence"] for w in spoken],
+        )  # fmt: skip
+        out["words"] = [{"word": w.text, "start": w.start, "end": w.end,
+                         "confidence": w.confidence} for w in written]  # fmt: skip
+    return out
+
+
 def record_text(record: dict[str, Any]) -> str:
     return record["pred_text"] if "pred_text" in record else record["text"]
 
@@ -259,8 +286,11 @@ class OutputWriter:
         output: TextIO | None,
         targets: dict[str, Path] | None = None,
         on_written: Callable[[Item, str | None, bool], None] | None = None,
+        formatter: Any = None,
     ) -> None:
+        """formatter: a model/runtime/formatting.py Formatter for readable transcripts."""
         self.fmt, self.targets = fmt, targets or {}
+        self.formatter = formatter
         self._out = output if output is not None else sys.stdout
         self._on_written = on_written or (lambda item, error, transient: None)
         self.bar: Any = None  # a tqdm bar, while one is shown
@@ -272,6 +302,8 @@ class OutputWriter:
             print(message, file=sys.stderr)
 
     def write(self, item: Item, record: dict[str, Any]) -> None:
+        if self.formatter is not None:
+            record = format_record(record, self.formatter)
         if self.fmt == "jsonl":
             self._out.write(json.dumps(record) + "\n")
             self._out.flush()

@@ -83,6 +83,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
         ("echoic.training.distributed", "DistributedError"),
         ("echoic.model.nn.checkpoint", "CheckpointError"),
         ("echoic.model.runtime.card", "ModelError"),
+        ("echoic.model.runtime.formatting", "FormattingUnavailable"),
         ("echoic.model.nn.export", "ExportError"),
         ("echoic.model.nn.rebuild", "RebuildError"),
         ("echoic.model.nn.persistent.capacity", "PersistentKernelError"),

@@ -138,6 +138,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decoder_options(p)
     p.add_argument("--format", choices=FORMATS, help="output format (default: from --output's"
                    " extension; tsv on stdout)")  # fmt: skip
+    p.add_argument("--formatting", action=argparse.BooleanOptionalAction, default=False,
+                   help="readable transcripts: punctuation, capitals, written-form numbers"
+                        " ($25, 3:30 p.m.); srt/vtt cues end at sentence ends"
+                        " (docs/formatting.md; default: lower-case words as spoken)")  # fmt: skip
     p.add_argument("--output", metavar="FILE", help="one file for the job (resumable)")
     p.add_argument("--output-dir", metavar="DIR", help="one file per input, in the inputs' tree")
     p.add_argument(
@@ -266,6 +270,13 @@ class Job:
         self._out = None
         targets = None
         settings = {"format": fmt, "model": backend.model, **backend.decoder_settings()}
+        formatter = None
+        if args.formatting:  # only then a setting, so older job records still match
+            from echoic.model.runtime.formatting import Formatter, punctuator
+
+            punctuator()  # FormattingUnavailable (one line) before any work
+            formatter = Formatter()
+            settings["formatting"] = True
         if args.output:
             out = Path(args.output)
             record = out.with_name(out.name + ".job")
@@ -295,7 +306,7 @@ class Job:
             targets = per_file_targets(items, out_dir, fmt)
             stats.outputs.append(str(out_dir))
         self.targets = targets or {}
-        self.writer = OutputWriter(fmt, self._out, targets, self._written)
+        self.writer = OutputWriter(fmt, self._out, targets, self._written, formatter)
 
     def _is_done(self, item: Item) -> bool:
         if self.record is None or not self.record.is_done(item):

@@ -53,6 +53,8 @@ def recognition_config(
     max_alternatives: int = 0,
     trailing_silence_ms: int = 0,
     max_utterance_ms: int = 0,
+    punctuation: bool = False,
+    inverse_normalization: bool = False,
 ) -> pb.RecognitionConfig:
     """A RecognitionConfig from plain values (see the .proto for each field).
 
@@ -60,6 +62,7 @@ def recognition_config(
     decoder: 'greedy', 'beam', or None for the server's default (`echoic serve
     --decoder`). trailing_silence_ms / max_utterance_ms turn on endpointing (a stream
     is split into utterances, each with its final result).
+    punctuation / inverse_normalization: readable final transcripts (FormattingConfig).
     """
     kinds = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
     if decoder is not None and decoder not in kinds:
@@ -74,6 +77,9 @@ def recognition_config(
         model_version=model_version,
         enable_word_time_offsets=words,
         max_alternatives=max_alternatives,
+        formatting=pb.FormattingConfig(
+            punctuation=punctuation, inverse_normalization=inverse_normalization
+        ),
     )
     if decoder is not None:
         config.decoder.CopyFrom(

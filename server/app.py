@@ -39,6 +39,7 @@ from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import ServerConfig, ServerError, busy_port_hint
+from echoic.server.formatting import FormattingUnavailable, punctuator, use_tagger
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.service import TranscriberService, add_to_server
@@ -247,11 +248,22 @@ def _check_ports_free(config: ServerConfig) -> None:
                     ) from e
 
 
+def _load_tagger(path: Path | None) -> None:
+    """The punctuation tagger, loaded now so the first formatted result does not wait; one
+    line in the log when it cannot be (the server serves on, without punctuation)."""
+    use_tagger(path)
+    try:
+        punctuator()
+    except FormattingUnavailable as e:
+        log.warning("%s; requests for punctuation will be refused", e)
+
+
 async def create_server(config: ServerConfig) -> tuple[Server, int]:
     """Load the models and start serving; returns the running server and its gRPC port."""
     credentials = _credentials(config)  # unreadable certificates fail before any model loads
     if not config.reuse_port:  # a --workers worker's ports are held by its supervisor
         _check_ports_free(config)
+    await asyncio.to_thread(_load_tagger, config.punctuation_model)
     door = _http_door() if config.http_port else None
     ssl_context = _ssl_context(config) if door is not None else None
     metrics = Metrics()

@@ -190,6 +190,14 @@ class ServerConfig:
         "accepted, at real time, plus slack); 0 = no limit",
         Flag(metavar="S"),
     )
+    punctuation_model: Path | None = setting(
+        None,
+        "the punctuation and capitals tagger (an ONNX file written by python -m "
+        "echoic.training.punctuation) for formatted transcripts; unset: the bundled "
+        "model/punct/punct.onnx. A file that cannot be loaded leaves the server serving, "
+        "formatting without punctuation refused (docs/formatting.md)",
+        Flag(metavar="FILE"),
+    )
     max_beam_size: int = setting(
         64,
         "largest beam_size a request may ask for, hypotheses per frame (a beam search's "

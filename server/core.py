@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 
 from echoic.model.core.decoding import DecoderConfig, Transcript
+from echoic.model.runtime.formatting import Formatter
 from echoic.model.runtime.recognizer import Utterance
 
 
@@ -34,6 +35,7 @@ class Options:
     interim: bool = False  # send interim results
     interim_interval: float = 0.0  # least decoded audio between interim results, s
     alternatives: int = 1  # most alternatives in a final result, count
+    formatting: Formatter | None = None  # how final transcripts are written; None: raw words
 
 
 class RefusalKind(enum.Enum):

@@ -262,7 +262,7 @@ class HttpDoor:
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await response.prepare(request)
-            deltas = TextDeltas()
+            deltas = TextDeltas(finals_only=opts.formatting is not None)
             try:
                 while True:
                     for delta in deltas.add(step):

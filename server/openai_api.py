@@ -12,6 +12,15 @@ POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
     timestamp_granularities[] word | segment, with verbose_json only (default: segment)
     stream                    "true": server-sent events, `transcript.text.delta` as
                               words firm up, then `transcript.text.done` (TextDeltas)
+    formatting                echoic's own field: "true" (the default, as OpenAI's text is
+                              punctuated and cased) or "false" for the words as spoken, in
+                              lower case (docs/formatting.md); with the openai package,
+                              `extra_body={"formatting": "false"}`
+
+Formatted text (server/formatting.py) has sentence ends, commas, question marks,
+capitals and written-form numbers ("$25", "3:30 p.m."); srt and vtt cues then end at
+sentence ends too. When the server has no punctuation tagger, the default falls back to
+the spoken words, and an explicit formatting=true is refused (400).
 
 and one of echoic's own (OpenAI's clients send it with `extra_body`):
 
@@ -39,7 +48,9 @@ import grpc
 
 from echoic.model.core.decoding import FILE_ENDPOINTING
 from echoic.model.core.version import echoic_version
+from echoic.model.runtime.formatting import ends_sentence
 from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
 from echoic.server.models import ModelLookupError
 from echoic.server.service import status_of
 
@@ -120,6 +131,7 @@ class TranscriptionRequest:
     segments: bool  # verbose_json lists segments
     stream: bool  # answer as server-sent events
     decoder: str = ""  # "greedy" or "beam"; "" = the server's default
+    formatting: bool = True  # readable text; False: the words as spoken
 
 
 def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionRequest:
@@ -181,6 +193,16 @@ def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionReque
             "the server's default)",
             "decoder", "unknown_decoder",
         )  # fmt: skip
+    formatting = one("formatting", "").lower()
+    if formatting not in ("", "true", "false"):
+        raise bad(f"formatting must be true or false, got {formatting!r}", "formatting")
+    if formatting == "true":
+        try:
+            check_available(default_formatter())
+        except FormattingUnavailable as e:
+            raise bad(str(e), "formatting", "formatting_unavailable") from None
+    elif not formatting:
+        formatting = "true" if default_formatter_available() else "false"
     return TranscriptionRequest(
         model=model,
         response_format=response_format,
@@ -188,13 +210,28 @@ def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionReque
         segments="segment" in granularities or not granularities,
         stream=stream == "true",
         decoder=decoder,
+        formatting=formatting == "true",
     )
+
+
+def default_formatter_available() -> bool:
+    """Whether this install can format; if not, the door's default is the spoken words."""
+    try:
+        check_available(default_formatter())
+    except FormattingUnavailable:
+        return False
+    return True
 
 
 def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
     """The gRPC config that asks Recognize for what this request asks."""
     config = pb.RecognitionConfig(
-        model=request.model, enable_word_time_offsets=True, endpointing=ENDPOINTING
+        model=request.model,
+        enable_word_time_offsets=True,
+        endpointing=ENDPOINTING,
+        formatting=pb.FormattingConfig(
+            punctuation=request.formatting, inverse_normalization=request.formatting
+        ),
     )
     if request.decoder:
         config.decoder.kind = DECODERS[request.decoder]
@@ -284,29 +321,55 @@ def _clock(seconds: float, separator: str) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}{separator}{ms:03d}"
 
 
+def cues(segments: list[Segment]) -> list[Segment]:
+    """Subtitle cues: each segment cut after its sentence ends (formatted text has them),
+    each piece timed by its own words; a segment with one sentence, or none marked, is
+    one cue."""
+    out = []
+    for s in segments:
+        pieces: list[list[Word]] = [[]]
+        for w in s.words:
+            pieces[-1].append(w)
+            if ends_sentence(w.word):
+                pieces.append([])
+        pieces = [p for p in pieces if p]
+        if len(pieces) < 2:
+            out.append(s)
+            continue
+        out.extend(
+            Segment(id=s.id, start=p[0].start, end=p[-1].end,
+                    text=" ".join(w.word for w in p), confidence=s.confidence, words=p)
+            for p in pieces
+        )  # fmt: skip
+    return out
+
+
 def srt(segments: list[Segment]) -> str:
     return "".join(
         f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text}\n\n"
-        for i, s in enumerate(segments, 1)
+        for i, s in enumerate(cues(segments), 1)
     )
 
 
 def vtt(segments: list[Segment]) -> str:
-    cues = "".join(
-        f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n\n" for s in segments
+    cues_text = "".join(
+        f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text}\n\n" for s in cues(segments)
     )
-    return "WEBVTT\n\n" + cues
+    return "WEBVTT\n\n" + cues_text
 
 
 class TextDeltas:
     """`stream=true`: the transcript as deltas, from a live stream's results. A delta is
     the words that firmed up since the last one: an interim result's stable words (for
     greedy decoding, words a space has closed, which later results never change) and a
-    final result's rest. Joined, the deltas are the final text."""
+    final result's rest. Joined, the deltas are the final text. With `finals_only`
+    (formatted text: its words are not the interim results' spoken words) a delta is
+    each utterance's formatted text, once it is final."""
 
-    def __init__(self) -> None:
+    def __init__(self, finals_only: bool = False) -> None:
         self.finals: list[str] = []  # final transcripts of the utterances so far
         self._sent = 0  # words of the current utterance already sent
+        self._finals_only = finals_only
 
     @property
     def text(self) -> str:
@@ -317,6 +380,8 @@ class TextDeltas:
         out = []
         for r in results:
             transcript = r.alternatives[0].transcript if r.alternatives else ""
+            if not r.is_final and self._finals_only:
+                continue
             words = transcript.split()
             firm = words if r.is_final else words[: r.stable_words]
             if len(firm) > self._sent:

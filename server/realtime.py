@@ -19,7 +19,11 @@ or "none" = the bytes of a file with its header: WAV, FLAC and Ogg stream, MP3 i
 decoded at the end;
 `input_audio_transcription.model`/`language`; `recognition_config.enable_word_time_offsets`;
 `recognition_config.decoder` ("greedy" or "beam"; absent: the server's default, `echoic
-serve --decoder`);
+serve --decoder`); `enable_automatic_punctuation` (default on where the server has its
+tagger) and `enable_verbatim_transcripts` (default off: numbers, money, times in written
+form), as Riva's realtime client sends them: they shape `.completed` transcripts, while
+deltas stay the words as spoken (joined, the spoken words of all utterances), since they
+show progress and `.completed` replaces them;
 `endpointing_config.stop_history` = ms of trailing silence that ends an utterance),
 then `input_audio_buffer.append` (base64 audio), `.commit` and `.done`.
 
@@ -54,6 +58,7 @@ from aiohttp import WSMsgType, web
 
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
+from echoic.server.formatting import Formatter, format_results
 from echoic.server.metrics import HTTP_REALTIME, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -63,9 +68,10 @@ from echoic.server.openai_api import (
     ApiError,
     TextDeltas,
     api_error,
+    default_formatter_available,
 )
 from echoic.server.service import RateLimitedWarning, TranscriberService
-from echoic.server.session import Session, parse_config
+from echoic.server.session import Session, formatter_of, parse_config
 
 log = logging.getLogger("echoic.server")
 
@@ -134,7 +140,14 @@ class RealtimeDoor:
             "input_audio_format": "pcm16",
             "input_audio_params": {"sample_rate_hz": 16000, "num_channels": 1},
             "input_audio_transcription": {"model": "", "language": "en-US", "prompt": ""},
-            "recognition_config": {"max_alternatives": 1, "enable_word_time_offsets": False},
+            "recognition_config": {
+                "max_alternatives": 1,
+                "enable_word_time_offsets": False,
+                # Final transcripts are written as people write them when this server
+                # can (docs/formatting.md); the deltas stay the words as spoken.
+                "enable_automatic_punctuation": default_formatter_available(),
+                "enable_verbatim_transcripts": False,
+            },  # fmt: skip
             "endpointing_config": {"stop_history": ENDPOINTING.trailing_silence_ms},
         }
 
@@ -198,6 +211,7 @@ class RealtimeSession:
         self.settings = door._defaults()
         self.session: Session | None = None
         self.deltas = TextDeltas()
+        self.formatter: Formatter | None = None  # how `.completed` transcripts are written
         self.done = False  # input_audio_buffer.done has been handled
 
     async def send(self, event: dict[str, Any]) -> None:
@@ -439,8 +453,9 @@ class RealtimeSession:
                 "invalid_value",
                 f"sample_rate_hz, num_channels and stop_history are integers in 0-{MAX_INT}",
             )
-        words = bool(settings["recognition_config"].get("enable_word_time_offsets"))
-        decoder = settings["recognition_config"].get("decoder")
+        recognition = settings["recognition_config"]
+        words = bool(recognition.get("enable_word_time_offsets"))
+        decoder = recognition.get("decoder")
         if decoder is not None and decoder not in DECODERS:
             raise ClientMistake(
                 "invalid_value",
@@ -462,6 +477,12 @@ class RealtimeSession:
             config.decoder.kind = DECODERS[decoder]
         service, registry = self.door._service, self.door._registry
         opts = parse_config(config, max_beam=self.door._config.max_beam_size, interim=True)
+        # Formatted here rather than by the Session: the deltas need the spoken words of
+        # every result, the final's included; `.completed` gets the written form.
+        formatter = formatter_of(
+            bool(recognition.get("enable_automatic_punctuation")),
+            not recognition.get("enable_verbatim_transcripts"),
+        )
         chosen = registry.resolve(opts.model, opts.version)
         if not chosen.streamable:
             raise ClientMistake("model_not_streamable", f"model {chosen.name!r} cannot stream")
@@ -478,6 +499,7 @@ class RealtimeSession:
         )  # fmt: skip
         asr["model"] = chosen.name
         self.settings = settings
+        self.formatter = formatter
         return chosen
 
     async def _send_results(self, results: list[pb.SpeechRecognitionResult], *, last: bool) -> None:
@@ -490,7 +512,7 @@ class RealtimeSession:
                     item_id=index, content_index=0, delta=delta,
                 ))  # fmt: skip
             if r.is_final:
-                best = r.alternatives[0]
+                best = self._formatted(r).alternatives[0]
                 await self.send(_event(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=index, content_index=0, transcript=best.transcript,
@@ -508,6 +530,13 @@ class RealtimeSession:
                 item_id=self._item_id(), content_index=0, transcript="", is_last_result=True,
                 words_info={"words": []},
             ))  # fmt: skip
+
+    def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
+        if self.formatter is None:
+            return r
+        copy = pb.SpeechRecognitionResult()
+        copy.CopyFrom(r)
+        return format_results([copy], self.formatter)[0]  # in place: see server/formatting.py
 
 
 def _scalar(given: dict[str, Any], key: str, section: str = "") -> Any:

@@ -23,8 +23,12 @@ How Riva's fields map (docs/riva.md, "Coming from Riva"):
 - custom_configuration: "decoder" (greedy or beam; absent: the server's default,
   `echoic serve --decoder`; "beam_size" alone means beam), "beam_size" and
   "max_utterance_ms"; any other key is refused, naming these.
-- enable_automatic_punctuation, profanity_filter, verbatim_transcripts: accepted;
-  transcripts are always lowercase words without punctuation, as the model writes them.
+- enable_automatic_punctuation: final transcripts get sentence ends, commas, question
+  marks and capitals (echoic's `formatting.punctuation`, docs/formatting.md).
+- verbatim_transcripts: as in Riva, false (the proto's default) writes final transcripts
+  in written form ("$25", "3:30 p.m.": echoic's `formatting.inverse_normalization`);
+  true keeps the words as spoken. Interim results are always the spoken words.
+- profanity_filter: accepted and ignored (no word list).
 - speech_contexts (word boosting): the beam decoder with those words boosted, Riva's
   `boost` divided by 4 into echoic's nats (Riva's suggested 20 is 5 nats).
 - Refused with INVALID_ARGUMENT: speaker diarization, separate recognition per channel.
@@ -100,6 +104,10 @@ def echoic_config(config: rasr.RecognitionConfig, first_audio: bytes = b"") -> p
         model=config.model,
         enable_word_time_offsets=config.enable_word_time_offsets,
         max_alternatives=config.max_alternatives,
+        formatting=pb.FormattingConfig(
+            punctuation=config.enable_automatic_punctuation,
+            inverse_normalization=not config.verbatim_transcripts,
+        ),
     )
     e = config.endpointing_config
     silence = e.stop_history or e.stop_history_eou

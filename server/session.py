@@ -36,12 +36,13 @@ from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput, check_format
 from echoic.server.config import ServerConfig
 from echoic.server.core import Options, Refusal, RefusalKind, Result
+from echoic.server.formatting import (
+    Formatter,
+    FormattingUnavailable,
+    check_available,
+    format_results,
+)
 from echoic.server.models import LoadedModel, ModelRegistry
-
-__all__ = [
-    "GRPC_STATUS", "Options", "RequestError", "Session", "invalid", "open_session",
-    "parse_config", "result_proto",
-]  # fmt: skip
 
 _ENCODINGS = {
     pb.RecognitionConfig.ENCODING_UNSPECIFIED: "auto",
@@ -127,6 +128,19 @@ def _boosts(d: pb.DecoderConfig) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(words.items()))
 
 
+def formatter_of(punctuation: bool, inverse: bool) -> Formatter | None:
+    """The formatter a request asks for (None: none); RequestError(FAILED_PRECONDITION)
+    when this install cannot punctuate."""
+    if not (punctuation or inverse):
+        return None
+    formatter = Formatter(punctuation=punctuation, inverse=inverse)
+    try:
+        check_available(formatter)
+    except FormattingUnavailable as e:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    return formatter
+
+
 def parse_config(
     config: pb.RecognitionConfig,
     *,
@@ -198,6 +212,9 @@ def parse_config(
         interim=interim,
         interim_interval=interval_ms / 1000.0,
         alternatives=max(1, config.max_alternatives),
+        formatting=formatter_of(
+            config.formatting.punctuation, config.formatting.inverse_normalization
+        ),
     )
 
 
@@ -339,7 +356,14 @@ class Session:
 
     async def advance(self) -> list[pb.SpeechRecognitionResult]:
         """Run every ready step (through the dispatcher, one await each); the results to
-        send now."""
+        send now, final ones formatted as the options ask (server/formatting.py)."""
+        out = await self._advance()
+        formatter = self.options.formatting
+        if formatter is None or not any(r.is_final for r in out):
+            return out
+        return format_results(out, formatter)
+
+    async def _advance(self) -> list[pb.SpeechRecognitionResult]:
         if self.stream is None:
             return await self._advance_offline()
         out: list[pb.SpeechRecognitionResult] = []

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echoic.model.nn.checkpoint import FORMAT, CheckpointError, load_checkpoint
+from echoic.model.nn.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from echoic.training.gpu_pack import join_parts, write_parts
 from tests.conftest import ROOT, TINY_RECIPE
 
@@ -63,9 +63,9 @@ def test_pack_run_join_end_to_end(
 
     weights = join_parts(out, tmp_path / "back" / "weights.pt")
     back, start = load_checkpoint(weights), load_checkpoint(tmp_path / "pack" / "init.pt")
-    assert back["step"] == 4 and back["weights_dtype"] == "float32"
-    assert "optimizer" not in back  # slim: what travels is the weights
-    assert not all(torch.equal(back["model"][k], start["model"][k]) for k in start["model"])
+    assert back.step == 4 and torch.load(weights, weights_only=False)["weights_dtype"] == "float32"
+    assert not back.optimizer and not back.rng  # slim: what travels is the weights
+    assert not all(torch.equal(back.model[k], start.model[k]) for k in start.model)
     export = tmp_path / "export"
     subprocess.run(
         [sys.executable, "-m", "echoic.cli.main", "export", str(weights), str(export)],
@@ -89,8 +89,8 @@ def _checkpoint(path: Path, floats: int) -> Path:
     """A checkpoint file with one weight of `floats` float32 values (the seam under test is
     the file, not the network)."""
     torch.manual_seed(0)
-    ckpt = {"format": FORMAT, "model": {"w": torch.randn(floats), "n": torch.tensor(3)}, "step": 7}
-    torch.save(ckpt, path)
+    weights = {"w": torch.randn(floats), "n": torch.tensor(3)}
+    torch.save(Checkpoint(model=weights, model_config={}, step=7).to_dict(), path)
     return path
 
 
@@ -115,9 +115,9 @@ def test_weights_come_back_in_parts_and_join(
     assert all(p.stat().st_size <= part_mb * 1e6 for p in written)
     joined = load_checkpoint(join_parts(tmp_path / "out", tmp_path / "joined.pt"))
     original = torch.load(source, weights_only=False)["model"]
-    assert joined["model"]["w"].dtype == dtype and joined["step"] == 7
-    assert torch.equal(joined["model"]["w"], original["w"].to(dtype))
-    assert torch.equal(joined["model"]["n"], original["n"])
+    assert joined.model["w"].dtype == dtype and joined.step == 7
+    assert torch.equal(joined.model["w"], original["w"].to(dtype))
+    assert torch.equal(joined.model["n"], original["n"])
 
 
 def test_a_missing_part_is_caught_at_join(tmp_path: Path) -> None:

@@ -336,7 +336,8 @@ def test_beam_search_on_an_imported_model(hf_imported_dir: Path) -> None:
 def test_the_http_door_answers_the_same_as_recognize(
     hf_wav2vec2_dir: Path, hf_imported_dir: Path
 ) -> None:
-    """OpenAI's own client on the HTTP door: the same whole-utterance decode."""
+    """OpenAI's own client on the HTTP door: the same whole-utterance decode (the words as
+    spoken: formatting=false)."""
     from tests.test_http import http_server, openai_client
     from tests.test_server import container
 
@@ -346,6 +347,6 @@ def test_the_http_door_answers_the_same_as_recognize(
     text, _ = transformers_greedy(hf_wav2vec2_dir, sent)
     with http_server(model_dir=hf_imported_dir) as server:
         got = openai_client(server).audio.transcriptions.create(
-            model="whisper-1", file=("speech.wav", wav)
+            model="whisper-1", file=("speech.wav", wav), extra_body={"formatting": "false"}
         )
     assert text and got.text == text

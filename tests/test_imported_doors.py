@@ -126,7 +126,8 @@ def test_openai_client_gets_recognizes_transcript_and_word_times(
     serve, stub, repository, wav, model
 ) -> None:
     """OpenAI's client, unchanged: json, verbose_json with word times, and stream=true
-    (an imported model runs the file whole there too: its text is Recognize's)."""
+    (an imported model runs the file whole there too: its text is Recognize's), the words
+    as spoken (formatting=false: docs/formatting.md)."""
     import openai
 
     data = wav.read_bytes()
@@ -137,13 +138,18 @@ def test_openai_client_gets_recognizes_transcript_and_word_times(
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve[1]}/v1", api_key="unused",
                            max_retries=0, timeout=TIMEOUT)  # fmt: skip
     with client:
-        plain = client.audio.transcriptions.create(model=model, file=("clip.wav", data))
+        raw = {"formatting": "false"}
+        plain = client.audio.transcriptions.create(
+            model=model, file=("clip.wav", data), extra_body=raw
+        )
         verbose = client.audio.transcriptions.create(
             model=model, file=("clip.wav", data), response_format="verbose_json",
-            timestamp_granularities=["word", "segment"],
+            timestamp_granularities=["word", "segment"], extra_body=raw,
         )  # fmt: skip
         events = list(
-            client.audio.transcriptions.create(model=model, file=("clip.wav", data), stream=True)
+            client.audio.transcriptions.create(
+                model=model, file=("clip.wav", data), stream=True, extra_body=raw
+            )
         )
     assert plain.text == verbose.text == want.transcript
     assert verbose.duration == pytest.approx(duration)
@@ -168,8 +174,11 @@ def test_realtime_websocket_gets_streaming_recognizes_finals(serve, stub, wav, m
         "input_audio_format": "pcm16",
         "input_audio_params": {"sample_rate_hz": 16000, "num_channels": 1},
         "input_audio_transcription": {"model": model},
-        "recognition_config": {"enable_word_time_offsets": True},
-    }
+        # the words as spoken, as StreamingRecognize gives them by default
+        "recognition_config": {"enable_word_time_offsets": True,
+                               "enable_automatic_punctuation": False,
+                               "enable_verbatim_transcripts": True},
+    }  # fmt: skip
     url = f"ws://127.0.0.1:{serve[1]}/v1/realtime?intent=transcription"
 
     async def events() -> list[dict]:

@@ -17,6 +17,7 @@ pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from tests.test_server import (  # noqa: E402
+    GREEDY,
     TONE,
     channel_to,
     linear16,
@@ -242,7 +243,7 @@ def test_retrain_and_redeploy_the_bundled_model_without_a_restart(
                 release = threading.Event()
                 third = len(pcm16(audio)) // 3 // 2 * 2
                 call = stub.StreamingRecognize(
-                    stream_messages(pcm16(audio), linear16(), interim=True,
+                    stream_messages(pcm16(audio), linear16(decoder=GREEDY), interim=True,
                                     pause=(third, release)),
                     timeout=900,
                 )  # fmt: skip

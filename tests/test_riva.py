@@ -46,6 +46,8 @@ def wav(speech_corpus: Path) -> Path:
 
 
 def _config(**fields) -> rasr.RecognitionConfig:
+    # verbatim: these tests compare with echoic's raw words (Riva's default is written form)
+    fields.setdefault("verbatim_transcripts", True)
     return riva_client.RecognitionConfig(language_code="en-US", max_alternatives=1, **fields)
 
 

@@ -25,6 +25,7 @@ FLAGS = {
     "--gpu", "--max-streams", "--workers",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
+    "--punctuation-model",
     "--max-message-bytes", "--max-upload-mb", "--upload-timeout-seconds", "--decode-threads",
     "--decode-timeout-seconds",
     "--max-connection-age", "--grace-seconds", "--no-reflection", "--expose-paths",

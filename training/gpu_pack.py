@@ -30,11 +30,10 @@ import torch
 
 from echoic.model.core.audio import load_audio
 from echoic.model.core.configs import to_dict
-from echoic.model.nn.checkpoint import FORMAT, load_checkpoint
+from echoic.model.nn.checkpoint import Checkpoint, load_checkpoint
 
 RATE = 16000  # Hz, what echoic's models read
 FORMATS = {"opus": ("OGG", "OPUS", ".opus"), "flac": ("FLAC", "PCM_16", ".flac")}
-SLIM_KEYS = ("format", "model", "model_config", "train_config", "config_hash", "step", "epoch")
 MB = 1_000_000
 
 
@@ -84,14 +83,19 @@ def pack_corpus(
     }
 
 
-def slim(ckpt: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The weights and what describes them, floating tensors as `dtype`."""
-    out = {key: ckpt[key] for key in SLIM_KEYS if key in ckpt}
-    out["model"] = {
-        k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt["model"].items()
-    }
-    out["weights_dtype"] = str(dtype).removeprefix("torch.")
-    return out
+def slim(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The weights and what describes them (no optimizer, schedule or RNG state),
+    floating tensors as `dtype`, as the dict a checkpoint file holds."""
+    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.model.items()}
+    small = Checkpoint(
+        model=weights,
+        model_config=ckpt.model_config,
+        train_config=ckpt.train_config,
+        config_hash=ckpt.config_hash,
+        step=ckpt.step,
+        epoch=ckpt.epoch,
+    )
+    return {**small.to_dict(), "weights_dtype": str(dtype).removeprefix("torch.")}
 
 
 def _size(obj: Any) -> int:
@@ -128,15 +132,12 @@ def init_checkpoint(
     model = DeepSpeech2(cfg.model)
     utts, _ = read_manifest(manifest, Vocabulary(cfg.model.vocabulary), cfg.data)
     _init_from(model, cfg, utts)
-    ckpt = {
-        "format": FORMAT,
-        "model": model.state_dict(),
-        "model_config": to_dict(cfg.model),
-        "train_config": to_dict(cfg, NOT_SAVED),
-        "config_hash": weights_hash(cfg),
-        "step": 0,
-        "epoch": 0,
-    }
+    ckpt = Checkpoint(
+        model=model.state_dict(),
+        model_config=to_dict(cfg.model),
+        train_config=to_dict(cfg, NOT_SAVED),
+        config_hash=weights_hash(cfg),
+    )
     torch.save(slim(ckpt), out)
 
 

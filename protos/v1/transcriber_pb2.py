@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65\x63hoic/v1/transcriber.proto\x12\techoic.v1\"\xb8\x03\n\x11RecognitionConfig\x12<\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32*.echoic.v1.RecognitionConfig.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x02 \x01(\x05\x12\x1b\n\x13\x61udio_channel_count\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12 \n\x18\x65nable_word_time_offsets\x18\x06 \x01(\x08\x12\x18\n\x10max_alternatives\x18\x07 \x01(\x05\x12)\n\x07\x64\x65\x63oder\x18\x08 \x01(\x0b\x32\x18.echoic.v1.DecoderConfig\x12\x31\n\x0b\x65ndpointing\x18\t \x01(\x0b\x32\x1c.echoic.v1.EndpointingConfig\"m\n\rAudioEncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x0c\n\x08LINEAR16\x10\x01\x12\x07\n\x03WAV\x10\x02\x12\x08\n\x04\x46LAC\x10\x03\x12\t\n\x05MULAW\x10\x04\x12\x08\n\x04\x41LAW\x10\x05\x12\x0c\n\x08OGG_OPUS\x10\x06\"\xa7\x01\n\rDecoderConfig\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.echoic.v1.DecoderConfig.Kind\x12\x11\n\tbeam_size\x18\x02 \x01(\x05\x12\x12\n\ndisable_lm\x18\x03 \x01(\x08\x12$\n\x06\x62oosts\x18\x04 \x03(\x0b\x32\x14.echoic.v1.WordBoost\"\x1c\n\x04Kind\x12\n\n\x06GREEDY\x10\x00\x12\x08\n\x04\x42\x45\x41M\x10\x01\")\n\tWordBoost\x12\r\n\x05words\x18\x01 \x03(\t\x12\r\n\x05\x62oost\x18\x02 \x01(\x02\"J\n\x11\x45ndpointingConfig\x12\x1b\n\x13trailing_silence_ms\x18\x01 \x01(\x05\x12\x18\n\x10max_utterance_ms\x18\x02 \x01(\x05\"\x80\x01\n\x1aStreamingRecognitionConfig\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.echoic.v1.RecognitionConfig\x12\x17\n\x0finterim_results\x18\x02 \x01(\x08\x12\x1b\n\x13interim_interval_ms\x18\x03 \x01(\x05\"W\n\x10RecognizeRequest\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.echoic.v1.RecognitionConfig\x12\x15\n\raudio_content\x18\x02 \x01(\x0c\"\x8c\x01\n\x19StreamingRecognizeRequest\x12\x41\n\x10streaming_config\x18\x01 \x01(\x0b\x32%.echoic.v1.StreamingRecognitionConfigH\x00\x12\x17\n\raudio_content\x18\x02 \x01(\x0cH\x00\x42\x13\n\x11streaming_request\"\x13\n\x11ListModelsRequest\"R\n\x08WordInfo\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x12\n\nstart_time\x18\x02 \x01(\x01\x12\x10\n\x08\x65nd_time\x18\x03 \x01(\x01\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"j\n\x1cSpeechRecognitionAlternative\x12\x12\n\ntranscript\x18\x01 \x01(\t\x12\x12\n\nconfidence\x18\x02 \x01(\x02\x12\"\n\x05words\x18\x03 \x03(\x0b\x32\x13.echoic.v1.WordInfo\"\xe6\x01\n\x17SpeechRecognitionResult\x12=\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32\'.echoic.v1.SpeechRecognitionAlternative\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x11\n\tstability\x18\x03 \x01(\x02\x12\x14\n\x0cstable_words\x18\x04 \x01(\x05\x12\x17\n\x0futterance_index\x18\x05 \x01(\x05\x12\x1c\n\x14utterance_start_time\x18\x06 \x01(\x01\x12\x1a\n\x12utterance_end_time\x18\x07 \x01(\x01\")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x8d\x01\n\x11RecognizeResponse\x12\x33\n\x07results\x18\x01 \x03(\x0b\x32\".echoic.v1.SpeechRecognitionResult\x12\x1f\n\x17\x61udio_processed_seconds\x18\x02 \x01(\x01\x12\"\n\x05model\x18\x03 \x01(\x0b\x32\x13.echoic.v1.ModelRef\"\x96\x01\n\x1aStreamingRecognizeResponse\x12\x33\n\x07results\x18\x01 \x03(\x0b\x32\".echoic.v1.SpeechRecognitionResult\x12\x1f\n\x17\x61udio_processed_seconds\x18\x02 \x01(\x01\x12\"\n\x05model\x18\x03 \x01(\x0b\x32\x13.echoic.v1.ModelRef\"\x9f\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.echoic.v1.ModelInfo.State\x12\x19\n\x11sample_rate_hertz\x18\x04 \x01(\x05\x12\x12\n\nstreamable\x18\x05 \x01(\x08\x12\x17\n\x0fvocabulary_size\x18\x06 \x01(\x05\x12\x15\n\rframe_seconds\x18\x07 \x01(\x01\x12\x15\n\rchunk_seconds\x18\x08 \x01(\x01\x12\x19\n\x11lookahead_seconds\x18\t \x01(\x01\x12\x1a\n\x12has_language_model\x18\n \x01(\x08\x12\x16\n\x0e\x61\x63tive_streams\x18\x0b \x01(\x05\x12\x0c\n\x04path\x18\x0c \x01(\t\x12\x10\n\x08rnn_type\x18\r \x01(\t\x12\x15\n\rbidirectional\x18\x0e \x01(\x08\x12\x12\n\nparameters\x18\x0f \x01(\x03\"8\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\"R\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.echoic.v1.ModelInfo\x12\x16\n\x0eserver_version\x18\x02 \x01(\t2\x87\x02\n\x0bTranscriber\x12\x46\n\tRecognize\x12\x1b.echoic.v1.RecognizeRequest\x1a\x1c.echoic.v1.RecognizeResponse\x12\x65\n\x12StreamingRecognize\x12$.echoic.v1.StreamingRecognizeRequest\x1a%.echoic.v1.StreamingRecognizeResponse(\x01\x30\x01\x12I\n\nListModels\x12\x1c.echoic.v1.ListModelsRequest\x1a\x1d.echoic.v1.ListModelsResponseBM\n\techoic.v1B\x10TranscriberProtoP\x01Z echoic/gen/go/echoic/v1;echoicv1\xaa\x02\tEchoic.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x65\x63hoic/v1/transcriber.proto\x12\techoic.v1\"\xe9\x03\n\x11RecognitionConfig\x12<\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32*.echoic.v1.RecognitionConfig.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x02 \x01(\x05\x12\x1b\n\x13\x61udio_channel_count\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12 \n\x18\x65nable_word_time_offsets\x18\x06 \x01(\x08\x12\x18\n\x10max_alternatives\x18\x07 \x01(\x05\x12)\n\x07\x64\x65\x63oder\x18\x08 \x01(\x0b\x32\x18.echoic.v1.DecoderConfig\x12\x31\n\x0b\x65ndpointing\x18\t \x01(\x0b\x32\x1c.echoic.v1.EndpointingConfig\x12/\n\nformatting\x18\n \x01(\x0b\x32\x1b.echoic.v1.FormattingConfig\"m\n\rAudioEncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x0c\n\x08LINEAR16\x10\x01\x12\x07\n\x03WAV\x10\x02\x12\x08\n\x04\x46LAC\x10\x03\x12\t\n\x05MULAW\x10\x04\x12\x08\n\x04\x41LAW\x10\x05\x12\x0c\n\x08OGG_OPUS\x10\x06\"F\n\x10\x46ormattingConfig\x12\x13\n\x0bpunctuation\x18\x01 \x01(\x08\x12\x1d\n\x15inverse_normalization\x18\x02 \x01(\x08\"\xa7\x01\n\rDecoderConfig\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.echoic.v1.DecoderConfig.Kind\x12\x11\n\tbeam_size\x18\x02 \x01(\x05\x12\x12\n\ndisable_lm\x18\x03 \x01(\x08\x12$\n\x06\x62oosts\x18\x04 \x03(\x0b\x32\x14.echoic.v1.WordBoost\"\x1c\n\x04Kind\x12\n\n\x06GREEDY\x10\x00\x12\x08\n\x04\x42\x45\x41M\x10\x01\")\n\tWordBoost\x12\r\n\x05words\x18\x01 \x03(\t\x12\r\n\x05\x62oost\x18\x02 \x01(\x02\"J\n\x11\x45ndpointingConfig\x12\x1b\n\x13trailing_silence_ms\x18\x01 \x01(\x05\x12\x18\n\x10max_utterance_ms\x18\x02 \x01(\x05\"\x80\x01\n\x1aStreamingRecognitionConfig\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.echoic.v1.RecognitionConfig\x12\x17\n\x0finterim_results\x18\x02 \x01(\x08\x12\x1b\n\x13interim_interval_ms\x18\x03 \x01(\x05\"W\n\x10RecognizeRequest\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1c.echoic.v1.RecognitionConfig\x12\x15\n\raudio_content\x18\x02 \x01(\x0c\"\x8c\x01\n\x19StreamingRecognizeRequest\x12\x41\n\x10streaming_config\x18\x01 \x01(\x0b\x32%.echoic.v1.StreamingRecognitionConfigH\x00\x12\x17\n\raudio_content\x18\x02 \x01(\x0cH\x00\x42\x13\n\x11streaming_request\"\x13\n\x11ListModelsRequest\"R\n\x08WordInfo\x12\x0c\n\x04word\x18\x01 \x01(\t\x12\x12\n\nstart_time\x18\x02 \x01(\x01\x12\x10\n\x08\x65nd_time\x18\x03 \x01(\x01\x12\x12\n\nconfidence\x18\x04 \x01(\x02\"j\n\x1cSpeechRecognitionAlternative\x12\x12\n\ntranscript\x18\x01 \x01(\t\x12\x12\n\nconfidence\x18\x02 \x01(\x02\x12\"\n\x05words\x18\x03 \x03(\x0b\x32\x13.echoic.v1.WordInfo\"\xe6\x01\n\x17SpeechRecognitionResult\x12=\n\x0c\x61lternatives\x18\x01 \x03(\x0b\x32\'.echoic.v1.SpeechRecognitionAlternative\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x11\n\tstability\x18\x03 \x01(\x02\x12\x14\n\x0cstable_words\x18\x04 \x01(\x05\x12\x17\n\x0futterance_index\x18\x05 \x01(\x05\x12\x1c\n\x14utterance_start_time\x18\x06 \x01(\x01\x12\x1a\n\x12utterance_end_time\x18\x07 \x01(\x01\")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x8d\x01\n\x11RecognizeResponse\x12\x33\n\x07results\x18\x01 \x03(\x0b\x32\".echoic.v1.SpeechRecognitionResult\x12\x1f\n\x17\x61udio_processed_seconds\x18\x02 \x01(\x01\x12\"\n\x05model\x18\x03 \x01(\x0b\x32\x13.echoic.v1.ModelRef\"\x96\x01\n\x1aStreamingRecognizeResponse\x12\x33\n\x07results\x18\x01 \x03(\x0b\x32\".echoic.v1.SpeechRecognitionResult\x12\x1f\n\x17\x61udio_processed_seconds\x18\x02 \x01(\x01\x12\"\n\x05model\x18\x03 \x01(\x0b\x32\x13.echoic.v1.ModelRef\"\x9f\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.echoic.v1.ModelInfo.State\x12\x19\n\x11sample_rate_hertz\x18\x04 \x01(\x05\x12\x12\n\nstreamable\x18\x05 \x01(\x08\x12\x17\n\x0fvocabulary_size\x18\x06 \x01(\x05\x12\x15\n\rframe_seconds\x18\x07 \x01(\x01\x12\x15\n\rchunk_seconds\x18\x08 \x01(\x01\x12\x19\n\x11lookahead_seconds\x18\t \x01(\x01\x12\x1a\n\x12has_language_model\x18\n \x01(\x08\x12\x16\n\x0e\x61\x63tive_streams\x18\x0b \x01(\x05\x12\x0c\n\x04path\x18\x0c \x01(\t\x12\x10\n\x08rnn_type\x18\r \x01(\t\x12\x15\n\rbidirectional\x18\x0e \x01(\x08\x12\x12\n\nparameters\x18\x0f \x01(\x03\"8\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\"R\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.echoic.v1.ModelInfo\x12\x16\n\x0eserver_version\x18\x02 \x01(\t2\x87\x02\n\x0bTranscriber\x12\x46\n\tRecognize\x12\x1b.echoic.v1.RecognizeRequest\x1a\x1c.echoic.v1.RecognizeResponse\x12\x65\n\x12StreamingRecognize\x12$.echoic.v1.StreamingRecognizeRequest\x1a%.echoic.v1.StreamingRecognizeResponse(\x01\x30\x01\x12I\n\nListModels\x12\x1c.echoic.v1.ListModelsRequest\x1a\x1d.echoic.v1.ListModelsResponseBM\n\techoic.v1B\x10TranscriberProtoP\x01Z echoic/gen/go/echoic/v1;echoicv1\xaa\x02\tEchoic.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,43 +33,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\techoic.v1B\020TranscriberProtoP\001Z echoic/gen/go/echoic/v1;echoicv1\252\002\tEchoic.V1'
   _globals['_RECOGNITIONCONFIG']._serialized_start=43
-  _globals['_RECOGNITIONCONFIG']._serialized_end=483
-  _globals['_RECOGNITIONCONFIG_AUDIOENCODING']._serialized_start=374
-  _globals['_RECOGNITIONCONFIG_AUDIOENCODING']._serialized_end=483
-  _globals['_DECODERCONFIG']._serialized_start=486
-  _globals['_DECODERCONFIG']._serialized_end=653
-  _globals['_DECODERCONFIG_KIND']._serialized_start=625
-  _globals['_DECODERCONFIG_KIND']._serialized_end=653
-  _globals['_WORDBOOST']._serialized_start=655
-  _globals['_WORDBOOST']._serialized_end=696
-  _globals['_ENDPOINTINGCONFIG']._serialized_start=698
-  _globals['_ENDPOINTINGCONFIG']._serialized_end=772
-  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_start=775
-  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_end=903
-  _globals['_RECOGNIZEREQUEST']._serialized_start=905
-  _globals['_RECOGNIZEREQUEST']._serialized_end=992
-  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_start=995
-  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_end=1135
-  _globals['_LISTMODELSREQUEST']._serialized_start=1137
-  _globals['_LISTMODELSREQUEST']._serialized_end=1156
-  _globals['_WORDINFO']._serialized_start=1158
-  _globals['_WORDINFO']._serialized_end=1240
-  _globals['_SPEECHRECOGNITIONALTERNATIVE']._serialized_start=1242
-  _globals['_SPEECHRECOGNITIONALTERNATIVE']._serialized_end=1348
-  _globals['_SPEECHRECOGNITIONRESULT']._serialized_start=1351
-  _globals['_SPEECHRECOGNITIONRESULT']._serialized_end=1581
-  _globals['_MODELREF']._serialized_start=1583
-  _globals['_MODELREF']._serialized_end=1624
-  _globals['_RECOGNIZERESPONSE']._serialized_start=1627
-  _globals['_RECOGNIZERESPONSE']._serialized_end=1768
-  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_start=1771
-  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_end=1921
-  _globals['_MODELINFO']._serialized_start=1924
-  _globals['_MODELINFO']._serialized_end=2339
-  _globals['_MODELINFO_STATE']._serialized_start=2283
-  _globals['_MODELINFO_STATE']._serialized_end=2339
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2341
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2423
-  _globals['_TRANSCRIBER']._serialized_start=2426
-  _globals['_TRANSCRIBER']._serialized_end=2689
+  _globals['_RECOGNITIONCONFIG']._serialized_end=532
+  _globals['_RECOGNITIONCONFIG_AUDIOENCODING']._serialized_start=423
+  _globals['_RECOGNITIONCONFIG_AUDIOENCODING']._serialized_end=532
+  _globals['_FORMATTINGCONFIG']._serialized_start=534
+  _globals['_FORMATTINGCONFIG']._serialized_end=604
+  _globals['_DECODERCONFIG']._serialized_start=607
+  _globals['_DECODERCONFIG']._serialized_end=774
+  _globals['_DECODERCONFIG_KIND']._serialized_start=746
+  _globals['_DECODERCONFIG_KIND']._serialized_end=774
+  _globals['_WORDBOOST']._serialized_start=776
+  _globals['_WORDBOOST']._serialized_end=817
+  _globals['_ENDPOINTINGCONFIG']._serialized_start=819
+  _globals['_ENDPOINTINGCONFIG']._serialized_end=893
+  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_start=896
+  _globals['_STREAMINGRECOGNITIONCONFIG']._serialized_end=1024
+  _globals['_RECOGNIZEREQUEST']._serialized_start=1026
+  _globals['_RECOGNIZEREQUEST']._serialized_end=1113
+  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_start=1116
+  _globals['_STREAMINGRECOGNIZEREQUEST']._serialized_end=1256
+  _globals['_LISTMODELSREQUEST']._serialized_start=1258
+  _globals['_LISTMODELSREQUEST']._serialized_end=1277
+  _globals['_WORDINFO']._serialized_start=1279
+  _globals['_WORDINFO']._serialized_end=1361
+  _globals['_SPEECHRECOGNITIONALTERNATIVE']._serialized_start=1363
+  _globals['_SPEECHRECOGNITIONALTERNATIVE']._serialized_end=1469
+  _globals['_SPEECHRECOGNITIONRESULT']._serialized_start=1472
+  _globals['_SPEECHRECOGNITIONRESULT']._serialized_end=1702
+  _globals['_MODELREF']._serialized_start=1704
+  _globals['_MODELREF']._serialized_end=1745
+  _globals['_RECOGNIZERESPONSE']._serialized_start=1748
+  _globals['_RECOGNIZERESPONSE']._serialized_end=1889
+  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_start=1892
+  _globals['_STREAMINGRECOGNIZERESPONSE']._serialized_end=2042
+  _globals['_MODELINFO']._serialized_start=2045
+  _globals['_MODELINFO']._serialized_end=2460
+  _globals['_MODELINFO_STATE']._serialized_start=2404
+  _globals['_MODELINFO_STATE']._serialized_end=2460
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2462
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2544
+  _globals['_TRANSCRIBER']._serialized_start=2547
+  _globals['_TRANSCRIBER']._serialized_end=2810
 # @@protoc_insertion_point(module_scope)

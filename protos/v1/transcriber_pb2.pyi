@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RecognitionConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hertz", "audio_channel_count", "model", "model_version", "enable_word_time_offsets", "max_alternatives", "decoder", "endpointing")
+    __slots__ = ("encoding", "sample_rate_hertz", "audio_channel_count", "model", "model_version", "enable_word_time_offsets", "max_alternatives", "decoder", "endpointing", "formatting")
     class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ENCODING_UNSPECIFIED: _ClassVar[RecognitionConfig.AudioEncoding]
@@ -34,6 +34,7 @@ class RecognitionConfig(_message.Message):
     MAX_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     DECODER_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTING_FIELD_NUMBER: _ClassVar[int]
+    FORMATTING_FIELD_NUMBER: _ClassVar[int]
     encoding: RecognitionConfig.AudioEncoding
     sample_rate_hertz: int
     audio_channel_count: int
@@ -43,7 +44,16 @@ class RecognitionConfig(_message.Message):
     max_alternatives: int
     decoder: DecoderConfig
     endpointing: EndpointingConfig
-    def __init__(self, encoding: _Optional[_Union[RecognitionConfig.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., audio_channel_count: _Optional[int] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., decoder: _Optional[_Union[DecoderConfig, _Mapping]] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ...) -> None: ...
+    formatting: FormattingConfig
+    def __init__(self, encoding: _Optional[_Union[RecognitionConfig.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., audio_channel_count: _Optional[int] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., enable_word_time_offsets: _Optional[bool] = ..., max_alternatives: _Optional[int] = ..., decoder: _Optional[_Union[DecoderConfig, _Mapping]] = ..., endpointing: _Optional[_Union[EndpointingConfig, _Mapping]] = ..., formatting: _Optional[_Union[FormattingConfig, _Mapping]] = ...) -> None: ...
+
+class FormattingConfig(_message.Message):
+    __slots__ = ("punctuation", "inverse_normalization")
+    PUNCTUATION_FIELD_NUMBER: _ClassVar[int]
+    INVERSE_NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
+    punctuation: bool
+    inverse_normalization: bool
+    def __init__(self, punctuation: _Optional[bool] = ..., inverse_normalization: _Optional[bool] = ...) -> None: ...
 
 class DecoderConfig(_message.Message):
     __slots__ = ("kind", "beam_size", "disable_lm", "boosts")

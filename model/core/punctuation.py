@@ -1,0 +1,153 @@
+"""Punctuation and capitals as tags on words: the one encoding that training and serving share.
+
+A tagger reads lower-case written tokens ("the", "meeting", "3:30", "$25") and gives
+each two tags: the mark that follows it (`MARKS`: none, comma, period, question) and
+its case (`CASES`: lower, Capitalised, UPPER). `tags_of_prose` reads the tags off
+punctuated English prose (what the tagger is trained on); `apply_tags` writes them
+back onto tokens (what the server does with the tagger's output). `encode` turns
+tokens into the tagger's inputs: a word id from the model's word list (0: not in it)
+and the word's first and last `CHARS_PER_WORD // 2` characters as ids, so that a word
+outside the list still shows its shape (digits, "-ly", "'s").
+
+Colons and semicolons count as commas, exclamation marks as periods: the tagger only
+learns the marks a transcript needs, and those are the ones it can be scored on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+MARKS = ("", ",", ".", "?")  # tag id -> the mark written after the word
+CASES = ("lower", "capitalised", "upper")  # tag id -> how the word is written
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789'$%:/.-"  # char id = index + 2 (1: other, 0: pad)
+CHARS_PER_WORD = 12  # characters the tagger sees of a word: its first 6 and last 6
+_MARK_OF = {",": 1, ";": 1, ":": 1, ".": 2, "!": 2, "?": 3}
+# Abbreviations keep their own period: "mr." is one token, not "mr" + a sentence end.
+ABBREVIATIONS = frozenset(
+    "mr. mrs. ms. dr. st. jr. sr. vs. etc. e.g. i.e. a.m. p.m. no. prof. mt. inc. co. ltd.".split()
+)
+_OPENING = "\"'([{`“‘"
+_CLOSING = "\"')]}`”’"
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """One word of prose: what the tagger reads, and the tags it should give."""
+
+    token: str  # lower case, outer quotes and brackets and the mark after it removed
+    mark: int  # index into MARKS
+    case: int  # index into CASES; -1: the writer's choice (see tags_of_prose)
+
+
+def case_of(word: str) -> int:
+    letters = [c for c in word if c.isalpha()]
+    if not letters or not letters[0].isupper():
+        return 0
+    if len(letters) > 1 and all(c.isupper() for c in letters):
+        return 2
+    return 1
+
+
+def tags_of_prose(text: str) -> list[Tagged]:
+    """Punctuated prose -> its words with tags: "Hello, world." -> hello/,/Cap world/./lower.
+    A word whose capital is the writer's choice rather than the language's (after a colon
+    or semicolon, or inside quotes: `Note: The file`, `"Go," he said`) gets case -1:
+    nothing to learn or score there."""
+    out: list[Tagged] = []
+    free_case = False  # the next word's capital is a choice
+    for raw in text.split():
+        word = raw.lstrip(_OPENING)
+        quoted = len(word) < len(raw)
+        mark = 0
+        ends_free = False
+        while True:
+            if word.lower() in ABBREVIATIONS:
+                break
+            if word and word[-1] in _CLOSING:
+                word, ends_free = word[:-1], True
+            elif word and word[-1] in _MARK_OF:
+                ends_free = ends_free or word[-1] in ":;"
+                mark = max(mark, _MARK_OF[word[-1]])  # "?!" is a question, ".," a period
+                word = word[:-1]
+            else:
+                break
+        if not word or not any(c.isalnum() for c in word):
+            if out and mark:  # a mark standing alone ("wait - what ?") belongs to the word before
+                out[-1] = Tagged(out[-1].token, max(out[-1].mark, mark), out[-1].case)
+            free_case = free_case or ends_free
+            continue
+        case = -1 if (free_case or quoted) and case_of(word) else case_of(word)
+        out.append(Tagged(word.lower(), mark, case))
+        free_case = ends_free
+    return out
+
+
+def apply_case(token: str, case: int) -> str:
+    if case == 2:
+        return token.upper()
+    if case == 1:
+        for i, c in enumerate(token):  # "$25" has no letter to raise; "'tis" raises the t
+            if c.isalpha():
+                return token[:i] + c.upper() + token[i + 1 :]
+    return token
+
+
+def apply_tags(tokens: Sequence[str], marks: Sequence[int], cases: Sequence[int]) -> list[str]:
+    """Tokens written with their tags: ["hello", "world"], [1, 2], [1, 0] -> ["Hello,", "world."].
+    A token that already ends in a period (an abbreviation) takes no second one."""
+    out = []
+    for token, mark, case in zip(tokens, marks, cases, strict=True):
+        word = apply_case(token, case)
+        text = MARKS[mark]
+        if word.endswith(".") and text == ".":
+            text = ""
+        out.append(word + text)
+    return out
+
+
+_WORD_SHAPE = re.compile(r"\d")
+
+
+@dataclass(frozen=True)
+class WordList:
+    """The tagger's known words: id = position + 2 (0: padding, 1: any other word)."""
+
+    words: tuple[str, ...]  # most frequent words of the training text, most frequent first
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {w: i + 2 for i, w in enumerate(self.words)}
+
+    def id(self, token: str) -> int:
+        return self.index.get(token, 1)
+
+
+def char_ids(token: str) -> list[int]:
+    half = CHARS_PER_WORD // 2
+    token = _WORD_SHAPE.sub("0", token)  # every digit looks the same: "1999" and "2024" alike
+    chars = token[:half].ljust(half, "\0") + token[-half:].rjust(half, "\0")
+    return [0 if c == "\0" else CHARS.find(c) + 2 for c in chars]  # find: -1 -> 1, "other"
+
+
+def encode(tokens: Sequence[str], words: WordList) -> tuple[np.ndarray, np.ndarray]:
+    """The tagger's inputs for one sequence: word ids (T,) int64, char ids (T, C) int64."""
+    word_ids = np.array([words.id(t) for t in tokens], dtype=np.int64)
+    chars = np.array([char_ids(t) for t in tokens], dtype=np.int64).reshape(
+        len(tokens), CHARS_PER_WORD
+    )
+    return word_ids, chars
+
+
+def end_sentence(mark_logits: np.ndarray) -> list[int]:
+    """Marks from the tagger's logits (T, len(MARKS)) for one final result: the best mark
+    of each word, and the last word's a sentence end (a period or a question mark), since
+    a final result is a whole utterance."""
+    marks = mark_logits.argmax(-1).tolist()
+    if marks:
+        marks[-1] = 3 if mark_logits[-1, 3] > mark_logits[-1, 2] else 2
+    return marks

@@ -1,0 +1,109 @@
+"""The punctuation and capitals tagger (torch) and its ONNX export.
+
+One sequence of lower-case written tokens in, two tags per token out
+(`echoic.model.core.punctuation`: the mark after it, its case). Each token is a word
+embedding (its id in the model's word list) beside a small character CNN over its
+first and last characters; one bidirectional GRU reads them all; two linear heads
+give the tags. Small on purpose: it runs on the server's CPU after each final
+result, and its file stays well under a megabyte.
+
+    punct.onnx   word_ids (1, T) int64, char_ids (1, T, C) int64
+                 -> mark_logits (1, T, len(MARKS)), case_logits (1, T, len(CASES))
+
+The word list and the config travel in the ONNX metadata (`echoic.punct`), so the
+runtime (`echoic.model.runtime.formatting`) guesses nothing. Export checks ONNX
+Runtime against torch before it writes the file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from echoic.model.core.files import write_durably
+from echoic.model.core.punctuation import CASES, CHARS, CHARS_PER_WORD, MARKS, WordList
+
+PUNCT_KEY = "echoic.punct"  # ONNX metadata: JSON {"config": ..., "words": [...]}
+PUNCT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TaggerConfig:
+    words: int = 2500  # word-list entries (ids 2.. ; 0 padding, 1 other words)
+    word_dim: int = 32  # word embedding size
+    char_dim: int = 16  # character embedding size
+    char_filters: int = 48  # character CNN channels (width 3, max-pooled over the word)
+    hidden: int = 64  # GRU units per direction and layer
+    layers: int = 2  # stacked bidirectional GRU layers
+    dropout: float = 0.25  # on the token vectors and between GRU layers, in training
+
+
+class Tagger(nn.Module):
+    def __init__(self, cfg: TaggerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.word = nn.Embedding(cfg.words + 2, cfg.word_dim, padding_idx=0)
+        self.char = nn.Embedding(len(CHARS) + 2, cfg.char_dim, padding_idx=0)
+        self.char_conv = nn.Conv1d(cfg.char_dim, cfg.char_filters, 3, padding=1)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.rnn = nn.GRU(cfg.word_dim + cfg.char_filters, cfg.hidden, num_layers=cfg.layers,
+                          batch_first=True, bidirectional=True, dropout=cfg.dropout)  # fmt: skip
+        self.marks = nn.Linear(2 * cfg.hidden, len(MARKS))
+        self.cases = nn.Linear(2 * cfg.hidden, len(CASES))
+
+    def forward(self, word_ids: Tensor, char_ids: Tensor) -> tuple[Tensor, Tensor]:
+        b, t, c = char_ids.shape
+        chars = self.char(char_ids.reshape(b * t, c)).transpose(1, 2)  # (B*T, D, C)
+        chars = torch.relu(self.char_conv(chars)).amax(dim=2).reshape(b, t, -1)  # (B, T, F)
+        x = self.drop(torch.cat([self.word(word_ids), chars], dim=2))  # (B, T, E+F)
+        h, _ = self.rnn(x)  # (B, T, 2H)
+        return self.marks(h), self.cases(h)  # (B, T, marks), (B, T, cases)
+
+
+def export_tagger(model: Tagger, words: WordList, scores: dict, out: Path) -> None:
+    """Write `model` as ONNX with its word list, config and held-out scores in the metadata,
+    after ONNX Runtime has reproduced torch on a few sequences."""
+    import onnx
+    import onnxruntime as ort
+
+    model = model.eval()
+    rng = np.random.default_rng(0)
+    t = 7
+    word_ids = torch.from_numpy(rng.integers(0, model.cfg.words + 2, (1, t)))
+    char_ids = torch.from_numpy(rng.integers(0, len(CHARS) + 2, (1, t, CHARS_PER_WORD)))
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation notices
+        torch.onnx.export(
+            model, (word_ids, char_ids), buf, input_names=["word_ids", "char_ids"],
+            output_names=["mark_logits", "case_logits"],
+            dynamic_axes={"word_ids": {1: "tokens"}, "char_ids": {1: "tokens"},
+                          "mark_logits": {1: "tokens"}, "case_logits": {1: "tokens"}},
+            opset_version=17, do_constant_folding=True, dynamo=False,
+        )  # fmt: skip
+    proto = onnx.load_from_string(buf.getvalue())
+    meta = {"format": PUNCT_FORMAT, "config": asdict(model.cfg), "words": list(words.words),
+            "scores": scores}  # fmt: skip
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = PUNCT_KEY, json.dumps(meta)
+    onnx.checker.check_model(proto)
+    data = proto.SerializeToString()
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    for length in (1, 5, 40):
+        w = rng.integers(0, model.cfg.words + 2, (1, length))
+        c = rng.integers(0, len(CHARS) + 2, (1, length, CHARS_PER_WORD))
+        got = session.run(None, {"word_ids": w, "char_ids": c})
+        with torch.no_grad():
+            want = model(torch.from_numpy(w), torch.from_numpy(c))
+        for g, x in zip(got, want, strict=True):
+            diff = float(np.abs(g - x.numpy()).max())
+            if diff > 1e-4:
+                raise RuntimeError(f"ONNX Runtime differs from torch by {diff} at {length} tokens")
+    write_durably(out, data)

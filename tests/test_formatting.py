@@ -1,0 +1,279 @@
+"""Readable transcripts (docs/formatting.md) on every door: echoic's gRPC, Riva's, the OpenAI
+HTTP API, the realtime WebSocket (tests/test_http.py) and `echoic transcribe`, against a
+real server on the bundled model, with speech synthesized by espeak-ng."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("onnxruntime", reason="formatting runs the tagger on ONNX Runtime")
+
+from echoic.model.core.inverse_text import Token  # noqa: E402
+from echoic.model.core.punctuation import apply_tags, tags_of_prose  # noqa: E402
+from echoic.model.runtime.formatting import (  # noqa: E402
+    PUNCT_FILE,
+    Formatter,
+    Punctuator,
+    ends_sentence,
+    written_words,
+)
+from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from tests.test_http import http_server, openai_client  # noqa: E402
+
+TIMEOUT = 60.0
+SAID = "the meeting is at three thirty. it costs twenty five dollars. can you come?"
+ECHOIC = [sys.executable, "-m", "echoic.cli.main"]
+
+
+# ---------------------------------------------------------------- without a server
+
+
+@pytest.mark.parametrize(
+    "prose",
+    [
+        pytest.param("Hello, world. How are you? I am fine.", id="marks-and-capitals"),
+        pytest.param("Mr. Smith paid $25 at 3:30 p.m. on Monday.", id="abbreviations-stay"),
+        pytest.param("NASA said no.", id="upper"),
+    ],
+)
+def test_tags_read_off_prose_write_it_back(prose: str) -> None:
+    tagged = tags_of_prose(prose)
+    written = apply_tags([t.token for t in tagged], [t.mark for t in tagged],
+                         [t.case for t in tagged])  # fmt: skip
+    assert " ".join(written) == prose
+
+
+def test_the_bundled_tagger_is_small_and_carries_its_scores() -> None:
+    assert PUNCT_FILE.stat().st_size < 1_000_000
+    scores = Punctuator(PUNCT_FILE).scores
+    assert {",", ".", "?", "case_accuracy", "data"} <= set(scores)
+
+
+def test_formatting_writes_a_sentence_and_keeps_every_words_span() -> None:
+    words = "it costs twenty five dollars at three thirty p m".split()
+    tokens = Formatter().format(words)
+    text = " ".join(t.text for t in tokens)
+    assert text[0].isupper() and text[-1] in ".?"
+    written = Formatter(punctuation=False).format(words)
+    assert " ".join(t.text for t in written) == "it costs $25 at 3:30 p.m."
+    # The tagger only adds a mark and raises letters of the words as spoken.
+    for got, plain in zip(tokens, written, strict=True):
+        assert (got.first, got.last) == (plain.first, plain.last)
+        assert got.text.rstrip(",.?") in (plain.text.rstrip("."), plain.text.capitalize())
+    assert tokens[0].first == 0 and tokens[-1].last == len(words)
+    assert all(a.last == b.first for a, b in zip(tokens, tokens[1:], strict=False))
+    assert Formatter(punctuation=False, inverse=False).format(words) == [
+        Token(w, i, i + 1) for i, w in enumerate(words)
+    ]
+
+
+def test_written_words_take_the_times_and_lowest_confidence_of_their_span() -> None:
+    tokens = [Token("It", 0, 1), Token("costs", 1, 2), Token("$25.", 2, 5)]
+    starts, ends = [0.0, 0.3, 0.7, 1.0, 1.3], [0.2, 0.6, 0.9, 1.2, 1.8]
+    got = written_words(tokens, starts, ends, [0.9, 0.8, 0.7, 0.95, 0.6])
+    assert [(w.text, w.start, w.end, w.confidence) for w in got] == [
+        ("It", 0.0, 0.2, 0.9), ("costs", 0.3, 0.6, 0.8), ("$25.", 0.7, 1.8, 0.6),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    espeak = shutil.which("espeak-ng")
+    if espeak is None:
+        pytest.skip("espeak-ng is not installed (scripts/bootstrap.sh installs it)")
+    wav = tmp_path_factory.mktemp("formatting") / "said.wav"
+    subprocess.run([espeak, "-w", str(wav), SAID], check=True, timeout=60)
+    return wav
+
+
+@pytest.fixture(scope="module")
+def server():
+    with http_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(server) -> Iterator[pb_grpc.TranscriberStub]:
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.TranscriberStub(channel)
+
+
+def _recognize(stub, wav: Path, **formatting: bool) -> pb.SpeechRecognitionAlternative:
+    config = pb.RecognitionConfig(
+        enable_word_time_offsets=True, formatting=pb.FormattingConfig(**formatting)
+    )
+    response = stub.Recognize(
+        pb.RecognizeRequest(config=config, audio_content=wav.read_bytes()), timeout=TIMEOUT
+    )
+    (result,) = response.results
+    return result.alternatives[0]
+
+
+@pytest.fixture(scope="module")
+def raw(stub, speech: Path) -> pb.SpeechRecognitionAlternative:
+    """What the bundled model hears, as spoken: the words the others are formatted from."""
+    heard = _recognize(stub, speech)
+    assert "three thirty" in heard.transcript and "twenty five" in heard.transcript, heard
+    return heard
+
+
+def _formatted(raw: pb.SpeechRecognitionAlternative, **kw: bool) -> str:
+    return " ".join(t.text for t in Formatter(**kw).format([w.word for w in raw.words]))
+
+
+def test_grpc_formats_only_when_asked_and_keeps_word_times(stub, speech, raw) -> None:
+    assert raw.transcript == raw.transcript.lower() and not re.search(r"[.,?$:]", raw.transcript)
+    got = _recognize(stub, speech, punctuation=True, inverse_normalization=True)
+    assert got.transcript == _formatted(raw) and "3:30" in got.transcript
+    assert got.transcript[0].isupper() and got.transcript[-1] in ".?"
+    assert [w.word for w in got.words] == got.transcript.split()
+    (time,) = [w for w in got.words if w.word.startswith("3:30")]
+    spoken = list(raw.words)
+    first = next(i for i, w in enumerate(spoken) if w.word == "three")
+    assert time.start_time == spoken[first].start_time  # "three thirty": both words' times
+    assert time.end_time == spoken[first + 1].end_time
+    assert time.confidence == min(spoken[first].confidence, spoken[first + 1].confidence)
+    numbers_only = _recognize(stub, speech, inverse_normalization=True)
+    assert numbers_only.transcript == _formatted(raw, punctuation=False)
+
+
+def test_grpc_interim_results_stay_raw_and_finals_are_formatted(stub, speech, raw) -> None:
+    config = pb.RecognitionConfig(
+        formatting=pb.FormattingConfig(punctuation=True, inverse_normalization=True)
+    )
+    data = speech.read_bytes()
+
+    def messages():
+        streaming = pb.StreamingRecognitionConfig(config=config, interim_results=True)
+        yield pb.StreamingRecognizeRequest(streaming_config=streaming)
+        for i in range(0, len(data), 3200):
+            yield pb.StreamingRecognizeRequest(audio_content=data[i : i + 3200])
+
+    results = [r for m in stub.StreamingRecognize(messages(), timeout=TIMEOUT) for r in m.results]
+    interim = [r.alternatives[0].transcript for r in results if not r.is_final]
+    finals = [r.alternatives[0].transcript for r in results if r.is_final]
+    assert interim and all(t == t.lower() and "." not in t for t in interim)
+    assert finals == [_formatted(raw)]
+
+
+def test_riva_punctuation_and_verbatim_are_honoured(server, speech, raw) -> None:
+    """nvidia-riva-client, unchanged: enable_automatic_punctuation gives punctuated, cased
+    finals; Riva's default (verbatim_transcripts false) writes numbers as written."""
+    riva_client = pytest.importorskip("riva.client", reason="the riva extra is not installed")
+    asr = riva_client.ASRService(riva_client.Auth(uri=server.address))
+
+    def transcript(**fields) -> str:
+        config = riva_client.RecognitionConfig(language_code="en-US", max_alternatives=1,
+                                               enable_word_time_offsets=True, **fields)  # fmt: skip
+        riva_client.add_audio_file_specs_to_config(config, speech)
+        response = asr.offline_recognize(speech.read_bytes(), config)
+        return " ".join(r.alternatives[0].transcript for r in response.results)
+
+    assert transcript(enable_automatic_punctuation=True) == _formatted(raw)
+    assert transcript() == _formatted(raw, punctuation=False)
+    assert transcript(verbatim_transcripts=True) == raw.transcript
+    config = riva_client.RecognitionConfig(language_code="en-US", max_alternatives=1,
+                                           enable_automatic_punctuation=True)  # fmt: skip
+    riva_client.add_audio_file_specs_to_config(config, speech)
+    streaming = riva_client.StreamingRecognitionConfig(config=config, interim_results=True)
+    with riva_client.AudioChunkFileIterator(str(speech), 1600) as chunks:
+        results = [r for response in asr.streaming_response_generator(chunks, streaming)
+                   for r in response.results]  # fmt: skip
+    interim = [r.alternatives[0].transcript for r in results if not r.is_final]
+    assert interim and all(t == t.lower() and "." not in t for t in interim)
+    assert [r.alternatives[0].transcript for r in results if r.is_final] == [_formatted(raw)]
+
+
+def test_openai_door_formats_by_default_and_gives_raw_words_when_asked(server, speech, raw):
+    client = openai_client(server)
+    audio = ("said.wav", speech.read_bytes())
+    assert client.audio.transcriptions.create(model="whisper-1", file=audio).text == (
+        _formatted(raw)
+    )
+    plain = client.audio.transcriptions.create(
+        model="whisper-1", file=audio, extra_body={"formatting": "false"}
+    )
+    assert plain.text == raw.transcript
+    srt = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="srt")
+    cues = [block.split("\n")[2] for block in srt.strip().split("\n\n")]
+    assert " ".join(cues) == _formatted(raw)
+    assert all(ends_sentence(c.split()[-1]) for c in cues)
+    assert len(cues) == sum(ends_sentence(w) for w in _formatted(raw).split())
+    events = list(client.audio.transcriptions.create(model="whisper-1", file=audio, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+    assert deltas == events[-1].text == _formatted(raw)
+
+
+def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
+    speech, tmp_path
+) -> None:
+    missing = tmp_path / "no-such-tagger.onnx"
+    with http_server(punctuation_model=missing) as s:
+        with grpc.insecure_channel(s.address) as channel:
+            stub = pb_grpc.TranscriberStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                _recognize(stub, speech, punctuation=True)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert str(missing) in e.value.details() and "\n" not in e.value.details()
+            numbers = _recognize(stub, speech, inverse_normalization=True)
+            assert "3:30" in numbers.transcript
+            raw = _recognize(stub, speech).transcript
+        client = openai_client(s)
+        audio = ("said.wav", speech.read_bytes())
+        assert client.audio.transcriptions.create(model="whisper-1", file=audio).text == raw
+        import openai
+
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.audio.transcriptions.create(
+                model="whisper-1", file=audio, extra_body={"formatting": "true"}
+            )
+        assert bad.value.body["param"] == "formatting"
+
+
+def test_transcribe_formatting_writes_sentences_and_srt_cues_end_at_them(speech, tmp_path):
+    out = tmp_path / "subs"
+    run = subprocess.run(
+        [*ECHOIC, "transcribe", str(speech), "--formatting", "--format", "srt",
+         "--output-dir", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    cues = [block.split("\n")[2] for block in (out / "said.srt").read_text().strip().split("\n\n")]
+    text = " ".join(cues)
+    assert "3:30" in text and text[0].isupper()
+    assert all(ends_sentence(c.split()[-1]) or len(c.split()) == 7 for c in cues)
+    plain = subprocess.run(
+        [*ECHOIC, "transcribe", str(speech), "--format", "jsonl", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    record = json.loads(plain.stdout)
+    assert record["text"] == record["text"].lower() and "3:30" not in record["text"]
+
+
+def test_an_exported_tagger_is_what_the_runtime_loads(tmp_path) -> None:
+    """model/nn/punctuation.py's export (checked against torch) read back by the runtime:
+    its word list and scores from the metadata, one mark and one case per token."""
+    pytest.importorskip("torch", reason="exporting needs the train extra")
+    from echoic.model.core.punctuation import WordList
+    from echoic.model.nn.punctuation import Tagger, TaggerConfig, export_tagger
+
+    cfg = TaggerConfig(words=3, word_dim=4, char_dim=4, char_filters=4, hidden=4)
+    path = tmp_path / "tagger.onnx"
+    export_tagger(Tagger(cfg), WordList(("the", "a", "of")), {"made": "here"}, path)
+    tagger = Punctuator(path)
+    assert tagger.words.words == ("the", "a", "of") and tagger.scores == {"made": "here"}
+    marks, cases = tagger.tag(["the", "3:30", "unheard"])
+    assert len(marks) == len(cases) == 3 and marks[-1] in (2, 3)
