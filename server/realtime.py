@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import secrets
@@ -71,7 +72,7 @@ from echoic.server.openai_api import (
     default_formatter_available,
 )
 from echoic.server.service import RateLimitedWarning, TranscriberService
-from echoic.server.session import Session, formatter_of, parse_config
+from echoic.server.session import Session, formatter_of, open_session, parse_config
 
 log = logging.getLogger("echoic.server")
 
@@ -210,6 +211,7 @@ class RealtimeSession:
         self.peer = peer
         self.settings = door._defaults()
         self.session: Session | None = None
+        self._opened: contextlib.AsyncExitStack | None = None  # closes `session` (open_session)
         self.deltas = TextDeltas()
         self.formatter: Formatter | None = None  # how `.completed` transcripts are written
         self.done = False  # input_audio_buffer.done has been handled
@@ -276,10 +278,8 @@ class RealtimeSession:
             await self.ws.close()
         finally:
             ending.cancel()
-            if self.session is not None:
-                self.session.audio.close()  # a FLAC or Ogg decoder's threads end with the socket
-            if model is not None:
-                self.door._registry.release(model)
+            if self._opened is not None:  # a FLAC or Ogg decoder's threads end with the socket
+                await self._opened.aclose()
 
     def _error_event(self, e: Exception) -> dict[str, Any]:
         error = api_error(e)
@@ -317,7 +317,7 @@ class RealtimeSession:
         await self.ws.close(code=1001, message=b"the server is shutting down")
 
     async def handle(self, event: dict[str, Any], model: Any) -> Any:
-        """One client event; returns the model the socket holds (acquired once)."""
+        """One client event; returns the model the socket's session is on."""
         kind = event.get("type")
         if kind == "transcription_session.update":
             if self.session is not None and (self.session.samples or self.session.audio.bytes_in):
@@ -486,17 +486,13 @@ class RealtimeSession:
         chosen = registry.resolve(opts.model, opts.version)
         if not chosen.streamable:
             raise ClientMistake("model_not_streamable", f"model {chosen.name!r} cannot stream")
-        recognizer = await chosen.recognizer(opts.decoder)
-        if model is not chosen:
-            registry.acquire(chosen)
-            if model is not None:
-                registry.release(model)
-        if self.session is not None:
-            self.session.audio.close()
-        self.session = Session(
-            chosen, recognizer, opts, name="audio", max_seconds=service._config.max_audio_seconds,
-            time_limit=service._config.decode_timeout_seconds,
-        )  # fmt: skip
+        opened = contextlib.AsyncExitStack()
+        self.session = await opened.enter_async_context(
+            open_session(registry, opts, service._config, name="audio", live=True)
+        )
+        if self._opened is not None:  # the settings' earlier session: closed, released
+            await self._opened.aclose()
+        self._opened = opened
         asr["model"] = chosen.name
         self.settings = settings
         self.formatter = formatter
