@@ -157,3 +157,38 @@ def test_io_binding_keeps_states_on_the_device(tiny_model_dir: Path, corpus_audi
     assert engine.host_state_copies == copies + 1
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "beam"])
+def test_a_live_stream_cuts_utterances_where_a_file_is_cut(
+    tiny_model_dir: Path, corpus_audio, kind: str
+) -> None:
+    """A stream made with endpointing and settled after every step (its rows decoded in
+    the step, or deferred and decoded by `settle`, as a beam search is on the server)
+    ends the utterances a file of the same audio is cut into: the same words at the same
+    times, numbered in order, and no utterance of silence alone."""
+    from echoic.model.core.decoding import Endpointing, joined
+
+    rec = Recognizer(tiny_model_dir, DecoderConfig(kind=kind, use_lm=False), intra_op_threads=1)
+    gap = np.zeros(16000, np.float32)
+    audio = np.concatenate([x for _, a in corpus_audio[:3] for x in (a, gap)])
+    rule = Endpointing(trailing_silence=0.5, max_utterance=30.0)
+    want = rec.transcribe([audio], endpointing=rule)[0]
+    for deferred in (False, True):
+        s = rec.stream(endpointing=rule, deferred=deferred)
+        finals = []
+        for i in range(0, len(audio) + 1600, 1600):
+            if i < len(audio):
+                s.accept_audio(audio[i : i + 1600])
+            else:
+                s.finish()
+            while rec.step([s]):
+                finals += s.settle().finals
+        assert s.is_final and s.settle().finals == ()  # the last utterance is given once
+        assert len(finals) > 1
+        assert [u.index for u in finals] == list(range(len(finals)))
+        assert all(u.transcript.words for u in finals)
+        got = joined([(u.start, u.transcript) for u in finals])
+        assert got.text == want.text
+        times = [t for w in got.words for t in (w.start, w.end)]
+        assert times == pytest.approx([t for w in want.words for t in (w.start, w.end)])
