@@ -304,17 +304,24 @@ def _recognized(stub, wav: bytes, kind: int) -> str:
 def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances) -> None:
     """`decoder` (greedy or beam) chooses the decoding; without it a request gets the
     server's default, which for the bundled model (it ships an LM) is the beam search;
-    `echoic serve --decoder greedy` makes greedy the default, for every door."""
+    `echoic serve --decoder greedy` makes greedy the default, for every door. The
+    realtime session echoes the decoder once given. Formatting is off throughout: the
+    decodings are compared on their words as spoken."""
     greedy = _recognized(stub, two_utterances, pb.DecoderConfig.GREEDY)
     beam = _recognized(stub, two_utterances, pb.DecoderConfig.BEAM)
     assert greedy != beam, "the audio should tell the two decoders apart"
+    raw = {"enable_automatic_punctuation": False, "enable_verbatim_transcripts": True}
     for decoder, want in (("", beam), ("greedy", greedy), ("beam", beam)):
         fields = [("decoder", decoder)] if decoder else []
-        assert post_form(server, fields, [("file", two_utterances)]) == (200, {"text": want})
-        session = {"input_audio_format": "none", "recognition_config": {"decoder": decoder}}
-        if not decoder:
-            del session["recognition_config"]
+        assert post_form(server, [*fields, *RAW.items()], [("file", two_utterances)]) == (
+            200, {"text": want},
+        )  # fmt: skip
+        asked = {"decoder": decoder} if decoder else {}
+        session = {"input_audio_format": "none", "recognition_config": {**raw, **asked}}
         events = asyncio.run(_realtime_events(server, session, two_utterances))
+        assert events[0]["type"] == "transcription_session.updated", events[0]
+        echoed = events[0]["session"]["recognition_config"]
+        assert echoed.get("decoder") == (decoder or None), echoed
         finals = [e["transcript"] for e in events if e["type"].endswith(".completed")]
         assert " ".join(finals) == want, decoder
     unnamed = pb.RecognitionConfig()
@@ -325,11 +332,13 @@ def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances)
     assert " ".join(r.alternatives[0].transcript for r in got) == beam
     with openai_client(server) as client:  # OpenAI's own client sends it with extra_body
         got = client.audio.transcriptions.create(
-            model="whisper-1", file=("a.wav", two_utterances), extra_body={"decoder": "greedy"}
-        )
+            model="whisper-1", file=("a.wav", two_utterances),
+            extra_body={"decoder": "greedy", **RAW},
+        )  # fmt: skip
     assert got.text == greedy
     with http_server(decoder="greedy") as greedy_server:
-        assert post_form(greedy_server, [], [("file", two_utterances)]) == (200, {"text": greedy})
+        got = post_form(greedy_server, list(RAW.items()), [("file", two_utterances)])
+        assert got == (200, {"text": greedy})
         with grpc.insecure_channel(greedy_server.address) as channel:
             got = pb_grpc.TranscriberStub(channel).Recognize(request, timeout=TIMEOUT).results
         assert " ".join(r.alternatives[0].transcript for r in got) == greedy
