@@ -683,6 +683,34 @@ def test_a_slow_upload_gets_408_and_holds_no_stream_slot_meanwhile(clips) -> Non
         assert post_form(server, [], [("file", clips[0][0])])[0] == 200
 
 
+def test_uploads_in_progress_are_capped_at_twice_max_streams(clips) -> None:
+    """Uploads hold memory before they take a --max-streams slot, so their number is
+    capped: with --max-streams 1, two stalled uploads are all the server holds; a third
+    request gets 429 before its body is read, and is served once one of them is gone."""
+    with http_server(max_streams=1) as server:
+        body, content_type = multipart([], [("file", clips[0][0])])
+        headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
+
+        def status_until(want: int) -> tuple[int, dict]:
+            """A form without a file (400 once it is read) sent until it gets `want`."""
+            deadline = time.monotonic() + TIMEOUT
+            while (answer := post_form(server, [("model", "whisper-1")]))[0] != want:
+                assert time.monotonic() < deadline, answer
+                time.sleep(0.05)
+            return answer
+
+        with _raw_upload(server, headers) as first, _raw_upload(server, headers) as second:
+            first.sendall(body[:1000])
+            second.sendall(body[:1000])
+            _, refused = status_until(429)  # once both stalled uploads are being read
+            assert "limit of 2 transcription requests" in refused["error"]["message"]
+            assert "--max-streams" in refused["error"]["message"]
+            first.sendall(body[1000:])  # one completes: its place is free again
+            assert _response(first)[0] == 200
+            status_until(400)
+        assert post_form(server, [], [("file", clips[0][0])])[0] == 200
+
+
 def test_an_upload_trickling_past_its_deadline_gets_408(clips) -> None:
     """Bytes that keep coming, each within --idle-timeout-seconds, do not keep an upload
     open past --upload-timeout-seconds."""
