@@ -39,7 +39,7 @@ from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import ServerConfig, ServerError, busy_port_hint
-from echoic.server.formatting import FormattingUnavailable, punctuator, use_tagger
+from echoic.server.formatting import check_tagger, use_tagger
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.service import TranscriberService, add_to_server
@@ -249,13 +249,13 @@ def _check_ports_free(config: ServerConfig) -> None:
 
 
 def _load_tagger(path: Path | None) -> None:
-    """The punctuation tagger, loaded now so the first formatted result does not wait; one
-    line in the log when it cannot be (the server serves on, without punctuation)."""
+    """The punctuation tagger, loaded now so the first formatted result does not wait, and
+    whether it could be recorded for every request to read; one line in the log when it
+    cannot be (the server serves on, without punctuation)."""
     use_tagger(path)
-    try:
-        punctuator()
-    except FormattingUnavailable as e:
-        log.warning("%s; requests for punctuation will be refused", e)
+    error = check_tagger()
+    if error is not None:
+        log.warning("%s; requests for punctuation will be refused", error)
 
 
 async def create_server(config: ServerConfig) -> tuple[Server, int]:

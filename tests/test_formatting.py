@@ -220,8 +220,11 @@ def test_openai_door_formats_by_default_and_gives_raw_words_when_asked(server, s
 def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
     speech, tmp_path
 ) -> None:
+    """Whether the tagger loads is found once, at the start: requests are refused in one
+    line without trying it again (a tagger file that appears later is not loaded)."""
     missing = tmp_path / "no-such-tagger.onnx"
     with http_server(punctuation_model=missing) as s:
+        shutil.copyfile(PUNCT_FILE, missing)  # after the start: this server does without
         with grpc.insecure_channel(s.address) as channel:
             stub = pb_grpc.TranscriberStub(channel)
             with pytest.raises(grpc.RpcError) as e:
