@@ -273,10 +273,9 @@ class RealtimeSession:
             return  # the client went away
         except asyncio.TimeoutError:
             idle = config.idle_timeout_seconds
-            await self.send(self.door.mistake(
+            await self._close_with(self.door.mistake(
                 "idle_timeout", f"nothing arrived for {idle:g} s: the socket is closed", self.peer
             ))  # fmt: skip
-            await self.ws.close()
         finally:
             ending.cancel()
             if self.session is not None:

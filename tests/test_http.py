@@ -1040,20 +1040,22 @@ def test_realtime_g711_gets_the_transcript_of_its_pcm16(server, clips, fmt, subt
 
 
 def test_a_silent_realtime_socket_is_closed_after_the_idle_timeout() -> None:
+    """The `idle_timeout` error event, then a close with 1008 (policy violation), as every
+    socket the server ends for a limit."""
     import aiohttp
 
-    async def session(url: str) -> tuple[dict, WSMsgType]:
+    async def session(url: str) -> tuple[dict, aiohttp.WSMessage]:
         async with aiohttp.ClientSession() as http:
             async with http.ws_connect(url, protocols=("realtime",)) as ws:
                 assert (await ws.receive_json(timeout=TIMEOUT))["type"] == "conversation.created"
                 error = await ws.receive_json(timeout=TIMEOUT)  # after 1 s of nothing
-                return error, (await ws.receive(timeout=TIMEOUT)).type
+                return error, await ws.receive(timeout=TIMEOUT)
 
     with http_server(idle_timeout_seconds=1.0) as server:
         url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
         error, then = asyncio.run(session(url))
     assert error["type"] == "error" and error["error"]["code"] == "idle_timeout"
-    assert then == WSMsgType.CLOSE
+    assert (then.type, then.data, then.extra) == (WSMsgType.CLOSE, 1008, "idle_timeout")
 
 
 def test_realtime_sockets_end_with_their_results_when_the_grace_ends(clips) -> None:
