@@ -50,6 +50,7 @@ import grpc
 from echoic.model.core.decoding import FILE_ENDPOINTING
 from echoic.model.core.version import echoic_version
 from echoic.model.runtime.formatting import ends_sentence
+from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
 from echoic.server.models import ModelLookupError
@@ -58,7 +59,7 @@ from echoic.server.service import status_of
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("word", "segment")
-DECODERS = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
+DECODERS = DECODER_KINDS  # decoder name -> DecoderConfig.Kind
 ENDPOINTING = pb.EndpointingConfig(
     trailing_silence_ms=round(FILE_ENDPOINTING.trailing_silence * 1000),
     max_utterance_ms=round(FILE_ENDPOINTING.max_utterance * 1000),
