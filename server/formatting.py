@@ -28,9 +28,15 @@ from echoic.model.runtime.formatting import (
 from echoic.protos.v1 import transcriber_pb2 as pb
 
 __all__ = [
-    "Formatter", "FormattingUnavailable", "check_available", "default_formatter",
+    "Formatter", "FormattingUnavailable", "check_available", "check_tagger", "default_formatter",
     "format_results", "punctuator", "use_tagger",
 ]  # fmt: skip
+
+# Whether the tagger loads, found once (check_tagger, at the server's start) and read by
+# every request: a tagger that cannot be loaded is not tried again per request (an ONNX
+# session built on the event loop each time).
+_tagger_error: FormattingUnavailable | None = None  # why it cannot be loaded; None: it can
+_tagger_known = False  # whether check_tagger has run in this process
 
 
 def default_formatter() -> Formatter:
@@ -39,11 +45,26 @@ def default_formatter() -> Formatter:
     return Formatter(punctuation=True, inverse=True)
 
 
+def check_tagger() -> FormattingUnavailable | None:
+    """Load the tagger (`use_tagger`'s) and record whether it could be; why it could not."""
+    global _tagger_error, _tagger_known
+    try:
+        punctuator()
+        _tagger_error = None
+    except FormattingUnavailable as e:
+        _tagger_error = e
+    _tagger_known = True
+    return _tagger_error
+
+
 def check_available(formatter: Formatter | None) -> None:
     """FormattingUnavailable (one line saying why) when `formatter` needs a tagger this
-    install lacks; asked once per request, so a stream fails at its config."""
+    server could not load at its start; asked once per request, so a stream fails at its
+    config."""
     if formatter is not None and formatter.punctuation:
-        punctuator()
+        error = _tagger_error if _tagger_known else check_tagger()
+        if error is not None:
+            raise FormattingUnavailable(str(error))
 
 
 def _format_alternative(alt: pb.SpeechRecognitionAlternative, formatter: Formatter) -> None:

@@ -83,6 +83,9 @@ G711_RATE = 8000  # Hz of g711_ulaw and g711_alaw, fixed by OpenAI's protocol
 MAX_CONTROL_BYTES = 64 * 1024  # bytes of a message that is not input_audio_buffer.append
 PARSE_ON_LOOP_BYTES = 64 * 1024  # bytes of JSON parsed on the event loop; more in a thread
 MAX_INT = 2**31 - 1  # the largest integer setting (they become int32 config fields)
+# Settings an update may give that have no default to show: echoed only once given
+# (recognition_config.decoder absent means the server's default, `echoic serve --decoder`).
+_UNSET_KEYS = {"recognition_config": {"decoder"}}
 _ENCODINGS = {  # input_audio_format -> the RecognitionConfig encoding it is
     "pcm16": pb.RecognitionConfig.LINEAR16,
     "g711_ulaw": pb.RecognitionConfig.MULAW,
@@ -270,10 +273,9 @@ class RealtimeSession:
             return  # the client went away
         except asyncio.TimeoutError:
             idle = config.idle_timeout_seconds
-            await self.send(self.door.mistake(
+            await self._close_with(self.door.mistake(
                 "idle_timeout", f"nothing arrived for {idle:g} s: the socket is closed", self.peer
             ))  # fmt: skip
-            await self.ws.close()
         finally:
             ending.cancel()
             if self.session is not None:
@@ -406,8 +408,11 @@ class RealtimeSession:
                         "endpointing_config"):  # fmt: skip
             given = update.get(section)
             if isinstance(given, dict):
-                for key in settings[section].keys() & given.keys():
+                accepted = settings[section].keys() | _UNSET_KEYS.get(section, set())
+                for key in accepted & given.keys():
                     settings[section][key] = _scalar(given, key, section)
+        if settings["recognition_config"].get("decoder") is None:  # null: back to the default
+            settings["recognition_config"].pop("decoder", None)
         fmt = settings["input_audio_format"]
         if not isinstance(fmt, str) or fmt not in _ENCODINGS:
             raise ClientMistake(

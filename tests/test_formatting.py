@@ -220,8 +220,12 @@ def test_openai_door_formats_by_default_and_gives_raw_words_when_asked(server, s
 def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
     speech, tmp_path
 ) -> None:
+    """Whether the tagger loads is found once, at the start: requests are refused in one
+    line without trying it again (a tagger file that appears later is not loaded), and
+    the OpenAI door's default is written forms alone, without marks and capitals."""
     missing = tmp_path / "no-such-tagger.onnx"
     with http_server(punctuation_model=missing) as s:
+        shutil.copyfile(PUNCT_FILE, missing)  # after the start: this server does without
         with grpc.insecure_channel(s.address) as channel:
             stub = pb_grpc.TranscriberStub(channel)
             with pytest.raises(grpc.RpcError) as e:
@@ -233,7 +237,13 @@ def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
             raw = _recognize(stub, speech).transcript
         client = openai_client(s)
         audio = ("said.wav", speech.read_bytes())
-        assert client.audio.transcriptions.create(model="whisper-1", file=audio).text == raw
+        # The OpenAI door's default falls back to written forms alone, as Riva's does.
+        got = client.audio.transcriptions.create(model="whisper-1", file=audio).text
+        assert got == numbers.transcript != raw
+        plain = client.audio.transcriptions.create(
+            model="whisper-1", file=audio, extra_body={"formatting": "false"}
+        )
+        assert plain.text == raw
         import openai
 
         with pytest.raises(openai.BadRequestError) as bad:
