@@ -42,7 +42,7 @@ from echoic.server.formatting import (
     Formatter,
     FormattingUnavailable,
     check_available,
-    format_results,
+    format_finals,
 )
 from echoic.server.models import LoadedModel
 
@@ -369,7 +369,7 @@ class Session:
         formatter = self.options.formatting
         if formatter is None or not any(r.is_final for r in out):
             return out
-        return format_results(out, formatter)
+        return await format_finals(out, formatter)
 
     async def _advance(self) -> list[pb.SpeechRecognitionResult]:
         if self.stream is None:

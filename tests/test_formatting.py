@@ -4,6 +4,7 @@ real server on the bundled model, with speech synthesized by espeak-ng."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -28,6 +29,7 @@ from echoic.model.runtime.formatting import (  # noqa: E402
 )
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from echoic.server.formatting import FORMAT_ON_LOOP_WORDS, format_finals  # noqa: E402
 from tests.test_http import http_server, openai_client  # noqa: E402
 
 TIMEOUT = 60.0
@@ -84,6 +86,49 @@ def test_written_words_take_the_times_and_lowest_confidence_of_their_span() -> N
     assert [(w.text, w.start, w.end, w.confidence) for w in got] == [
         ("It", 0.0, 0.2, 0.9), ("costs", 0.3, 0.6, 0.8), ("$25.", 0.7, 1.8, 0.6),
     ]  # fmt: skip
+
+
+async def _loop_turns_while_formatting(result: pb.SpeechRecognitionResult) -> int:
+    """How often the event loop turned while `format_finals` formatted `result`."""
+    turns, formatting = 0, True
+
+    async def other_work() -> None:
+        nonlocal turns
+        while formatting:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before = turns
+    await format_finals([result], Formatter())
+    during = turns - before
+    formatting = False
+    await other
+    return during
+
+
+@pytest.mark.parametrize(
+    ("words", "off_the_loop"),
+    [
+        pytest.param(20, False, id="short-on-the-loop"),
+        pytest.param(10_000, True, id="long-in-a-thread"),
+    ],
+)
+def test_a_long_final_is_formatted_while_the_event_loop_turns(words: int, off_the_loop: bool):
+    """A final of thousands of words ("oh oh oh ...": Recognize without endpointing gives one
+    for up to --max-audio-seconds) is formatted in a worker thread, so the server's other
+    streams and /healthz go on meanwhile; a short one costs less than the hop."""
+    spoken = " ".join(["oh"] * words)
+    result = pb.SpeechRecognitionResult(
+        is_final=True, alternatives=[pb.SpeechRecognitionAlternative(transcript=spoken)]
+    )
+    assert (words > FORMAT_ON_LOOP_WORDS) == off_the_loop
+    turns = asyncio.run(_loop_turns_while_formatting(result))
+    assert (turns > 0) == off_the_loop
+    formatted = result.alternatives[0].transcript
+    assert formatted.startswith("Oh") and formatted.endswith((".", "?"))
+    assert len(formatted.split()) == words
 
 
 # ---------------------------------------------------------------- a real server
