@@ -21,6 +21,7 @@ pytest.importorskip("onnxruntime", reason="formatting runs the tagger on ONNX Ru
 from echoic.model.core.inverse_text import Token  # noqa: E402
 from echoic.model.core.punctuation import apply_tags, tags_of_prose  # noqa: E402
 from echoic.model.runtime.formatting import (  # noqa: E402
+    MAX_ACRONYM,
     PUNCT_FILE,
     Formatter,
     Punctuator,
@@ -53,6 +54,37 @@ def test_tags_read_off_prose_write_it_back(prose: str) -> None:
     written = apply_tags([t.token for t in tagged], [t.mark for t in tagged],
                          [t.case for t in tagged])  # fmt: skip
     assert " ".join(written) == prose
+
+
+@pytest.mark.parametrize(
+    ("tokens", "marks", "cases", "written"),
+    [
+        pytest.param(["the", "fox", "she", "ran"], [0, 2, 0, 3], [0, 0, 0, 0],
+                     "The fox. She ran?", id="sentence-starts-take-a-capital"),
+        pytest.param(["5th", "of", "may", "ok"], [0, 0, 2, 2], [0, 0, 1, 0],
+                     "5th of May. Ok.", id="no-letter-to-raise"),
+        pytest.param(["mr.", "smith", "left"], [0, 0, 2], [1, 1, 0],
+                     "Mr. Smith left.", id="an-abbreviation-ends-no-sentence"),
+    ],
+)  # fmt: skip
+def test_every_sentence_starts_with_a_capital_whatever_the_tagger_says(
+    tokens: list[str], marks: list[int], cases: list[int], written: str
+) -> None:
+    assert " ".join(apply_tags(tokens, marks, cases)) == written
+
+
+def test_the_tagger_writes_capitals_only_on_short_words() -> None:
+    """The bundled tagger writes "the LABEL og" for "the label og": a long word's
+    all-capitals becomes a capital; a short one (an acronym: "USA") keeps them."""
+    words = "the quick brown for jumps over the label og she sells sea shells in the usa".split()
+    tokens = Formatter(inverse=False).format(words)
+    assert "Label" in [t.text.strip(",.?") for t in tokens]
+    assert tokens[0].text == "The"
+    assert all(len(t.text.strip(",.?")) <= MAX_ACRONYM or not t.text.isupper() for t in tokens)
+    assert any(t.text.strip(",.?") == "USA" for t in tokens)
+    for before, after in zip(tokens, tokens[1:], strict=False):
+        if before.text.endswith((".", "?")):
+            assert after.text[0].isupper(), (before, after)
 
 
 def test_the_bundled_tagger_is_small_and_carries_its_scores() -> None:
