@@ -28,6 +28,7 @@ from echoic.model.runtime.formatting import (
     FormattingUnavailable,
     punctuator,
     use_tagger,
+    written_words,
 )
 from echoic.protos.v1 import transcriber_pb2 as pb
 
@@ -56,14 +57,15 @@ def _format_alternative(alt: pb.SpeechRecognitionAlternative, formatter: Formatt
     alt.transcript = " ".join(t.text for t in tokens)
     if alt.words:
         old = list(alt.words)
+        written = written_words(
+            tokens, [w.start_time for w in old], [w.end_time for w in old],
+            [w.confidence for w in old],
+        )  # fmt: skip
         del alt.words[:]
         alt.words.extend(
-            pb.WordInfo(
-                word=t.text, start_time=old[t.first].start_time, end_time=old[t.last - 1].end_time,
-                confidence=min(w.confidence for w in old[t.first : t.last]),
-            )
-            for t in tokens
-        )  # fmt: skip
+            pb.WordInfo(word=w.text, start_time=w.start, end_time=w.end, confidence=w.confidence)
+            for w in written
+        )
 
 
 def format_results(

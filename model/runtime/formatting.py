@@ -150,13 +150,3 @@ def ends_sentence(text: str) -> bool:
     if text[-1:] in "?!":
         return True
     return text.endswith(".") and text.lower() not in ABBREVIATIONS
-
-
-def sentences(tokens: Sequence[Token]) -> list[list[Token]]:
-    """Tokens cut after each sentence end."""
-    out: list[list[Token]] = [[]]
-    for t in tokens:
-        out[-1].append(t)
-        if ends_sentence(t.text):
-            out.append([])
-    return [s for s in out if s]
