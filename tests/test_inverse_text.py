@@ -141,11 +141,12 @@ def _lines_run(words: list[str]) -> int:
             count += 1
         return trace
 
+    previous = sys.gettrace()  # a debugger's or coverage's tracer, put back afterwards
     sys.settrace(trace)
     try:
         inverse_normalize(words)
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return count
 
 
