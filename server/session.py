@@ -6,7 +6,7 @@ into `SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
 decoded audio, a final one at each endpoint and at the end of the audio.
 
 Endpointing (as in sherpa-onnx and Riva; the rule is
-`model/runtime/recognizer.py:Endpointing`, shared with files transcribed locally),
+`model/core/decoding.py:Endpointing`, shared with files transcribed locally),
 checked after every model step:
 rule 1 ends an utterance after `trailing_silence_ms` of trailing silence (CTC
 blanks and spaces after its last word) once it has a word; rule 2 ends it once it
@@ -42,7 +42,7 @@ from echoic.server.formatting import (
     Formatter,
     FormattingUnavailable,
     check_available,
-    format_results,
+    format_finals,
 )
 from echoic.server.models import LoadedModel
 
@@ -369,7 +369,7 @@ class Session:
         formatter = self.options.formatting
         if formatter is None or not any(r.is_final for r in out):
             return out
-        return format_results(out, formatter)
+        return await format_finals(out, formatter)
 
     async def _advance(self) -> list[pb.SpeechRecognitionResult]:
         if self.stream is None:
