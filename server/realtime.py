@@ -58,7 +58,7 @@ from aiohttp import WSMsgType, web
 
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
-from echoic.server.formatting import Formatter, format_results
+from echoic.server.formatting import Formatter, format_finals
 from echoic.server.metrics import HTTP_REALTIME, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -517,7 +517,7 @@ class RealtimeSession:
                     item_id=index, content_index=0, delta=delta,
                 ))  # fmt: skip
             if r.is_final:
-                best = self._formatted(r).alternatives[0]
+                best = (await self._formatted(r)).alternatives[0]
                 await self.send(_event(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=index, content_index=0, transcript=best.transcript,
@@ -536,12 +536,14 @@ class RealtimeSession:
                 words_info={"words": []},
             ))  # fmt: skip
 
-    def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
+    async def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
+        """A copy of the final `r` in written form (the deltas keep the spoken words); a
+        long one in a worker thread (`format_finals`)."""
         if self.formatter is None:
             return r
         copy = pb.SpeechRecognitionResult()
         copy.CopyFrom(r)
-        return format_results([copy], self.formatter)[0]  # in place: see server/formatting.py
+        return (await format_finals([copy], self.formatter))[0]  # in place: server/formatting.py
 
 
 def _scalar(given: dict[str, Any], key: str, section: str = "") -> Any:
