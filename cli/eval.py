@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from echoic.cli.transcribe import add_decoder_options, load_recognizer
+from echoic.cli.transcribe import add_decoder_options, load_recognizer, resolve_decoder
 
 EXAMPLES = """\
 examples:
@@ -91,6 +91,13 @@ def _score(recognizer, audios: list, batch_size: int) -> tuple[list[str], float]
     return hyps, compute
 
 
+def _resolved(args: argparse.Namespace, kind: str) -> str:
+    """greedy or beam: auto resolved for --model and --lm / --no-lm."""
+    args.decoder = kind
+    resolve_decoder(args)
+    return args.decoder
+
+
 def run(args: argparse.Namespace) -> int:
     import jiwer
 
@@ -99,10 +106,15 @@ def run(args: argparse.Namespace) -> int:
     from echoic.model.core.text import normalize_text
 
     manifests = [m for group in args.manifest for m in group]
-    decoders = [d.strip() for d in (args.decoders or args.decoder).split(",") if d.strip()]
-    bad = [d for d in decoders if d not in ("greedy", "beam")]
-    if bad or not decoders:
-        raise UserError(f"--decoders: unknown decoder {bad[0] if bad else ''!r} (greedy, beam)")
+    asked = [d.strip() for d in (args.decoders or args.decoder).split(",") if d.strip()]
+    bad = [d for d in asked if d not in ("greedy", "beam", "auto")]
+    if bad or not asked:
+        raise UserError(
+            f"--decoders: unknown decoder {bad[0] if bad else ''!r} (greedy, beam, auto)"
+        )
+    # auto is measured as what it runs for this model (`echoic transcribe`'s rule), and the
+    # report names that decoder: a measurement says what it measured.
+    decoders = list(dict.fromkeys(_resolved(args, d) for d in asked))
     recognizers = {}
     for kind in decoders:
         args.decoder = kind

@@ -77,7 +77,8 @@ def add_decoder_options(p: argparse.ArgumentParser, default: str = "auto") -> No
         "--decoder", choices=("auto", "greedy", "beam"), default=default,
         help="CTC decoding: greedy, beam (search with a word LM), or auto = beam where the "
              "model ships an LM (or --lm names one), greedy otherwise; with --server, auto is "
-             "the server's default (default %(default)s)",
+             "the server's default, greedy with --no-lm, beam with a --beam-size "
+             "(default %(default)s)",
     )  # fmt: skip
     p.add_argument("--beam-size", type=int, default=d.beam_size,
                    help=f"beam width (beam; default {d.beam_size})")  # fmt: skip

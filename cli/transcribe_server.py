@@ -99,6 +99,22 @@ def _error_message(path: str, error: Exception) -> str:
     return message if path in message else f"{path}: {message}"
 
 
+def requested_decoder(args: argparse.Namespace) -> str:
+    """--decoder as the server is asked for it: "auto" leaves it to the server (its
+    --decoder), unless --no-lm or --beam-size say more. auto with --no-lm is greedy, as
+    on the local path (cli/transcribe.py resolve_decoder: beam without an LM gains
+    little); a --beam-size other than the default asks for beam, as `echoic stream`'s."""
+    from echoic.model.core.decoding import DecoderConfig
+
+    if args.decoder != "auto":
+        return args.decoder
+    if args.no_lm:
+        return "greedy"
+    if args.beam_size != DecoderConfig.beam_size:
+        return "beam"
+    return "auto"
+
+
 class ServerTranscriber:
     """A connection to args.server, checked (the model served, the decoder options
     that apply there), then `transcribe` for a job's files."""
@@ -111,6 +127,7 @@ class ServerTranscriber:
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set when the job stops: waits and retries end
         self._check_decoder_options()
+        args.decoder = requested_decoder(args)
         try:
             self.client = Client(
                 args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -26,6 +26,7 @@ from echoic.clients.audio import (
     read_file,
     samples_payload,
 )
+from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
 
 AudioSource = bytes | str | os.PathLike | np.ndarray
@@ -64,9 +65,9 @@ def recognition_config(
     is split into utterances, each with its final result).
     punctuation / inverse_normalization: readable final transcripts (FormattingConfig).
     """
-    kinds = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
-    if decoder is not None and decoder not in kinds:
-        raise ValueError(f"decoder must be 'greedy', 'beam' or None, got {decoder!r}")
+    if decoder is not None and decoder not in DECODER_KINDS:
+        names = ", ".join(map(repr, DECODER_KINDS))
+        raise ValueError(f"decoder must be {names} or None, got {decoder!r}")
     if decoder is None and (beam_size or disable_lm):
         raise ValueError("beam_size and disable_lm are beam search's: give decoder='beam'")
     config = pb.RecognitionConfig(
@@ -83,7 +84,9 @@ def recognition_config(
     )
     if decoder is not None:
         config.decoder.CopyFrom(
-            pb.DecoderConfig(kind=kinds[decoder], beam_size=beam_size, disable_lm=disable_lm)
+            pb.DecoderConfig(
+                kind=DECODER_KINDS[decoder], beam_size=beam_size, disable_lm=disable_lm
+            )
         )
     if trailing_silence_ms or max_utterance_ms:
         config.endpointing.CopyFrom(

@@ -38,8 +38,8 @@ from grpc_reflection.v1alpha import reflection
 from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.beam_processes import BeamProcesses
-from echoic.server.config import ServerConfig, ServerError, busy_port_hint
-from echoic.server.formatting import FormattingUnavailable, punctuator, use_tagger
+from echoic.server.config import ServerConfig, ServerError, busy_port_hint, probe_binds
+from echoic.server.formatting import check_tagger, use_tagger
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.service import TranscriberService, add_to_server
@@ -230,32 +230,24 @@ def _check_ports_free(config: ServerConfig) -> None:
         if port == 0:
             continue
         try:
-            infos = socket.getaddrinfo(
-                host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )
-        except socket.gaierror:
-            continue  # the bind below says what is wrong with the address
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            with socket.socket(family, kind, proto) as probe:  # as the server binds, no listen
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind(address)
-                except OSError as e:
-                    if e.errno != errno.EADDRINUSE:
-                        continue  # the bind below says what is wrong with the address
+            for *_, e in probe_binds(host, port):
+                # Other errors: the real bind below says what is wrong with the address.
+                if e is not None and e.errno == errno.EADDRINUSE:
                     raise ServerError(
                         f"{error} {host}:{port}: {e.strerror}{busy_port_hint(flag)}"
                     ) from e
+        except socket.gaierror:
+            continue  # the bind below says what is wrong with the address
 
 
 def _load_tagger(path: Path | None) -> None:
-    """The punctuation tagger, loaded now so the first formatted result does not wait; one
-    line in the log when it cannot be (the server serves on, without punctuation)."""
+    """The punctuation tagger, loaded now so the first formatted result does not wait, and
+    whether it could be recorded for every request to read; one line in the log when it
+    cannot be (the server serves on, without punctuation)."""
     use_tagger(path)
-    try:
-        punctuator()
-    except FormattingUnavailable as e:
-        log.warning("%s; requests for punctuation will be refused", e)
+    error = check_tagger()
+    if error is not None:
+        log.warning("%s; requests for punctuation will be refused", error)
 
 
 async def create_server(config: ServerConfig) -> tuple[Server, int]:

@@ -7,6 +7,8 @@ fields (echoic.cli.serve), so a default, a type or a help text is written here o
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,29 @@ class ServerError(Exception):
 def busy_port_hint(flag: str) -> str:
     """What to do about a port another program holds, for the flag that chose it."""
     return f" (another server there?): stop it, or pass {flag} PORT (0 = any free port)"
+
+
+def probe_binds(host: str, port: int) -> Iterator[tuple[int, int, int, Any, OSError | None]]:
+    """Each address a server on host:port binds (TCP, passive; each once), bound once as
+    the server will bind it (SO_REUSEADDR, no listen) and let go, for a check that the
+    port is free: (family, type, proto, the address, why it could not be bound or None).
+    For port 0 the port the first address got is the one tried at the others (a server
+    gets one port on every address). socket.gaierror when the host does not resolve."""
+    infos = socket.getaddrinfo(
+        host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        address = (address[0], port, *address[2:])
+        error = None
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+                port = probe.getsockname()[1]
+                address = (address[0], port, *address[2:])
+            except OSError as e:
+                error = e
+        yield family, kind, proto, address, error
 
 
 @dataclass(frozen=True)

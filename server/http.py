@@ -24,7 +24,10 @@ The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
 `Expect: 100-continue` says so), and a client that sends nothing for
 `--idle-timeout-seconds`, or has not sent it all within `--upload-timeout-seconds`, gets
 408. The request takes its `--max-streams` slot once the upload is complete, so a slow
-upload holds no slot that a ready request could use.
+upload holds no slot that a ready request could use. What bounds the memory uploads
+hold is a cap on the transcription requests in progress, uploading or recognized:
+UPLOADS_PER_STREAM x `--max-streams`; a request beyond it gets 429 before its body is
+read.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ FORM_SLACK = MAX_FIELDS * MAX_FIELD_BYTES  # bytes a form may hold besides the f
 UNMATCHED = "unmatched"  # the route label of a path that matches no route
 PAGE = Path(__file__).parent / "static" / "index.html"  # the browser page, self-contained
 SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get to end
+# Transcription requests in progress per --max-streams slot: one being recognized and
+# one arriving behind it, so a slot never waits for an upload, while at most this many
+# x --max-upload-mb of uploads are held at once.
+UPLOADS_PER_STREAM = 2
 
 
 class _ProtocolLog(logging.LoggerAdapter):
@@ -111,6 +118,8 @@ class HttpDoor:
         self._runner: web.AppRunner | None = None
         self._warn = RateLimitedWarning(10.0)
         self.upload_limit = int(config.max_upload_mb * 2**20)  # bytes of the file
+        self.max_uploads = UPLOADS_PER_STREAM * config.max_streams  # requests in progress
+        self._uploads = 0  # transcription requests in progress (from before their body)
         self._started = time.time()
 
     # ------------------------------------------------------------------ lifecycle
@@ -221,8 +230,23 @@ class HttpDoor:
 
     # ------------------------------------------------------------------ routes
 
-    async def transcriptions(self, request: web.Request) -> web.Response:
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
         self._service.refuse_if_draining()
+        if self._uploads >= self.max_uploads:
+            raise ApiError(
+                429,
+                f"the server is at its limit of {self.max_uploads} transcription requests in "
+                f"progress ({UPLOADS_PER_STREAM} x --max-streams, uploads included): retry "
+                "later with backoff, or use another replica",
+                code="too_many_uploads",
+            )  # fmt: skip
+        self._uploads += 1
+        try:
+            return await self._transcribe(request)
+        finally:
+            self._uploads -= 1
+
+    async def _transcribe(self, request: web.Request) -> web.StreamResponse:
         fields, audio = await self._read_form(request)
         with self._service.admitted(HTTP_TRANSCRIPTIONS):
             if audio is None:

@@ -20,7 +20,8 @@ POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
 Formatted text (server/formatting.py) has sentence ends, commas, question marks,
 capitals and written-form numbers ("$25", "3:30 p.m."); srt and vtt cues then end at
 sentence ends too. When the server has no punctuation tagger, the default falls back to
-the spoken words, and an explicit formatting=true is refused (400).
+written forms alone (lower case, no marks), and an explicit formatting=true is refused
+(400).
 
 and one of echoic's own (OpenAI's clients send it with `extra_body`):
 
@@ -49,6 +50,7 @@ import grpc
 from echoic.model.core.decoding import FILE_ENDPOINTING
 from echoic.model.core.version import echoic_version
 from echoic.model.runtime.formatting import ends_sentence
+from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
 from echoic.server.models import ModelLookupError
@@ -57,7 +59,7 @@ from echoic.server.service import status_of
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("word", "segment")
-DECODERS = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
+DECODERS = DECODER_KINDS  # decoder name -> DecoderConfig.Kind
 ENDPOINTING = pb.EndpointingConfig(
     trailing_silence_ms=round(FILE_ENDPOINTING.trailing_silence * 1000),
     max_utterance_ms=round(FILE_ENDPOINTING.max_utterance * 1000),
@@ -132,6 +134,7 @@ class TranscriptionRequest:
     stream: bool  # answer as server-sent events
     decoder: str = ""  # "greedy" or "beam"; "" = the server's default
     formatting: bool = True  # readable text; False: the words as spoken
+    punctuation: bool = True  # with formatting: marks and capitals (False: no tagger here)
 
 
 def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionRequest:
@@ -201,8 +204,9 @@ def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionReque
             check_available(default_formatter())
         except FormattingUnavailable as e:
             raise bad(str(e), "formatting", "formatting_unavailable") from None
-    elif not formatting:
-        formatting = "true" if default_formatter_available() else "false"
+    punctuation = True
+    if not formatting:  # the default: all of it, or written forms alone without a tagger
+        formatting, punctuation = "true", default_formatter_available()
     return TranscriptionRequest(
         model=model,
         response_format=response_format,
@@ -211,11 +215,12 @@ def transcription_request(fields: Mapping[str, list[str]]) -> TranscriptionReque
         stream=stream == "true",
         decoder=decoder,
         formatting=formatting == "true",
+        punctuation=punctuation,
     )
 
 
 def default_formatter_available() -> bool:
-    """Whether this install can format; if not, the door's default is the spoken words."""
+    """Whether this server can punctuate; if not, the door's default is written forms alone."""
     try:
         check_available(default_formatter())
     except FormattingUnavailable:
@@ -230,7 +235,8 @@ def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
         enable_word_time_offsets=True,
         endpointing=ENDPOINTING,
         formatting=pb.FormattingConfig(
-            punctuation=request.formatting, inverse_normalization=request.formatting
+            punctuation=request.formatting and request.punctuation,
+            inverse_normalization=request.formatting,
         ),
     )
     if request.decoder:

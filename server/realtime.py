@@ -59,7 +59,7 @@ from aiohttp import WSMsgType, web
 
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
-from echoic.server.formatting import Formatter, format_results
+from echoic.server.formatting import Formatter, format_finals
 from echoic.server.metrics import HTTP_REALTIME, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -84,6 +84,9 @@ G711_RATE = 8000  # Hz of g711_ulaw and g711_alaw, fixed by OpenAI's protocol
 MAX_CONTROL_BYTES = 64 * 1024  # bytes of a message that is not input_audio_buffer.append
 PARSE_ON_LOOP_BYTES = 64 * 1024  # bytes of JSON parsed on the event loop; more in a thread
 MAX_INT = 2**31 - 1  # the largest integer setting (they become int32 config fields)
+# Settings an update may give that have no default to show: echoed only once given
+# (recognition_config.decoder absent means the server's default, `echoic serve --decoder`).
+_UNSET_KEYS = {"recognition_config": {"decoder"}}
 _ENCODINGS = {  # input_audio_format -> the RecognitionConfig encoding it is
     "pcm16": pb.RecognitionConfig.LINEAR16,
     "g711_ulaw": pb.RecognitionConfig.MULAW,
@@ -272,10 +275,9 @@ class RealtimeSession:
             return  # the client went away
         except asyncio.TimeoutError:
             idle = config.idle_timeout_seconds
-            await self.send(self.door.mistake(
+            await self._close_with(self.door.mistake(
                 "idle_timeout", f"nothing arrived for {idle:g} s: the socket is closed", self.peer
             ))  # fmt: skip
-            await self.ws.close()
         finally:
             ending.cancel()
             if self._opened is not None:  # a FLAC or Ogg decoder's threads end with the socket
@@ -406,8 +408,11 @@ class RealtimeSession:
                         "endpointing_config"):  # fmt: skip
             given = update.get(section)
             if isinstance(given, dict):
-                for key in settings[section].keys() & given.keys():
+                accepted = settings[section].keys() | _UNSET_KEYS.get(section, set())
+                for key in accepted & given.keys():
                     settings[section][key] = _scalar(given, key, section)
+        if settings["recognition_config"].get("decoder") is None:  # null: back to the default
+            settings["recognition_config"].pop("decoder", None)
         fmt = settings["input_audio_format"]
         if not isinstance(fmt, str) or fmt not in _ENCODINGS:
             raise ClientMistake(
@@ -508,7 +513,7 @@ class RealtimeSession:
                     item_id=index, content_index=0, delta=delta,
                 ))  # fmt: skip
             if r.is_final:
-                best = self._formatted(r).alternatives[0]
+                best = (await self._formatted(r)).alternatives[0]
                 await self.send(_event(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=index, content_index=0, transcript=best.transcript,
@@ -527,12 +532,14 @@ class RealtimeSession:
                 words_info={"words": []},
             ))  # fmt: skip
 
-    def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
+    async def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
+        """A copy of the final `r` in written form (the deltas keep the spoken words); a
+        long one in a worker thread (`format_finals`)."""
         if self.formatter is None:
             return r
         copy = pb.SpeechRecognitionResult()
         copy.CopyFrom(r)
-        return format_results([copy], self.formatter)[0]  # in place: see server/formatting.py
+        return (await format_finals([copy], self.formatter))[0]  # in place: server/formatting.py
 
 
 def _scalar(given: dict[str, Any], key: str, section: str = "") -> Any:

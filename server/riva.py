@@ -43,6 +43,7 @@ import grpc
 from riva.client.proto import riva_asr_pb2 as rasr
 from riva.client.proto import riva_audio_pb2 as raudio
 
+from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.service import Malformed, TranscriberService, lenient
 from echoic.server.session import check_phrase_count, invalid
@@ -60,7 +61,6 @@ _ENCODINGS = {
     raudio.OGGOPUS: pb.RecognitionConfig.OGG_OPUS,
 }
 _CUSTOM_KEYS = ("decoder", "beam_size", "max_utterance_ms")
-KINDS = {"greedy": pb.DecoderConfig.GREEDY, "beam": pb.DecoderConfig.BEAM}
 # Riva's boost scale (its clients suggest about 20 for a word to favour) per echoic nat:
 # 20 becomes 5 nats, enough to recover a word the model nearly heard.
 RIVA_BOOST_PER_NAT = 4.0
@@ -133,10 +133,12 @@ def _apply_custom(custom: dict[str, str], out: pb.RecognitionConfig) -> None:
             f" takes {', '.join(_CUSTOM_KEYS)}"
         )
     decoder = custom.get("decoder")  # absent: the server's default (echoic serve --decoder)
-    if decoder not in (None, "greedy", "beam"):
-        raise invalid(f"custom_configuration decoder={decoder[:40]!r}: use greedy or beam")
+    if decoder is not None and decoder not in DECODER_KINDS:
+        raise invalid(
+            f"custom_configuration decoder={decoder[:40]!r}: use {' or '.join(DECODER_KINDS)}"
+        )
     if decoder is not None:
-        out.decoder.kind = KINDS[decoder]
+        out.decoder.kind = DECODER_KINDS[decoder]
     for key in ("beam_size", "max_utterance_ms"):
         if key in custom:
             value = custom[key]

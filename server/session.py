@@ -7,7 +7,7 @@ turns what each step gives (`Stepped`, one await of the dispatcher per step) int
 `SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
 decoded audio, a final one at each endpoint and at the end of the audio.
 
-Endpointing (the rule is `model/runtime/recognizer.py:Endpointing`, shared with
+Endpointing (the rule is `model/core/decoding.py:Endpointing`, shared with
 files transcribed locally): rule 1 ends an utterance after `trailing_silence_ms`
 of trailing silence (CTC blanks and spaces after its last word) once it has a
 word; rule 2 ends it once it reaches `max_utterance_ms`, at the first step that
@@ -40,7 +40,7 @@ from echoic.server.formatting import (
     Formatter,
     FormattingUnavailable,
     check_available,
-    format_results,
+    format_finals,
 )
 from echoic.server.models import LoadedModel, ModelRegistry
 
@@ -361,7 +361,7 @@ class Session:
         formatter = self.options.formatting
         if formatter is None or not any(r.is_final for r in out):
             return out
-        return format_results(out, formatter)
+        return await format_finals(out, formatter)
 
     async def _advance(self) -> list[pb.SpeechRecognitionResult]:
         if self.stream is None:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from echoic.server.config import ServerConfig, ServerError, busy_port_hint
+from echoic.server.config import ServerConfig, ServerError, busy_port_hint, probe_binds
 
 if TYPE_CHECKING:
     from echoic.server.app import Server
@@ -71,26 +71,22 @@ def hold_port(host: str, port: int, error: str, flag: str) -> tuple[int, list[so
     the ServerError a busy port raises ("cannot listen on"), `flag` its hint."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ServerError("--workers needs SO_REUSEPORT (Linux), which this system lacks")
-    try:
-        infos = socket.getaddrinfo(
-            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except socket.gaierror as e:
-        raise ServerError(f"{error} {host}:{port}: {e.strerror}") from e
     held: list[socket.socket] = []
     try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            where = (address[0], port, *address[2:])
-            with socket.socket(family, kind, proto) as probe:  # no SO_REUSEPORT: alone, or fail
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(where)
-                port = probe.getsockname()[1]  # 0 -> the one port every address and worker gets
+        # The probe has no SO_REUSEPORT: it binds alone, or fails; port 0 becomes the one
+        # port every address and worker gets.
+        for family, kind, proto, address, failed in probe_binds(host, port):
+            if failed is not None:
+                raise failed
+            port = address[1]
             sock = socket.socket(family, kind, proto)
             held.append(sock)
             # SO_REUSEPORT alone: the workers join it, while another server's probe (or a
             # plain bind with SO_REUSEADDR) is refused even before the workers listen.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((address[0], port, *address[2:]))
+            sock.bind(address)
+    except socket.gaierror as e:
+        raise ServerError(f"{error} {host}:{port}: {e.strerror}") from e
     except OSError as e:
         for sock in held:
             sock.close()

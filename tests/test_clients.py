@@ -450,6 +450,34 @@ def test_transcribe_through_the_server_refuses_what_it_cannot_do(
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "decoder"),
+    [
+        pytest.param([], "the server's default", id="auto-alone"),
+        pytest.param(["--no-lm"], "greedy", id="auto-no-lm-is-greedy-as-locally"),
+        pytest.param(["--beam-size", "4"], "beam", id="a-beam-size-asks-for-beam"),
+    ],
+)
+def test_transcribe_through_the_server_reads_no_lm_and_beam_size_under_auto(
+    server: BackgroundServer, wavs, tmp_path: Path, args: list[str], decoder: str
+) -> None:
+    out = tmp_path / "out.jsonl"
+    run = _run("transcribe", str(wavs[0]), "--server", server.address, "--output", str(out),
+               "--no-progress", *args)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    header = json.loads(out.with_name(out.name + ".job").read_text().splitlines()[0])
+    assert header["settings"]["decoder"] == decoder
+
+
+def test_a_beam_size_under_auto_reaches_the_server(server: BackgroundServer, wavs) -> None:
+    """The server is asked for the beam size given: one over its --max-beam-size (64 by
+    default) is refused there, where auto once dropped it unsent."""
+    run = _run("transcribe", str(wavs[0]), "--server", server.address, "--no-progress",
+               "--beam-size", "65")  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert "beam_size must be" in run.stdout + run.stderr and "Traceback" not in run.stderr
+
+
 def test_transcribe_stops_when_the_server_is_unreachable(wavs) -> None:
     run = _run("transcribe", str(wavs[0]), "--server", f"127.0.0.1:{free_port()}", "--no-progress")
     assert run.returncode == 2 and "unavailable" in run.stderr and "Traceback" not in run.stderr

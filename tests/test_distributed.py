@@ -235,16 +235,20 @@ def test_placement(device_type, backend, local_rank: int, gpus: int, placed) -> 
 
 
 @pytest.mark.parametrize(
-    ("device_type", "backend", "message"),
+    ("device_type", "backend", "gpus", "message"),
     [
-        pytest.param("cuda", "auto", "or let ranks share GPUs with dist_backend=gloo", id="nccl"),
-        pytest.param("cpu", "nccl", "NCCL runs on GPUs only", id="nccl-on-cpu"),
+        pytest.param("cuda", "auto", 1, "or let ranks share GPUs with dist_backend=gloo",
+                     id="nccl"),
+        pytest.param("cpu", "nccl", 1, "NCCL runs on GPUs only", id="nccl-on-cpu"),
+        pytest.param("cuda", "gloo", 0, "no GPU is visible", id="gloo-without-gpus"),
+        pytest.param("cuda", "auto", 0, "no GPU is visible", id="nccl-without-gpus"),
     ],
-)
-def test_placement_refuses_what_cannot_run(device_type, backend, message: str) -> None:
-    """NCCL takes one GPU a rank: a fourth rank with one GPU is told how to share it."""
+)  # fmt: skip
+def test_placement_refuses_what_cannot_run(device_type, backend, gpus: int, message: str) -> None:
+    """NCCL takes one GPU a rank: a fourth rank with one GPU is told how to share it; and
+    no rank runs on GPUs that are not there (gloo once divided by their count, zero)."""
     with pytest.raises(DistributedError, match=message):
-        placement(_rank(3), device_type, backend, gpus=1)
+        placement(_rank(3), device_type, backend, gpus=gpus)
 
 
 @pytest.mark.slow

@@ -98,3 +98,22 @@ def test_references_to_the_docs_name_pages_and_text_they_have() -> None:
             assert target.is_file(), f"{source}: {page} does not exist"
             assert section.lower() in target.read_text().lower(), f"{source}: {page} {section!r}"
     assert seen > 10
+
+
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize(
+    "page",
+    [README, *sorted((ROOT / "docs").glob("*.md"))],
+    ids=lambda page: page.name,
+)
+def test_relative_links_lead_to_files(page: Path) -> None:
+    """A link is read from the page's own folder: inside docs/, docs/X.md is broken."""
+    broken = [
+        target
+        for target in MARKDOWN_LINK.findall(page.read_text())
+        if not target.startswith(("http://", "https://", "mailto:", "#"))
+        and not (page.parent / target.split("#", 1)[0]).exists()
+    ]
+    assert not broken, f"{page.relative_to(ROOT)} links to what is not there: {broken}"

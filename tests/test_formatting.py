@@ -4,6 +4,7 @@ real server on the bundled model, with speech synthesized by espeak-ng."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -20,6 +21,7 @@ pytest.importorskip("onnxruntime", reason="formatting runs the tagger on ONNX Ru
 from echoic.model.core.inverse_text import Token  # noqa: E402
 from echoic.model.core.punctuation import apply_tags, tags_of_prose  # noqa: E402
 from echoic.model.runtime.formatting import (  # noqa: E402
+    MAX_ACRONYM,
     PUNCT_FILE,
     Formatter,
     Punctuator,
@@ -28,6 +30,7 @@ from echoic.model.runtime.formatting import (  # noqa: E402
 )
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from echoic.server.formatting import FORMAT_ON_LOOP_WORDS, format_finals  # noqa: E402
 from tests.test_http import http_server, openai_client  # noqa: E402
 
 TIMEOUT = 60.0
@@ -51,6 +54,37 @@ def test_tags_read_off_prose_write_it_back(prose: str) -> None:
     written = apply_tags([t.token for t in tagged], [t.mark for t in tagged],
                          [t.case for t in tagged])  # fmt: skip
     assert " ".join(written) == prose
+
+
+@pytest.mark.parametrize(
+    ("tokens", "marks", "cases", "written"),
+    [
+        pytest.param(["the", "fox", "she", "ran"], [0, 2, 0, 3], [0, 0, 0, 0],
+                     "The fox. She ran?", id="sentence-starts-take-a-capital"),
+        pytest.param(["5th", "of", "may", "ok"], [0, 0, 2, 2], [0, 0, 1, 0],
+                     "5th of May. Ok.", id="no-letter-to-raise"),
+        pytest.param(["mr.", "smith", "left"], [0, 0, 2], [1, 1, 0],
+                     "Mr. Smith left.", id="an-abbreviation-ends-no-sentence"),
+    ],
+)  # fmt: skip
+def test_every_sentence_starts_with_a_capital_whatever_the_tagger_says(
+    tokens: list[str], marks: list[int], cases: list[int], written: str
+) -> None:
+    assert " ".join(apply_tags(tokens, marks, cases)) == written
+
+
+def test_the_tagger_writes_capitals_only_on_short_words() -> None:
+    """The bundled tagger writes "the LABEL og" for "the label og": a long word's
+    all-capitals becomes a capital; a short one (an acronym: "USA") keeps them."""
+    words = "the quick brown for jumps over the label og she sells sea shells in the usa".split()
+    tokens = Formatter(inverse=False).format(words)
+    assert "Label" in [t.text.strip(",.?") for t in tokens]
+    assert tokens[0].text == "The"
+    assert all(len(t.text.strip(",.?")) <= MAX_ACRONYM or not t.text.isupper() for t in tokens)
+    assert any(t.text.strip(",.?") == "USA" for t in tokens)
+    for before, after in zip(tokens, tokens[1:], strict=False):
+        if before.text.endswith((".", "?")):
+            assert after.text[0].isupper(), (before, after)
 
 
 def test_the_bundled_tagger_is_small_and_carries_its_scores() -> None:
@@ -84,6 +118,49 @@ def test_written_words_take_the_times_and_lowest_confidence_of_their_span() -> N
     assert [(w.text, w.start, w.end, w.confidence) for w in got] == [
         ("It", 0.0, 0.2, 0.9), ("costs", 0.3, 0.6, 0.8), ("$25.", 0.7, 1.8, 0.6),
     ]  # fmt: skip
+
+
+async def _loop_turns_while_formatting(result: pb.SpeechRecognitionResult) -> int:
+    """How often the event loop turned while `format_finals` formatted `result`."""
+    turns, formatting = 0, True
+
+    async def other_work() -> None:
+        nonlocal turns
+        while formatting:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before = turns
+    await format_finals([result], Formatter())
+    during = turns - before
+    formatting = False
+    await other
+    return during
+
+
+@pytest.mark.parametrize(
+    ("words", "off_the_loop"),
+    [
+        pytest.param(20, False, id="short-on-the-loop"),
+        pytest.param(10_000, True, id="long-in-a-thread"),
+    ],
+)
+def test_a_long_final_is_formatted_while_the_event_loop_turns(words: int, off_the_loop: bool):
+    """A final of thousands of words ("oh oh oh ...": Recognize without endpointing gives one
+    for up to --max-audio-seconds) is formatted in a worker thread, so the server's other
+    streams and /healthz go on meanwhile; a short one costs less than the hop."""
+    spoken = " ".join(["oh"] * words)
+    result = pb.SpeechRecognitionResult(
+        is_final=True, alternatives=[pb.SpeechRecognitionAlternative(transcript=spoken)]
+    )
+    assert (words > FORMAT_ON_LOOP_WORDS) == off_the_loop
+    turns = asyncio.run(_loop_turns_while_formatting(result))
+    assert (turns > 0) == off_the_loop
+    formatted = result.alternatives[0].transcript
+    assert formatted.startswith("Oh") and formatted.endswith((".", "?"))
+    assert len(formatted.split()) == words
 
 
 # ---------------------------------------------------------------- a real server
@@ -220,8 +297,12 @@ def test_openai_door_formats_by_default_and_gives_raw_words_when_asked(server, s
 def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
     speech, tmp_path
 ) -> None:
+    """Whether the tagger loads is found once, at the start: requests are refused in one
+    line without trying it again (a tagger file that appears later is not loaded), and
+    the OpenAI door's default is written forms alone, without marks and capitals."""
     missing = tmp_path / "no-such-tagger.onnx"
     with http_server(punctuation_model=missing) as s:
+        shutil.copyfile(PUNCT_FILE, missing)  # after the start: this server does without
         with grpc.insecure_channel(s.address) as channel:
             stub = pb_grpc.TranscriberStub(channel)
             with pytest.raises(grpc.RpcError) as e:
@@ -233,7 +314,13 @@ def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
             raw = _recognize(stub, speech).transcript
         client = openai_client(s)
         audio = ("said.wav", speech.read_bytes())
-        assert client.audio.transcriptions.create(model="whisper-1", file=audio).text == raw
+        # The OpenAI door's default falls back to written forms alone, as Riva's does.
+        got = client.audio.transcriptions.create(model="whisper-1", file=audio).text
+        assert got == numbers.transcript != raw
+        plain = client.audio.transcriptions.create(
+            model="whisper-1", file=audio, extra_body={"formatting": "false"}
+        )
+        assert plain.text == raw
         import openai
 
         with pytest.raises(openai.BadRequestError) as bad:

@@ -120,6 +120,24 @@ def test_weights_come_back_in_parts_and_join(
     assert torch.equal(joined.model["n"], original["n"])
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "dtype"),
+    [
+        pytest.param((0.15, 6), (0.15, 2), torch.bfloat16, id="three-parts-then-two"),
+        pytest.param((0.15, 6), (1.0, 6), torch.float32, id="parts-then-one-file"),
+    ],
+)
+def test_writing_again_leaves_no_part_of_the_last_write(
+    tmp_path: Path, first: tuple[float, int], second: tuple[float, int], dtype: torch.dtype
+) -> None:
+    source = _checkpoint(tmp_path / "last.pt", 100_000)
+    write_parts(source, tmp_path / "out", part_mb=first[0], max_parts=first[1])
+    written = write_parts(source, tmp_path / "out", part_mb=second[0], max_parts=second[1])
+    assert sorted((tmp_path / "out").iterdir()) == sorted(written)
+    joined = load_checkpoint(join_parts(tmp_path / "out", tmp_path / "joined.pt"))
+    assert joined.model["w"].dtype == dtype
+
+
 def test_a_missing_part_is_caught_at_join(tmp_path: Path) -> None:
     source = _checkpoint(tmp_path / "last.pt", 100_000)
     written = write_parts(source, tmp_path / "out", part_mb=0.15, max_parts=6)

@@ -87,3 +87,21 @@ def test_eval_puts_sets_decoders_and_groups_in_one_table(
     assert main(single) == 0
     alone = json.loads(capsys.readouterr().out)
     assert alone["wer"] == whole["wer_greedy"] and alone["utterances"] == 8
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "decoder"),
+    [
+        pytest.param("tiny_lm_model_dir", [], "beam", id="an-lm-at-hand-is-beam"),
+        pytest.param("tiny_lm_model_dir", ["--no-lm"], "greedy", id="no-lm-is-greedy"),
+        pytest.param("tiny_model_dir", [], "greedy", id="no-lm-shipped-is-greedy"),
+    ],
+)
+def test_eval_decoder_auto_measures_what_transcribe_would_run(
+    model: str, extra: list[str], decoder: str, speech_corpus: Path, request, capsys
+) -> None:
+    model_dir = request.getfixturevalue(model)
+    argv = ["eval", "--model", str(model_dir), "--manifest", str(speech_corpus),
+            "--decoder", "auto", "--limit", "2", "--json", *extra]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["decoder"] == decoder

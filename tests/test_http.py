@@ -304,17 +304,24 @@ def _recognized(stub, wav: bytes, kind: int) -> str:
 def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances) -> None:
     """`decoder` (greedy or beam) chooses the decoding; without it a request gets the
     server's default, which for the bundled model (it ships an LM) is the beam search;
-    `echoic serve --decoder greedy` makes greedy the default, for every door."""
+    `echoic serve --decoder greedy` makes greedy the default, for every door. The
+    realtime session echoes the decoder once given. Formatting is off throughout: the
+    decodings are compared on their words as spoken."""
     greedy = _recognized(stub, two_utterances, pb.DecoderConfig.GREEDY)
     beam = _recognized(stub, two_utterances, pb.DecoderConfig.BEAM)
     assert greedy != beam, "the audio should tell the two decoders apart"
+    raw = {"enable_automatic_punctuation": False, "enable_verbatim_transcripts": True}
     for decoder, want in (("", beam), ("greedy", greedy), ("beam", beam)):
         fields = [("decoder", decoder)] if decoder else []
-        assert post_form(server, fields, [("file", two_utterances)]) == (200, {"text": want})
-        session = {"input_audio_format": "none", "recognition_config": {"decoder": decoder}}
-        if not decoder:
-            del session["recognition_config"]
+        assert post_form(server, [*fields, *RAW.items()], [("file", two_utterances)]) == (
+            200, {"text": want},
+        )  # fmt: skip
+        asked = {"decoder": decoder} if decoder else {}
+        session = {"input_audio_format": "none", "recognition_config": {**raw, **asked}}
         events = asyncio.run(_realtime_events(server, session, two_utterances))
+        assert events[0]["type"] == "transcription_session.updated", events[0]
+        echoed = events[0]["session"]["recognition_config"]
+        assert echoed.get("decoder") == (decoder or None), echoed
         finals = [e["transcript"] for e in events if e["type"].endswith(".completed")]
         assert " ".join(finals) == want, decoder
     unnamed = pb.RecognitionConfig()
@@ -325,11 +332,13 @@ def test_the_decoder_field_and_the_servers_default(server, stub, two_utterances)
     assert " ".join(r.alternatives[0].transcript for r in got) == beam
     with openai_client(server) as client:  # OpenAI's own client sends it with extra_body
         got = client.audio.transcriptions.create(
-            model="whisper-1", file=("a.wav", two_utterances), extra_body={"decoder": "greedy"}
-        )
+            model="whisper-1", file=("a.wav", two_utterances),
+            extra_body={"decoder": "greedy", **RAW},
+        )  # fmt: skip
     assert got.text == greedy
     with http_server(decoder="greedy") as greedy_server:
-        assert post_form(greedy_server, [], [("file", two_utterances)]) == (200, {"text": greedy})
+        got = post_form(greedy_server, list(RAW.items()), [("file", two_utterances)])
+        assert got == (200, {"text": greedy})
         with grpc.insecure_channel(greedy_server.address) as channel:
             got = pb_grpc.TranscriberStub(channel).Recognize(request, timeout=TIMEOUT).results
         assert " ".join(r.alternatives[0].transcript for r in got) == greedy
@@ -343,7 +352,8 @@ def test_a_long_recording_gives_the_same_words_on_every_path(
     and the HTTP door cut it at the same pauses (one rule, FILE_ENDPOINTING), so they give
     the same words, with the same times, none glued across a pause (the local path and
     --server gave "... nuonscould ..." where HTTP gave "nuons could"), each within the
-    sentence it was said in."""
+    sentence it was said in. The HTTP door is asked for the words as spoken, as
+    `echoic transcribe` gives them by default."""
     import sys
 
     rows = [json.loads(line) for line in speech_corpus.read_text().splitlines()][3:7]
@@ -370,7 +380,7 @@ def test_a_long_recording_gives_the_same_words_on_every_path(
     local, remote = transcribe(), transcribe("--server", server.address)
     fields = [("decoder", decoder), ("response_format", "verbose_json"),
               ("timestamp_granularities[]", "word"),
-              ("timestamp_granularities[]", "segment")]  # fmt: skip
+              ("timestamp_granularities[]", "segment"), *RAW.items()]  # fmt: skip
     status, http = post_form(server, fields, [("file", (tmp_path / "long.wav").read_bytes())])
     assert status == 200, http
     assert local["text"] == remote["text"] == http["text"]
@@ -671,6 +681,34 @@ def test_a_slow_upload_gets_408_and_holds_no_stream_slot_meanwhile(clips) -> Non
             assert "limit of 1 concurrent" in limited.value.body["message"]
             release.set()
             list(call)
+        assert post_form(server, [], [("file", clips[0][0])])[0] == 200
+
+
+def test_uploads_in_progress_are_capped_at_twice_max_streams(clips) -> None:
+    """Uploads hold memory before they take a --max-streams slot, so their number is
+    capped: with --max-streams 1, two stalled uploads are all the server holds; a third
+    request gets 429 before its body is read, and is served once one of them is gone."""
+    with http_server(max_streams=1) as server:
+        body, content_type = multipart([], [("file", clips[0][0])])
+        headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
+
+        def status_until(want: int) -> tuple[int, dict]:
+            """A form without a file (400 once it is read) sent until it gets `want`."""
+            deadline = time.monotonic() + TIMEOUT
+            while (answer := post_form(server, [("model", "whisper-1")]))[0] != want:
+                assert time.monotonic() < deadline, answer
+                time.sleep(0.05)
+            return answer
+
+        with _raw_upload(server, headers) as first, _raw_upload(server, headers) as second:
+            first.sendall(body[:1000])
+            second.sendall(body[:1000])
+            _, refused = status_until(429)  # once both stalled uploads are being read
+            assert "limit of 2 transcription requests" in refused["error"]["message"]
+            assert "--max-streams" in refused["error"]["message"]
+            first.sendall(body[1000:])  # one completes: its place is free again
+            assert _response(first)[0] == 200
+            status_until(400)
         assert post_form(server, [], [("file", clips[0][0])])[0] == 200
 
 
@@ -1003,20 +1041,22 @@ def test_realtime_g711_gets_the_transcript_of_its_pcm16(server, clips, fmt, subt
 
 
 def test_a_silent_realtime_socket_is_closed_after_the_idle_timeout() -> None:
+    """The `idle_timeout` error event, then a close with 1008 (policy violation), as every
+    socket the server ends for a limit."""
     import aiohttp
 
-    async def session(url: str) -> tuple[dict, WSMsgType]:
+    async def session(url: str) -> tuple[dict, aiohttp.WSMessage]:
         async with aiohttp.ClientSession() as http:
             async with http.ws_connect(url, protocols=("realtime",)) as ws:
                 assert (await ws.receive_json(timeout=TIMEOUT))["type"] == "conversation.created"
                 error = await ws.receive_json(timeout=TIMEOUT)  # after 1 s of nothing
-                return error, (await ws.receive(timeout=TIMEOUT)).type
+                return error, await ws.receive(timeout=TIMEOUT)
 
     with http_server(idle_timeout_seconds=1.0) as server:
         url = server.http_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
         error, then = asyncio.run(session(url))
     assert error["type"] == "error" and error["error"]["code"] == "idle_timeout"
-    assert then == WSMsgType.CLOSE
+    assert (then.type, then.data, then.extra) == (WSMsgType.CLOSE, 1008, "idle_timeout")
 
 
 def test_realtime_sockets_end_with_their_results_when_the_grace_ends(clips) -> None:

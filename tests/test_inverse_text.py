@@ -4,10 +4,14 @@ spoken phrases, and against training/transcripts.py, the forward rules, as an or
 from __future__ import annotations
 
 import random
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
+from echoic.model.core import inverse_text
 from echoic.model.core.inverse_text import Token, inverse_normalize, written_text
 from echoic.training.transcripts import normalize_transcript
 
@@ -121,3 +125,45 @@ def test_each_token_knows_the_spoken_words_it_came_from() -> None:
 )
 def test_spans_cover_the_spoken_words_in_order(spoken: str, spans: list[tuple[int, int]]) -> None:
     assert [(t.first, t.last) for t in inverse_normalize(spoken.split())] == spans
+
+
+def _lines_run(words: list[str]) -> int:
+    """Lines of model/core/inverse_text.py executed to normalize `words`: the work done,
+    counted, so the test does not depend on the machine's speed."""
+    source = inverse_text.__file__
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Callable | None:
+        nonlocal count
+        if frame.f_code.co_filename != source:
+            return None
+        if event == "line":
+            count += 1
+        return trace
+
+    previous = sys.gettrace()  # a debugger's or coverage's tracer, put back afterwards
+    sys.settrace(trace)
+    try:
+        inverse_normalize(words)
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+@pytest.mark.parametrize(
+    "word",
+    [
+        pytest.param("oh", id="oh-alone-is-no-digit-run"),
+        pytest.param("five", id="a-digit-run"),
+        pytest.param("hello", id="no-rule"),
+    ],
+)
+def test_a_long_run_of_one_word_costs_linear_work(word: str) -> None:
+    """A hostile final of thousands of "oh" once cost quadratic time on the server's event
+    loop: four times the words must cost about four times the work, not sixteen."""
+    small, large = _lines_run([word] * 500), _lines_run([word] * 2000)
+    assert large < 5 * small, (small, large)
+
+
+def test_a_run_of_oh_stays_words() -> None:
+    assert written_text(inverse_normalize(["oh"] * 1000)) == " ".join(["oh"] * 1000)

@@ -135,6 +135,7 @@ TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.f
         (dict(language_code="de-DE"), TONE, "transcribes English"),
         (dict(custom_configuration={"nope": "1"}), TONE, "decoder, beam_size, max_utterance_ms"),
         (dict(custom_configuration={"beam_size": "x"}), TONE, "whole number"),
+        (dict(custom_configuration={"decoder": "viterbi"}), TONE, "use greedy or beam"),
         (dict(enable_separate_recognition_per_channel=True), TONE, "per channel"),
         (dict(sample_rate_hertz=0), TONE, "sample_rate_hertz"),
         (dict(sample_rate_hertz=16000, model="nope"), TONE, "unknown model"),
@@ -144,7 +145,7 @@ TONE = pcm16(0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.f
         (dict(sample_rate_hertz=16000, speech_contexts=[rasr.SpeechContext(
             phrases=["!"] * 2000, boost=20.0)]), TONE, "2000 phrases; at most 1000"),
     ],
-    ids=["language", "custom-key", "custom-value", "per-channel", "no-rate",
+    ids=["language", "custom-key", "custom-value", "custom-decoder", "per-channel", "no-rate",
          "unknown-model", "half-a-sample", "bad-flac", "wordless-phrases"],
 )  # fmt: skip
 def test_errors_are_invalid_argument_that_say_what_to_fix(server, fields, audio, says) -> None:

@@ -44,6 +44,9 @@ from echoic.server.config import ServerConfig  # noqa: E402
 Code = grpc.StatusCode
 Config = pb.RecognitionConfig
 RPC_TIMEOUT = 30.0  # s, per call: generous for a loaded 2-core machine; failures are fast
+PAUSE_TIMEOUT = 600.0  # s a paused stream waits for its test to release it: a deploy and
+# export in between take over 30 s on a loaded 2-core machine (a test that never releases
+# fails on its own assertions first)
 CHUNK = 3200  # bytes per streamed message: 100 ms of 16 kHz PCM16
 OPEN = 6 * CHUNK  # bytes after which the tiny model has decoded a window (an interim result)
 
@@ -93,7 +96,7 @@ def stream_messages(
     )
     for i in range(0, len(audio), chunk):
         if pause is not None and i >= pause[0] and not pause[1].is_set():
-            assert pause[1].wait(RPC_TIMEOUT), "the test never released the stream"
+            assert pause[1].wait(PAUSE_TIMEOUT), "the test never released the stream"
         yield pb.StreamingRecognizeRequest(audio_content=audio[i : i + chunk])
 
 

@@ -204,6 +204,11 @@ def placement(
     """
     if device_type == "cuda":
         gpus = torch.cuda.device_count() if gpus is None else gpus
+        if gpus < 1:
+            raise DistributedError(
+                "device=cuda but no GPU is visible (CUDA_VISIBLE_DEVICES, the driver): train"
+                " with device=cpu, or on a machine with a GPU"
+            )
         if backend == "gloo":
             return torch.device("cuda", env.local_rank % gpus), "gloo"
         if env.local_rank >= gpus:

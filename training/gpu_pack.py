@@ -161,6 +161,10 @@ def write_parts(
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # join_parts reads every part there is, and parts before a lone weights.pt: an earlier
+    # write's files would join with (or stand in for) this one's.
+    for old in (*out_dir.glob("weights.pt.part-*"), out_dir / "weights.pt"):
+        old.unlink(missing_ok=True)
     if len(data) <= limit:
         (out_dir / "weights.pt").write_bytes(data)
         return [out_dir / "weights.pt"]

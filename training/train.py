@@ -19,7 +19,7 @@ length-bucketed, shuffled batches. It writes `out_dir/last.pt` atomically every
 `checkpoint_every` steps and resumes from it exactly (model, optimizer, schedule,
 data position, RNG states) when started again with the same recipe. The same
 recipe, seed, world size and thread count give a byte-identical checkpoint file,
-whatever the out_dir (README, Determinism).
+whatever the out_dir (docs/training.md, "Determinism").
 
 The module reads in the order things happen: the configs; `start`, which builds a
 `Run` (one process's state) by resuming, fine-tuning or starting fresh; the steps
@@ -175,7 +175,7 @@ def _device_type(cfg: TrainConfig) -> str:
 
 
 def make_deterministic(device: torch.device) -> None:
-    """Every op deterministic that PyTorch can make so (see README, Determinism)."""
+    """Every op deterministic that PyTorch can make so (docs/training.md, "Determinism")."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     if device.type == "cuda":

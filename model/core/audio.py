@@ -158,7 +158,9 @@ def _container_blocks(
 ) -> Iterator[np.ndarray]:
     """An open container's audio as float32 mono blocks at `target_rate` (closed at the
     end): the same blocks, so the same samples, whether they are joined or used one by
-    one. DecodeTooSlow once decoding has taken `time_limit` s (0 = no limit)."""
+    one. DecodeTooSlow once decoding has taken `time_limit` s (0 = no limit), checked
+    between blocks: a block that is being decoded is finished first, so this bounds the
+    blocks decoded after the limit (none), not the time to the millisecond."""
     stop_at = time.monotonic() + time_limit if time_limit else None
     with f:
         allowed = _CONTAINER_FORMATS.get(encoding)

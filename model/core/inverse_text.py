@@ -270,12 +270,18 @@ def year_rule(words: Sequence[str], i: int) -> tuple[list[str], int] | None:
     return None
 
 
-def digit_run_rule(words: Sequence[str], i: int) -> tuple[list[str], int] | None:
-    if words[i] not in DIGITS:
-        return None
+def digit_run_end(words: Sequence[str], i: int) -> int:
+    """One past the run of digit words that starts at i (i itself when words[i] is none)."""
     j = i
     while j < len(words) and words[j] in DIGITS:
         j += 1
+    return j
+
+
+def digit_run_rule(words: Sequence[str], i: int) -> tuple[list[str], int] | None:
+    """A run refused here is refused at every later start inside it too (shorter still, or
+    "oh" alone still): `inverse_normalize` skips past it, so a long run costs linear time."""
+    j = digit_run_end(words, i)
     if j - i < 3 or all(w == "oh" for w in words[i:j]):
         return None
     digits = "".join(str(DIGITS[w]) for w in words[i:j])
@@ -430,9 +436,14 @@ def inverse_normalize(words: Sequence[str]) -> list[Token]:
     words = [w.lower() for w in words]
     out: list[Token] = []
     i = 0
+    refused_run_end = 0  # digit_run_rule refused a run ending here: no start before it can match
     while i < len(words):
         for rule in RULES:
+            if rule is digit_run_rule and i < refused_run_end:
+                continue
             hit = rule(words, i)
+            if rule is digit_run_rule and not hit:
+                refused_run_end = digit_run_end(words, i)
             if hit:
                 texts, end = hit
                 spans = _spans(words, i, end, texts)

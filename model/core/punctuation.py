@@ -99,14 +99,20 @@ def apply_case(token: str, case: int) -> str:
 
 def apply_tags(tokens: Sequence[str], marks: Sequence[int], cases: Sequence[int]) -> list[str]:
     """Tokens written with their tags: ["hello", "world"], [1, 2], [1, 0] -> ["Hello,", "world."].
-    A token that already ends in a period (an abbreviation) takes no second one."""
+    A token that already ends in a period (an abbreviation) takes no second one. A sentence
+    starts with a capital whatever its case tag says (the first token, and each after a
+    period or question mark), unless it starts with no letter ("5th", "$25")."""
     out = []
+    starts_sentence = True
     for token, mark, case in zip(tokens, marks, cases, strict=True):
+        if starts_sentence and token[:1].isalpha():
+            case = max(case, 1)
         word = apply_case(token, case)
         text = MARKS[mark]
         if word.endswith(".") and text == ".":
             text = ""
         out.append(word + text)
+        starts_sentence = MARKS[mark] in (".", "?")
     return out
 
 

@@ -92,6 +92,17 @@ def _load(path: Path) -> Punctuator:
     return Punctuator(path)
 
 
+MAX_ACRONYM = 3  # letters of the longest word the tagger may write in capitals ("FBI", "USA")
+
+
+def _spoken_case(case: int, token: str) -> int:
+    """The tagger's case for a spoken word, all capitals only for a short one: it wrote
+    "LAID" for "laid", and a shouted common word reads worse than a name ("Nasa")."""
+    if case == 2 and len(token) > MAX_ACRONYM:
+        return 1
+    return case
+
+
 @dataclass(frozen=True)
 class Formatter:
     punctuation: bool = True  # marks and capitals from the tagger
@@ -107,8 +118,8 @@ class Formatter:
         marks, cases = punctuator().tag([t.text for t in tokens])
         # A written form keeps its own case ("p.m.", "kg", "Mr."): only words as spoken
         # take the tagger's capitals.
-        cases = [c if t.last - t.first == 1 and t.text == words[t.first] else 0
-                 for c, t in zip(cases, tokens, strict=True)]  # fmt: skip
+        cases = [_spoken_case(c, t.text) if t.last - t.first == 1 and t.text == words[t.first]
+                 else 0 for c, t in zip(cases, tokens, strict=True)]  # fmt: skip
         texts = apply_tags([t.text for t in tokens], marks, cases)
         return [Token(text, t.first, t.last) for text, t in zip(texts, tokens, strict=True)]
 
@@ -139,13 +150,3 @@ def ends_sentence(text: str) -> bool:
     if text[-1:] in "?!":
         return True
     return text.endswith(".") and text.lower() not in ABBREVIATIONS
-
-
-def sentences(tokens: Sequence[Token]) -> list[list[Token]]:
-    """Tokens cut after each sentence end."""
-    out: list[list[Token]] = [[]]
-    for t in tokens:
-        out[-1].append(t)
-        if ends_sentence(t.text):
-            out.append([])
-    return [s for s in out if s]
