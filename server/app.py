@@ -38,7 +38,13 @@ from grpc_reflection.v1alpha import reflection
 from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.beam_processes import BeamProcesses
-from echoic.server.config import ServerConfig, ServerError, busy_port_hint, probe_binds
+from echoic.server.config import (
+    DECODER_THREADS,
+    ServerConfig,
+    ServerError,
+    busy_port_hint,
+    probe_binds,
+)
 from echoic.server.formatting import check_tagger, use_tagger
 from echoic.server.metrics import Metrics
 from echoic.server.models import ModelRegistry
@@ -52,7 +58,6 @@ log = logging.getLogger("echoic.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transcriber"].full_name  # "echoic.v1.Transcriber"
 
 
-DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches
 END_SECONDS = 10.0  # s streams still open when the grace ends get to send their final results
 
 
@@ -271,7 +276,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     executors = (executor, decoders, audio)
     beams = registry = None
     try:
-        if config.beam_processes:
+        if config.beam_processes and config.engine == "thread":  # else the engines' own
             beams = await asyncio.to_thread(BeamProcesses, config.beam_processes)
         registry = ModelRegistry(config, metrics, executor, decoders, beams)
         await registry.start()

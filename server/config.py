@@ -7,6 +7,7 @@ fields (echoic.cli.serve), so a default, a type or a help text is written here o
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa
 
 
 DECODERS = ("auto", "greedy", "beam")  # ServerConfig.decoder
+ENGINES = ("thread", "process")  # ServerConfig.engine
+DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches
 
 CPU = ("CPUExecutionProvider",)
 CUDA_THEN_CPU = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -138,6 +141,21 @@ class ServerConfig:
         0.0,
         "ms a dispatcher waits for a fuller batch; 0 = run whatever is ready at once",
         Flag(metavar="MS"),
+    )
+    engine: str = setting(
+        "thread",
+        "where each model version's batches run: process = an engine process of its own "
+        "(its streams' features, model calls, decoding and endpointing, beside the doors' "
+        "process rather than under its interpreter lock); thread = a thread of this process",
+        Flag(metavar="{thread,process}"),
+    )
+    batch_lanes: int = setting(
+        0,
+        "with --engine process: batches an engine process runs at once, count, each in a "
+        "thread of its own with its own ONNX Runtime call (--threads each), so that one "
+        "model's batches use every core without ONNX Runtime's threads waiting on each "
+        "other; 0 = one per core",
+        Flag(metavar="N"),
     )
     beam_processes: int = setting(
         0,
@@ -299,6 +317,11 @@ class ServerConfig:
         """ONNX Runtime execution providers for `device`, the first preferred."""
         return CUDA_THEN_CPU if self.device == "cuda" else CPU
 
+    @property
+    def lanes(self) -> int:
+        """Batches an engine process runs at once (`batch_lanes`; 0 = one per core)."""
+        return self.batch_lanes or os.cpu_count() or 1
+
     def __post_init__(self) -> None:
         checks = [
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
@@ -319,6 +342,11 @@ class ServerConfig:
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
             (self.beam_processes >= 0, "beam_processes must be >= 0 (0 = decoder threads)"),
+            (self.batch_lanes >= 0, "batch_lanes must be >= 0 (0 = one per core)"),
+            (
+                self.engine in ENGINES,
+                f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}",
+            ),
             (self.max_streams >= 1, "max_streams must be >= 1"),
             (self.max_audio_seconds >= 0, "max_audio_seconds must be >= 0"),
             (self.max_beam_size >= 1, "max_beam_size must be >= 1"),

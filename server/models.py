@@ -46,8 +46,9 @@ from echoic.model.runtime.repository import (
     version_key,
 )
 from echoic.server.beam_processes import BeamProcesses
-from echoic.server.config import ServerConfig, ServerError
+from echoic.server.config import DECODER_THREADS, ServerConfig, ServerError
 from echoic.server.dispatcher import Dispatcher
+from echoic.server.engine_process import EngineProcess, EngineSpec, RemoteRecognizer
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
@@ -99,8 +100,10 @@ class LoadedModel:
     name: str
     version: str
     path: Path
-    greedy: Recognizer  # the engine's recognizer with greedy decoding, and the batches'
-    dispatcher: Dispatcher
+    # the engine's recognizer with greedy decoding, and the batches'; with --engine process,
+    # the engine process's (server/engine_process.py), which is also the dispatcher
+    greedy: Recognizer | RemoteRecognizer
+    dispatcher: Dispatcher | EngineProcess
     # What builds a beam search: the decoder processes' (`--beam-processes`); None: in
     # this process, in the dispatcher's decoder threads.
     beam_decoders: Callable[..., Any] | None = None
@@ -108,7 +111,9 @@ class LoadedModel:
     has_lm: bool = False  # the version ships a word LM (lm.arpa)
     state: str = LOADED
     active: int = 0  # open streams and requests on this version, count
-    _recognizers: dict[DecoderConfig, Recognizer] = field(default_factory=dict, repr=False)
+    _recognizers: dict[DecoderConfig, Recognizer | RemoteRecognizer] = field(
+        default_factory=dict, repr=False
+    )
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
@@ -124,6 +129,11 @@ class LoadedModel:
         """Streaming gives Recognize's log-probs (stream.onnx), not overlapped chunks'."""
         return self.greedy.streams_exactly
 
+    async def _build(self, decoder: DecoderConfig) -> Recognizer | RemoteRecognizer:
+        if isinstance(self.dispatcher, EngineProcess):
+            return await self.dispatcher.recognizer(decoder)
+        return await asyncio.to_thread(self._recognizer, decoder)
+
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
         recognizer = Recognizer(
             self.greedy.engine, decoder, chunking=self.greedy.chunking,
@@ -132,7 +142,7 @@ class LoadedModel:
         recognizer.load_decoder()  # here, in a worker thread, not in a request's decoding
         return recognizer
 
-    async def recognizer(self, decoder: DecoderConfig | None) -> Recognizer:
+    async def recognizer(self, decoder: DecoderConfig | None) -> Recognizer | RemoteRecognizer:
         """The recognizer for a decoder config (sharing this version's engine), built once;
         None: the server's default for this model."""
         decoder = decoder or self.default_decoder
@@ -142,12 +152,12 @@ class LoadedModel:
             # from the cached decoder without them, which holds it (loaded once, shared)
             await self.recognizer(replace(decoder, boost=()))
             try:
-                return await asyncio.to_thread(self._recognizer, decoder)
+                return await self._build(decoder)
             except ValueError as e:
                 raise DecoderError(f"decoder.boosts: {e}") from None
         async with self._lock:
             if decoder not in self._recognizers:
-                self._recognizers[decoder] = await asyncio.to_thread(self._recognizer, decoder)
+                self._recognizers[decoder] = await self._build(decoder)
             return self._recognizers[decoder]
 
 
@@ -368,6 +378,13 @@ class ModelRegistry:
     async def _load(self, name: str | None, version: str | None, path: Path) -> LoadedModel:
         cfg = self._config
         log.info("loading %s", path)
+        chunking = (
+            ChunkConfig(cfg.chunk_ms, cfg.chunk_left_ms, cfg.chunk_right_ms)
+            if cfg.chunk_ms > 0
+            else None
+        )
+        if cfg.engine == "process":
+            return await self._load_in_process(name, version, path, chunking)
         engine = await asyncio.to_thread(
             Engine, path, providers=cfg.providers, intra_op_threads=cfg.intra_op_threads,
             spin_wait=cfg.ort_spin_wait, io_binding=cfg.device == "cuda",
@@ -379,11 +396,6 @@ class ModelRegistry:
                 "%s: served as %s version %s (its card says %s version %s)",
                 path, name, version, engine.card.name, engine.card.version,
             )  # fmt: skip
-        chunking = (
-            ChunkConfig(cfg.chunk_ms, cfg.chunk_left_ms, cfg.chunk_right_ms)
-            if cfg.chunk_ms > 0
-            else None
-        )
         greedy = Recognizer(engine, chunking=chunking)
         dispatcher = Dispatcher(
             greedy,
@@ -403,6 +415,32 @@ class ModelRegistry:
         # The default decoder's LM loads now, beside the serving version, rather than in
         # the first request that names no decoder.
         await model.recognizer(None)
+        return model
+
+    async def _load_in_process(
+        self, name: str | None, version: str | None, path: Path, chunking: ChunkConfig | None
+    ) -> LoadedModel:
+        """`_load` with the engine in a process of its own (`--engine process`)."""
+        cfg = self._config
+        spec = EngineSpec(
+            path, tuple(cfg.providers), cfg.intra_op_threads, cfg.ort_spin_wait,
+            cfg.device == "cuda", chunking, cfg.max_batch, cfg.lanes, DECODER_THREADS,
+            cfg.beam_processes,
+        )  # fmt: skip
+        engine = await EngineProcess.start(spec, self._metrics)
+        card = engine.info.card
+        name, version = name or card.name, version or card.version
+        engine.labels = (name, version)
+        has_lm = (path / LM_FILE).is_file()
+        model = LoadedModel(
+            name, version, path, RemoteRecognizer(engine, DecoderConfig()), engine,
+            default_decoder=default_decoder(cfg, has_lm), has_lm=has_lm,
+        )  # fmt: skip
+        try:
+            await model.recognizer(None)
+        except BaseException:
+            await engine.close()
+            raise
         return model
 
     def _switch(self, model: LoadedModel) -> None:

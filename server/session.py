@@ -279,7 +279,7 @@ async def open_session(
         yield session
     finally:
         if session is not None:
-            session.audio.close()  # a FLAC or Ogg decoder's threads end with the session
+            session.close()
         registry.release(model)
 
 
@@ -328,6 +328,13 @@ class Session:
         self._last_interim = 0.0  # decoded audio at the last interim result, s
         self.finished = False  # the audio has ended
         self.done = False  # the last final result has been produced
+
+    def close(self) -> None:
+        """Let go of the audio decoder (a FLAC or Ogg decoder's threads end with the session)
+        and of the stream (an engine process's state for it)."""
+        self.audio.close()
+        if self.stream is not None:
+            self.stream.close()
 
     @property
     def seconds(self) -> float:

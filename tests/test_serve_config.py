@@ -21,7 +21,7 @@ FLAGS = {
     "--model", "--model-repo", "--default-model", "--poll-seconds", "--host", "--port",
     "--metrics-port", "--http-port",
     "--metrics-host", "--max-batch", "--max-wait-ms", "--threads", "--no-ort-spin", "--device",
-    "--beam-processes", "--decoder",
+    "--beam-processes", "--decoder", "--engine", "--batch-lanes",
     "--gpu", "--max-streams", "--workers",
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
@@ -70,6 +70,7 @@ def test_the_default_command_line_is_the_default_config() -> None:
         pytest.param(["--device", "cuda"], "device", "cuda", id="device"),
         pytest.param(["--gpu"], "device", "cuda", id="alias"),
         pytest.param(["--decoder", "greedy"], "decoder", "greedy", id="decoder"),
+        pytest.param(["--engine", "process"], "engine", "process", id="engine"),
     ],
 )  # fmt: skip
 def test_flags_round_trip_with_their_types(flags: list[str], field: str, value: Any) -> None:

@@ -342,6 +342,14 @@ class Engine:
         return log_probs.numpy(), {s.input: v for s, v in zip(self.card.states, new, strict=True)}
 
 
+def window_ready(card: ModelCard, next_frame: int, frames_in: int) -> bool:
+    """Whether a stream's window starting at output frame `next_frame` has all its input
+    once `frames_in` real feature frames have arrived (before the stream's end):
+    `WindowFeeder.ready`'s rule, which a stream held in another process follows too."""
+    end = next_frame * card.time_stride + card.window_input_frames
+    return end <= card.pad_left + frames_in
+
+
 class WindowFeeder:
     """Feature frames in, `stream.onnx` windows out, for one stream.
 
@@ -391,8 +399,7 @@ class WindowFeeder:
         more frames (computed but not yet accepted) arrive."""
         if self.finished:
             return self.next_frame < self.total_output_frames
-        end = self.next_frame * self.card.time_stride + self.card.window_input_frames
-        return end <= self.card.pad_left + self.frames_in + coming
+        return window_ready(self.card, self.next_frame, self.frames_in + coming)
 
     @property
     def done(self) -> bool:

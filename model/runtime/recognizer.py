@@ -428,6 +428,10 @@ class Stream:
         self.utterance_index = 0  # utterances with words ended so far, count
         self._utterance_start_frame = 0  # output frame where the current utterance starts
 
+    def close(self) -> None:
+        """Let go of the stream: nothing to release in this process (a stream held by an
+        engine process is let go of there: `server/engine_process.py:RemoteStream`)."""
+
     def _new_decoder(self) -> StreamingDecoder:
         decoder = self.recognizer.decoder_stream()
         decoder.n_best = self.n_best

@@ -1,0 +1,776 @@
+"""The engine in a process of its own (`echoic serve --engine process`).
+
+One process per loaded model version runs that version's batches: its ONNX Runtime
+sessions, the streams' features, windows, recurrent states and decoders, the
+endpoint test, and the beam searches. The server process keeps the doors (gRPC, HTTP,
+WebSocket), the audio decoding, the sessions and the results, and feeds the engine
+process audio over one socket pair. Each side then has an interpreter lock of its
+own: the doors' Python no longer waits behind the batches' Python (features, greedy
+decoding, settling), nor they behind it.
+
+The server's side:
+
+- `EngineProcess`: the process, started when a version loads and stopped when it
+  unloads; what a `LoadedModel` holds in place of an in-process `Dispatcher`, with the
+  same calls (`step`, `offline`, `decode_whole`, `close`) plus `recognizer(decoder)`.
+  If the process dies, the requests waiting on it fail with `DispatcherClosed` (the
+  doors answer UNAVAILABLE: retry), the streams open on it fail at their next step, and
+  a new process starts for the streams that come next.
+- `RemoteRecognizer`: what `LoadedModel.recognizer` gives: the model's card and a
+  decoder config; `stream()` opens a `RemoteStream`.
+- `RemoteStream`: a `Stream` as `Session` uses it. Audio waits here until the stream's
+  next step and goes with it; the stream knows from the card when its next window is
+  ready (the arithmetic of `WindowFeeder.ready`), so a step is asked for only when it
+  has model work, as in-process. What each step said (its window position, decoded
+  audio, finality) comes back with the step's result.
+
+The engine's side (`python -m echoic.server.engine_process FD`, `_Host`): a thread
+reads the pipe; the main thread takes whatever steps are queued the moment the batch
+before is done (up to `max_batch`), runs one `Recognizer.step` for them and settles
+the greedy ones there; beam searches settle in its decoder threads (or its own
+`--beam-processes`). Replies go back as one message per batch.
+
+The messages are pickled lists of tuples of builtins, numpy arrays and
+`echoic.model` objects, one list per send each way: door -> engine `(op, ...)`
+with op one of open, close, step, decoder, offline, decode; engine -> door
+`("stepped", rid, Stepped, status)`, `("value", rid, value)`, `("error", rid, exc)`
+and `("batch", size, compute_s, queue_waits, audio_s)` for the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from echoic.model.core.decoding import DecoderConfig, Endpointing, Transcript
+from echoic.model.core.features import num_frames
+from echoic.model.runtime.card import ModelCard
+from echoic.model.runtime.chunking import ChunkConfig
+from echoic.model.runtime.engine import Engine, window_ready
+from echoic.model.runtime.recognizer import Recognizer, Stepped, Stream
+from echoic.server.dispatcher import DispatcherClosed
+from echoic.server.metrics import Metrics
+
+log = logging.getLogger("echoic.server")
+
+CHILD_MODULE = "echoic.server.engine_process"
+START_SECONDS = 300.0  # s a new engine process gets to load its model
+STOP_SECONDS = 10.0  # s it gets to exit once told, before it is killed
+BOOSTED_KEPT = 64  # decoders with one request's boosted words an engine keeps built, count
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine process loads, and how it runs (from `ServerConfig`)."""
+
+    path: Path
+    providers: tuple[str, ...]
+    intra_op_threads: int
+    spin_wait: bool
+    io_binding: bool
+    chunking: ChunkConfig | None
+    max_batch: int
+    lanes: int  # batches run at once, count
+    decoder_threads: int
+    beam_processes: int
+
+
+@dataclass(frozen=True)
+class _Info:
+    """What the engine process says once its model is loaded."""
+
+    card: ModelCard
+    streamable: bool
+    streams_exactly: bool
+    chunking: ChunkConfig | None
+    pid: int
+
+
+# ------------------------------------------------------------------ the server's side
+
+
+class RemoteRecognizer:
+    """A model version's recognizer with one decoder config, its engine in a process."""
+
+    def __init__(self, engine: EngineProcess, decoder: DecoderConfig) -> None:
+        self.engine = engine
+        self.decoder_config = decoder
+        info = engine.info
+        self.card = info.card
+        self.streamable = info.streamable
+        self.streams_exactly = info.streams_exactly
+        self.chunking = info.chunking
+        self.sample_rate = info.card.sample_rate
+        self.frame_seconds = info.card.output_frame_ms / 1000.0
+
+    def stream(self, *, endpointing: Endpointing | None = None, n_best: int = 1) -> RemoteStream:
+        return self.engine.open_stream(self, endpointing or Endpointing(), n_best)
+
+
+class RemoteStream:
+    """One stream whose state lives in the engine process (see the module docstring)."""
+
+    def __init__(self, recognizer: RemoteRecognizer, sid: int, generation: int) -> None:
+        self.recognizer = recognizer
+        self.sid = sid
+        self.generation = generation  # the engine process it lives in
+        card = recognizer.card
+        # Readiness by the card's arithmetic where windows come from feature frames
+        # (stream.onnx); an overlapped-chunk stream asks the engine at every step.
+        self._clock = card if recognizer.chunking is None else None
+        self._pending: list[np.ndarray] = []  # audio not yet sent
+        self.samples_in = 0  # audio accepted, samples
+        self.finished = False
+        self._finish_sent = False
+        self._features_now = False
+        # What the engine said after the last step:
+        self._next_frame = 0  # the next window's first output frame
+        self._engine_ready = False  # it has more windows ready already
+        self.is_final = False
+        self._decoded_seconds = 0.0
+        self.utterance_index = 0
+
+    def accept_audio(self, samples: np.ndarray) -> None:
+        if self.finished:
+            raise RuntimeError("accept_audio() after finish()")
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if len(samples):
+            self._pending.append(samples)
+            self.samples_in += len(samples)
+
+    def finish(self, *, features_now: bool = False) -> None:
+        self.finished = True
+        self._features_now = features_now
+
+    def is_ready(self) -> bool:
+        if self.is_final:
+            return False
+        if (self.finished and not self._finish_sent) or self._engine_ready:
+            return True
+        if not self._pending:
+            return False
+        card = self._clock
+        if card is None:
+            return True
+        return window_ready(card, self._next_frame, num_frames(self.samples_in, card.features))
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.samples_in / self.recognizer.sample_rate
+
+    @property
+    def decoded_seconds(self) -> float:
+        return self._decoded_seconds
+
+    def settle(self) -> Stepped:
+        """Nothing: the engine settles a stream with its step, and gives its last utterance
+        with the step that made it final."""
+        return Stepped((), None, False, self.audio_seconds)
+
+    def close(self) -> None:
+        self.recognizer.engine.close_stream(self)
+
+    # ---- EngineProcess's side
+
+    def take_step(self) -> tuple[np.ndarray | None, bool, bool]:
+        """The audio and the end (once) that go with the next step."""
+        pending, self._pending = self._pending, []
+        samples = None
+        if pending:
+            samples = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        finish = self.finished and not self._finish_sent
+        self._finish_sent |= finish
+        return samples, finish, self._features_now
+
+    def update(self, status: tuple[int, bool, bool, float, int]) -> None:
+        (self._next_frame, self._engine_ready, self.is_final, self._decoded_seconds,
+         self.utterance_index) = status  # fmt: skip
+
+
+class EngineProcess:
+    """One model version's engine process, seen from the server (the module docstring)."""
+
+    def __init__(self, spec: EngineSpec, metrics: Metrics) -> None:
+        self.spec = spec
+        self._metrics = metrics
+        self.labels = ("", "")  # (name, version) for the metrics, set by the registry
+        self.info: _Info
+        self.generation = 0  # counts the processes started
+        self._process: subprocess.Popen | None = None
+        self._pipe: Connection | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[asyncio.Future, RemoteStream | None]] = {}
+        self._outbox: list[tuple] = []
+        self._flushing = False
+        self._sends: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
+        self._live = False  # a process is up and answering
+        self._closed = False
+        self._broken = ""  # why no process can start; "" while one can
+        self._restart: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop
+
+    @classmethod
+    async def start(cls, spec: EngineSpec, metrics: Metrics) -> EngineProcess:
+        """The process started and its model loaded; the load's error if it fails."""
+        self = cls(spec, metrics)
+        self._loop = asyncio.get_running_loop()
+        await self._spawn()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def _spawn(self) -> None:
+        mine, theirs = socket.socketpair()
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+            )
+        pipe = Connection(mine.detach())
+        try:
+            pipe.send_bytes(pickle.dumps(self.spec))
+            ok, info = await asyncio.wait_for(
+                asyncio.to_thread(_receive, pipe), START_SECONDS
+            )  # fmt: skip
+        except BaseException as e:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+            pipe.close()
+            if isinstance(e, (EOFError, OSError)):
+                raise RuntimeError(f"the engine process for {self.spec.path} exited") from None
+            if isinstance(e, asyncio.TimeoutError):
+                raise RuntimeError(
+                    f"the engine process for {self.spec.path} did not load it in "
+                    f"{START_SECONDS:g} s"
+                ) from None
+            raise
+        if not ok:
+            await asyncio.to_thread(process.wait)
+            pipe.close()
+            raise info
+        self.info = info
+        self._process, self._pipe = process, pipe
+        self.generation += 1
+        self._live = True
+        self._sends = queue.SimpleQueue()
+        threading.Thread(
+            target=self._read, args=(pipe, self.generation), name="echoic-engine-read",
+            daemon=True,
+        ).start()  # fmt: skip
+        threading.Thread(
+            target=_write, args=(pipe, self._sends), name="echoic-engine-write", daemon=True
+        ).start()  # fmt: skip
+        self._flush()
+
+    # ---- what a LoadedModel calls
+
+    async def recognizer(self, decoder: DecoderConfig) -> RemoteRecognizer:
+        """A recognizer with `decoder`, built in the engine process (a beam search loads its
+        LM there); ValueError for settings it refuses (a boosted word it cannot spell)."""
+        await self._call(("decoder", decoder))
+        return RemoteRecognizer(self, decoder)
+
+    def open_stream(
+        self, recognizer: RemoteRecognizer, endpointing: Endpointing, n_best: int
+    ) -> RemoteStream:
+        if n_best < 1:
+            raise ValueError(f"n_best must be at least 1, got {n_best}")
+        if not self._live:
+            raise DispatcherClosed(self._broken or "the engine process is restarting: retry")
+        stream = RemoteStream(recognizer, next(self._ids), self.generation)
+        self._send(("open", stream.sid, recognizer.decoder_config, endpointing, n_best))
+        return stream
+
+    def close_stream(self, stream: RemoteStream) -> None:
+        if stream.generation == self.generation and not self._closed:
+            self._send(("close", stream.sid))
+
+    async def step(self, stream: RemoteStream) -> Stepped:
+        """The stream's next step, with the audio it has been given since the last, run in
+        the engine's next batch and settled there; what the step gave."""
+        if stream.generation != self.generation:
+            raise DispatcherClosed(
+                "the engine process this stream ran in ended (its state is lost)"
+            )
+        samples, finish, features_now = stream.take_step()
+        return await self._call(("step", stream.sid, samples, finish, features_now), stream)
+
+    async def offline(self, audio: np.ndarray) -> np.ndarray:
+        """Log-probs (T', V) of one whole utterance, batched with the others queued."""
+        return await self._call(("offline", np.asarray(audio, dtype=np.float32)))
+
+    async def decode_whole(
+        self, recognizer: RemoteRecognizer, log_probs: np.ndarray, n_best: int
+    ) -> Transcript:
+        return await self._call(("decode", recognizer.decoder_config, log_probs, n_best))
+
+    async def close(self) -> None:
+        """Stop the process; requests still waiting fail with DispatcherClosed."""
+        self._closed = True
+        if self._restart is not None:
+            self._restart.cancel()
+        self._fail(DispatcherClosed("the model version was unloaded"))
+        self._stop_process()
+        process = self._process
+        if process is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(process.wait), STOP_SECONDS)
+            except asyncio.TimeoutError:
+                process.kill()
+                await asyncio.to_thread(process.wait)
+
+    # ---- messages
+
+    async def _call(self, op: tuple, stream: RemoteStream | None = None) -> Any:
+        if self._closed:
+            raise DispatcherClosed("the model version is unloading")
+        if not self._live:
+            raise DispatcherClosed(self._broken or "the engine process is restarting: retry")
+        rid = next(self._ids)
+        future = self._loop.create_future()
+        self._waiting[rid] = (future, stream)
+        self._send((op[0], rid, *op[1:]))
+        try:
+            return await future
+        finally:
+            self._waiting.pop(rid, None)
+
+    def _send(self, op: tuple) -> None:
+        """Queue an op; every op queued in one turn of the event loop goes in one message."""
+        self._outbox.append(op)
+        if not self._flushing:
+            self._flushing = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if self._live and self._outbox:
+            ops, self._outbox = self._outbox, []
+            self._sends.put(ops)  # pickled by the writer, off the event loop
+
+    def _read(self, pipe: Connection, generation: int) -> None:
+        """In a thread: hand each message of replies to the event loop; the process's end."""
+        while True:
+            try:
+                replies = _receive(pipe)
+            except (EOFError, OSError):
+                break
+            try:
+                self._loop.call_soon_threadsafe(self._on_replies, replies)
+            except RuntimeError:  # the loop is closed: the server is gone
+                return
+        pipe.close()
+        try:
+            self._loop.call_soon_threadsafe(self._on_exit, generation)
+        except RuntimeError:
+            pass
+
+    def _on_replies(self, replies: list[tuple]) -> None:
+        for reply in replies:
+            kind = reply[0]
+            if kind == "batch":
+                self._observe(*reply[1:])
+                continue
+            waiting = self._waiting.pop(reply[1], None)
+            if waiting is None:
+                continue  # its caller went away
+            future, stream = waiting
+            if kind == "stepped":
+                _, _, stepped, status = reply
+                if stream is not None:
+                    stream.update(status)
+                if not future.done():
+                    future.set_result(stepped)
+            elif future.done():
+                continue
+            elif kind == "value":
+                future.set_result(reply[2])
+            else:
+                future.set_exception(reply[2])
+
+    def _observe(self, size: int, compute: float, waits: list[float], audio: float) -> None:
+        m, labels = self._metrics, self.labels
+        m.batch_size.labels(*labels).observe(size)
+        m.compute.labels(*labels).observe(compute)
+        for wait in waits:
+            m.queue_wait.labels(*labels).observe(wait)
+        if audio > 0:
+            m.real_time_factor.labels(*labels).observe(compute / audio)
+
+    def _on_exit(self, generation: int) -> None:
+        if generation != self.generation or self._closed:
+            return
+        self._live = False
+        self._sends.put(None)
+        self._restart = self._loop.create_task(self._respawn(self._process))
+
+    async def _respawn(self, process: subprocess.Popen | None) -> None:
+        """After the process's end: why, said to every request waiting on it; then a new one."""
+        code = None
+        if process is not None:
+            try:
+                code = await asyncio.wait_for(asyncio.to_thread(process.wait), STOP_SECONDS)
+            except asyncio.TimeoutError:  # it closed its pipe but lives on
+                process.kill()
+                await asyncio.to_thread(process.wait)
+        how = (
+            "closed its pipe" if code is None
+            else f"was killed by signal {-code}" if code < 0
+            else f"exited with status {code}"
+        )  # fmt: skip
+        pid = process.pid if process is not None else None
+        why = f"the engine process of {self.labels[0]} version {self.labels[1]} (pid {pid}) {how}"
+        log.error("%s; failing %d waiting request(s) and starting a new one", why,
+                  len(self._waiting))  # fmt: skip
+        self._fail(DispatcherClosed(f"{why}: retry"))
+        try:
+            await self._spawn()
+        except Exception as e:  # noqa: BLE001 - logged; requests are refused with it
+            self._broken = f"the engine process could not be restarted: {e}"
+            log.error("%s %s: %s", *self.labels, self._broken)
+            self._fail(DispatcherClosed(self._broken))
+        else:
+            log.info("%s version %s: a new engine process (pid %s) serves", *self.labels, self.pid)
+
+    def _fail(self, error: Exception) -> None:
+        waiting = list(self._waiting.values())
+        self._waiting.clear()
+        self._outbox.clear()
+        for future, _ in waiting:
+            if not future.done():
+                future.set_exception(error)
+
+    def _stop_process(self) -> None:
+        """The process is told to stop (it exits, and the reader sees its end)."""
+        if self._live:
+            self._sends.put([("stop",)])
+        self._live = False
+        self._sends.put(None)
+
+
+def _receive(pipe: Connection) -> Any:
+    return pickle.loads(pipe.recv_bytes())
+
+
+def _write(pipe: Connection, sends: queue.SimpleQueue) -> None:
+    """In a thread: send each message (blocking on the socket frees the lock); None, or
+    a closed pipe, ends it."""
+    while (ops := sends.get()) is not None:
+        try:
+            pipe.send_bytes(pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            return
+
+
+# ------------------------------------------------------------------ the engine's side
+
+
+@dataclass
+class _Work:
+    kind: str  # "stream" or "offline"
+    rid: int
+    payload: Any  # a Stream, or samples
+    queued_at: float
+
+
+class _Host:
+    """The engine process: one model version's streams and batches."""
+
+    def __init__(self, pipe: Connection, spec: EngineSpec) -> None:
+        self._pipe = pipe
+        self._spec = spec
+        self._send_lock = threading.Lock()
+        self._beams = None
+        if spec.beam_processes:
+            from echoic.server.beam_processes import BeamProcesses
+
+            self._beams = BeamProcesses(spec.beam_processes)
+        engine = Engine(
+            spec.path, providers=spec.providers, intra_op_threads=spec.intra_op_threads,
+            spin_wait=spec.spin_wait, io_binding=spec.io_binding,
+        )  # fmt: skip
+        self.greedy = Recognizer(engine, chunking=spec.chunking)
+        self._recognizers: dict[DecoderConfig, Recognizer] = {DecoderConfig(): self.greedy}
+        self._boosted: OrderedDict[DecoderConfig, Recognizer] = OrderedDict()
+        self._building = threading.Lock()
+        # sid -> its stream, or why it could not be opened (said at its first step)
+        self._streams: dict[int, Stream | Exception] = {}
+        self._inbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
+        self._decoders = ThreadPoolExecutor(spec.decoder_threads, thread_name_prefix="decode")
+        chunk_frames = self.greedy.card.chunk_frames or 1
+        self._window_seconds = chunk_frames * self.greedy.frame_seconds
+
+    def info(self) -> _Info:
+        g = self.greedy
+        return _Info(g.card, g.streamable, g.streams_exactly, g.chunking, os.getpid())
+
+    def run(self) -> None:
+        """Take the ops as they come; run the queued steps, up to max_batch at a time, the
+        moment a lane is free (each lane a thread and its own ONNX Runtime call)."""
+        threading.Thread(target=self._read, name="read", daemon=True).start()
+        work: deque[_Work] = deque()
+        free = self._spec.lanes
+        lanes = ThreadPoolExecutor(free, thread_name_prefix="batch")
+        while True:
+            messages = [] if work and free else [self._inbox.get()]
+            while True:
+                try:
+                    messages.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for ops in messages:
+                if ops is None:
+                    return
+                for op in ops:
+                    if op[0] == "stop":
+                        return
+                    if op[0] == "free":
+                        free += 1
+                        continue
+                    try:
+                        self._handle(op, work)
+                    except Exception as e:  # noqa: BLE001 - one op's fault, not the process's
+                        log.exception("engine op %r failed", op[0])
+                        if op[0] == "open":
+                            self._streams[op[1]] = e
+                        elif op[0] != "close":
+                            self._reply_error(op[1], e)
+            while work and free:
+                free -= 1
+                lanes.submit(self._lane, self._take_batch(work))
+
+    def _lane(self, batch: list[_Work]) -> None:
+        try:
+            self._run_batch(batch)
+        finally:
+            self._inbox.put([("free",)])
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self._inbox.put(_receive(self._pipe))
+            except (EOFError, OSError):
+                self._inbox.put(None)
+                return
+
+    def send(self, replies: list[tuple]) -> None:
+        data = pickle.dumps(replies, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._pipe.send_bytes(data)
+
+    def _handle(self, op: tuple, work: deque[_Work]) -> None:
+        kind = op[0]
+        if kind == "close":
+            self._streams.pop(op[1], None)
+        elif kind == "open":
+            _, sid, decoder, endpointing, n_best = op
+            recognizer = self._recognizer(decoder)
+            self._streams[sid] = recognizer.stream(endpointing=endpointing, n_best=n_best)
+        elif kind == "step":
+            self._step(op, work)
+        elif kind == "queue":  # a step whose features were computed in a decoder thread
+            work.append(op[1])
+        elif kind == "offline":
+            work.append(_Work("offline", op[1], op[2], time.perf_counter()))
+        elif kind == "decoder":
+            _, rid, decoder = op
+            self._beside(rid, lambda: self._recognizer(decoder) and None)
+        elif kind == "decode":
+            _, rid, decoder, log_probs, n_best = op
+            self._beside(rid, lambda: self._recognizer(decoder).decode(log_probs, n_best))
+        else:
+            raise ValueError(f"unknown op {kind!r}")
+
+    def _step(self, op: tuple, work: deque[_Work]) -> None:
+        _, rid, sid, samples, finish, features_now = op
+        stream = self._streams.get(sid)
+        if not isinstance(stream, Stream):
+            self._reply_error(rid, stream or DispatcherClosed("the stream is not open here"))
+            return
+        item = _Work("stream", rid, stream, time.perf_counter())
+        if samples is not None:
+            stream.accept_audio(samples)
+        if finish and features_now:  # much audio: its features beside the batches
+
+            def features() -> None:
+                try:
+                    stream.finish(features_now=True)
+                except Exception as e:  # noqa: BLE001 - raised where it was asked for
+                    self._reply_error(rid, e)
+                else:
+                    self._inbox.put([("queue", item)])
+
+            self._decoders.submit(features)
+            return
+        if finish:
+            stream.finish()
+        work.append(item)
+
+    def _beside(self, rid: int, call: Any) -> None:
+        """`call()` in a decoder thread; its value (or error) sent as rid's reply."""
+
+        def run() -> None:
+            try:
+                value = call()
+            except Exception as e:  # noqa: BLE001 - raised where it was asked for
+                self._reply_error(rid, e)
+            else:
+                self.send([("value", rid, value)])
+
+        self._decoders.submit(run)
+
+    def _reply_error(self, rid: int, error: Exception) -> None:
+        try:
+            self.send([("error", rid, error)])
+        except Exception:  # noqa: BLE001 - an error that does not pickle
+            self.send([("error", rid, RuntimeError(f"{type(error).__name__}: {error}"))])
+
+    def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
+        """The recognizer for a decoder config, built once (one with boosted words: kept
+        among the last BOOSTED_KEPT)."""
+        with self._building:
+            built = self._recognizers.get(decoder) or self._boosted.get(decoder)
+            if built is not None:
+                if decoder.boost:
+                    self._boosted.move_to_end(decoder)
+                return built
+        recognizer = Recognizer(
+            self.greedy.engine, decoder, chunking=self.greedy.chunking,
+            beam_decoders=self._beams.decoder if self._beams is not None else None,
+        )  # fmt: skip
+        recognizer.load_decoder()
+        with self._building:
+            if decoder.boost:
+                self._boosted[decoder] = recognizer
+                while len(self._boosted) > BOOSTED_KEPT:
+                    self._boosted.popitem(last=False)
+            else:
+                recognizer = self._recognizers.setdefault(decoder, recognizer)
+        return recognizer
+
+    def _take_batch(self, work: deque[_Work]) -> list[_Work]:
+        """Up to max_batch items of the kind at the head of the queue."""
+        kind = work[0].kind
+        batch: list[_Work] = []
+        rest: deque[_Work] = deque()
+        while work and len(batch) < self._spec.max_batch:
+            item = work.popleft()
+            (batch if item.kind == kind else rest).append(item)
+        work.extendleft(reversed(rest))
+        return batch
+
+    def _run_batch(self, batch: list[_Work]) -> None:
+        started = time.perf_counter()
+        waits = [started - item.queued_at for item in batch]
+        replies: list[tuple] = []
+        try:
+            if batch[0].kind == "offline":
+                outs = self.greedy.log_probs([item.payload for item in batch])
+                replies += (("value", item.rid, out) for item, out in zip(batch, outs, strict=True))
+                rate = self.greedy.sample_rate
+                audio = sum(len(item.payload) for item in batch) / rate
+            else:
+                streams = [item.payload for item in batch]
+                ready = [s.is_ready() for s in streams]
+                self.greedy.step(streams)
+                for item, stepped in zip(batch, ready, strict=True):
+                    replies += self._settle(item, stepped)
+                audio = len(batch) * self._window_seconds
+        except Exception as e:  # noqa: BLE001 - handed to every waiting stream
+            log.exception("batched model call failed (%d items)", len(batch))
+            for item in batch:
+                self._reply_error(item.rid, e)
+            return
+        replies.append(("batch", len(batch), time.perf_counter() - started, waits, audio))
+        self.send(replies)
+
+    def _settle(self, item: _Work, stepped: bool) -> list[tuple]:
+        """A stream's reply after its step: settled here (greedy), or in a decoder thread
+        (a beam search: replied from there). A stream that had no window only says where
+        it stands (a final stream its last utterance)."""
+        stream = item.payload
+        if not stepped and not stream.is_final:
+            nothing = Stepped((), None, False, stream.decoded_seconds)
+            return [("stepped", item.rid, nothing, _status(stream))]
+        if stream.deferred:
+            self._decoders.submit(self._settle_beside, item)
+            return []
+        return [("stepped", item.rid, stream.settle(), _status(stream))]
+
+    def _settle_beside(self, item: _Work) -> None:
+        try:
+            stepped = item.payload.settle()
+        except Exception as e:  # noqa: BLE001 - raised where it was asked for
+            self._reply_error(item.rid, e)
+            return
+        self.send([("stepped", item.rid, stepped, _status(item.payload))])
+
+    def close(self) -> None:
+        self._decoders.shutdown(wait=False, cancel_futures=True)
+        if self._beams is not None:
+            self._beams.close()
+
+
+def _status(stream: Any) -> tuple[int, bool, bool, float, int]:
+    """Where a stream stands after a step, for its `RemoteStream.update`."""
+    feeder = stream._feeder  # noqa: SLF001 - the engine's own streams
+    return (
+        getattr(feeder, "next_frame", 0),
+        stream.is_ready(),
+        stream.is_final,
+        stream.decoded_seconds,
+        stream.utterance_index,
+    )
+
+
+def main() -> None:
+    # Ctrl-C and SIGTERM are the server's to handle (it drains, and this process keeps
+    # running its streams meanwhile); the process ends when the server closes its pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    pipe = Connection(int(sys.argv[1]))
+    try:
+        spec = _receive(pipe)
+        try:
+            host = _Host(pipe, spec)
+        except Exception as e:  # noqa: BLE001 - the server raises it as the load's error
+            try:
+                pipe.send_bytes(pickle.dumps((False, e)))
+            except Exception:  # noqa: BLE001 - an error that does not pickle
+                pipe.send_bytes(pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}"))))
+            return
+        pipe.send_bytes(pickle.dumps((True, host.info())))
+        try:
+            host.run()
+        finally:
+            host.close()
+    finally:
+        pipe.close()
+
+
+if __name__ == "__main__":
+    from echoic.server.engine_process import main as engine_main  # its classes, not __main__'s
+
+    engine_main()
+    os._exit(0)  # nothing left to flush: skip ONNX Runtime's, flashlight's and KenLM's teardown

@@ -1,0 +1,174 @@
+"""The engine in a process of its own (`echoic serve --engine process`): the thread
+engine's results bit for bit, and the process's life and death."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+pytest.importorskip("grpc")
+
+from echoic.model.runtime.engine import ModelError  # noqa: E402
+from echoic.model.runtime.recognizer import default_model_dir  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
+from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
+from echoic.server.engine_process import EngineProcess  # noqa: E402
+
+from .test_beam_processes import _alive, _everything, _reaped  # noqa: E402
+from .test_server import (  # noqa: E402
+    GREEDY,
+    RPC_TIMEOUT,
+    Code,
+    Config,
+    channel_to,
+    linear16,
+    pcm16,
+    recognize,
+    running,
+    stream,
+    stream_messages,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def speech(corpus_audio) -> bytes:
+    """Two corpus utterances with 1.2 s of silence between them, as LINEAR16 bytes."""
+    gap = np.zeros(int(1.2 * 16000), np.float32)
+    return pcm16(np.concatenate([corpus_audio[0][1], gap, corpus_audio[3][1]]))
+
+
+def _engines(server) -> list[EngineProcess]:
+    engines = [m.dispatcher for m in server.server.registry.loaded]
+    assert engines and all(isinstance(e, EngineProcess) for e in engines)
+    return engines
+
+
+def _greedy_streams(server, speech: bytes) -> dict[str, list]:
+    """Greedy streams with every interim result (interval 0) in pieces that do not line
+    up with the model's windows: a stream that asked for its steps late would give fewer
+    or later interim results."""
+    words = dict(enable_word_time_offsets=True)
+    endpointed = pb.EndpointingConfig(trailing_silence_ms=600, max_utterance_ms=2500)
+    out = {}
+    with channel_to(server) as channel:
+        stub = pb_grpc.TranscriberStub(channel)
+        for chunk in (1000, 3200, 12346):
+            for name, config in (
+                ("greedy", linear16(decoder=GREEDY, **words)),
+                ("endpointed", linear16(decoder=GREEDY, endpointing=endpointed, **words)),
+            ):
+                responses = stream(stub, speech, config, interim=True, chunk=chunk)
+                out[f"{name} {chunk}"] = [r.results for r in responses]
+        out["whole"] = recognize(stub, speech, linear16(decoder=GREEDY, **words)).results
+    return out
+
+
+def test_the_engine_process_gives_the_thread_engines_results_bit_for_bit(speech) -> None:
+    """The bundled model and LM: every interim and final result of greedy streams (cut by
+    endpoints or not, in pieces of several sizes), and of beam streams and whole requests
+    (endpointed, boosted, n-best, without the LM) is the same whether the engine runs in a
+    thread of the server or in a process of its own."""
+    model = default_model_dir()
+    with running(model) as server:
+        want = _greedy_streams(server, speech) | _everything(server, speech)
+    with running(model, engine="process") as server:
+        (engine,) = _engines(server)
+        pid = engine.pid
+        assert pid != os.getpid() and _alive(pid)
+        got = _greedy_streams(server, speech) | _everything(server, speech)
+        assert _engines(server)[0].pid == pid, "the engine process restarted"
+    assert got == want
+    interims = [r for r in want["greedy 1000"] if r and not r[0].is_final]
+    assert len(interims) > 5
+    assert not _alive(pid), "the engine process outlived the server"
+
+
+def test_a_killed_engine_process_fails_its_streams_then_serves_again(speech) -> None:
+    """kill -9 of the engine process: a stream open on it ends UNAVAILABLE with a sentence
+    saying what happened; a new process starts, and the next stream gets its usual result."""
+    release = threading.Event()
+    with running(default_model_dir(), engine="process") as server, channel_to(server) as ch:
+        stub = pb_grpc.TranscriberStub(ch)
+        config = linear16(decoder=GREEDY)
+        want = stream(stub, speech, config)
+        (engine,) = _engines(server)
+        pid = engine.pid
+        half = len(speech) // 2 // 3200 * 3200
+        call = stub.StreamingRecognize(
+            stream_messages(speech, config, interim=True, pause=(half, release)),
+            timeout=RPC_TIMEOUT,
+        )
+        assert next(call).results  # an interim result: the engine holds the stream
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid) or _reaped(pid), what="the process to die")
+        wait_until(lambda: engine.pid != pid and _alive(engine.pid), what="a new engine process")
+        release.set()
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == Code.UNAVAILABLE
+        assert "engine process" in e.value.details()
+        assert stream(stub, speech, config) == want
+        assert recognize(stub, speech, config).results
+        new_pid = engine.pid
+    assert not _alive(new_pid)
+
+
+def test_a_replaced_version_drains_then_its_engine_process_ends(
+    tiny_model_dir: Path, tmp_path: Path, corpus_audio
+) -> None:
+    """Hot reload with engine processes: a new version gets a process of its own and the
+    new requests; the old version's process ends once its last stream has."""
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir, repo / "echoic-tiny" / "1")
+    audio = pcm16(corpus_audio[0][1])
+    release = threading.Event()
+    with running(model_repo=repo, poll_seconds=0.2, engine="process") as server:
+        with channel_to(server) as ch:
+            stub = pb_grpc.TranscriberStub(ch)
+            (old,) = _engines(server)
+            old_pid = old.pid
+            call = stub.StreamingRecognize(
+                stream_messages(audio, Config(encoding=Config.LINEAR16, sample_rate_hertz=16000),
+                                interim=True, pause=(len(audio) // 2 // 2 * 2, release)),
+                timeout=RPC_TIMEOUT,
+            )  # fmt: skip
+            assert next(call).results
+            shutil.copytree(tiny_model_dir, repo / "echoic-tiny" / "2")
+            wait_until(
+                lambda: server.server.registry.serving["echoic-tiny"].version == "2",
+                timeout=60, what="version 2 to serve",
+            )  # fmt: skip
+            assert _alive(old_pid), "the old version's process ended under an open stream"
+            new_pid = server.server.registry.serving["echoic-tiny"].dispatcher.pid
+            assert new_pid != old_pid
+            release.set()
+            responses = list(call)
+            assert responses[-1].results[0].is_final
+            assert responses[-1].model.version == "1"
+            wait_until(lambda: not _alive(old_pid), timeout=30, what="the old process to end")
+            response = recognize(stub, audio, linear16())
+            assert response.model.version == "2" and response.results
+    assert not _alive(new_pid)
+
+
+def test_an_engine_process_that_cannot_load_its_model_says_why(tmp_path: Path) -> None:
+    """A model directory whose graph is damaged: the server does not start, with the same
+    error as a thread engine's (raised in the engine process, handed to the server)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(default_model_dir(), broken)
+    (broken / "model.onnx").write_bytes(b"not an onnx graph")
+    errors = []
+    for engine in ("thread", "process"):
+        with pytest.raises(ModelError, match="not a loadable ONNX model") as e:
+            with running(broken, engine=engine):
+                pass
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
