@@ -2,9 +2,10 @@
 
 Statically: every `import` statement in every module of a part, including the
 lazy ones inside functions, names only the echoic parts and the heavy libraries
-that part may use. At run time: every module of a part is imported in a fresh
-interpreter, and the heavy libraries it must never pull in (directly or through
-another module) are absent from `sys.modules` afterwards.
+that part may use, and no chain of them leads from a module back to itself. At run
+time: every module of a part is imported in a fresh interpreter, and the heavy
+libraries it must never pull in (directly or through another module) are absent
+from `sys.modules` afterwards.
 """
 
 from __future__ import annotations
@@ -84,6 +85,99 @@ def _imports(path: Path, module: str) -> set[str]:
             elif node.module:
                 names.add(node.module)
     return names
+
+
+def _depends_on(path: Path, module: str) -> set[str]:
+    """The echoic modules that `module` imports anywhere in its file (inside functions and
+    `if TYPE_CHECKING:` too): `from package import name` counts as the submodule `name`
+    where there is one, and as the package otherwise."""
+    if path.name == "__init__.py":  # relative imports resolve against the package itself
+        module += ".__init__"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            named = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*module.split(".")[: -node.level], base]).rstrip(".")
+            named = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            named = [n for n in named[:-1] if n in MODULES] or named[-1:]
+        else:
+            continue
+        for name in named:
+            parts = name.split(".")
+            while parts and ".".join(parts) not in MODULES:
+                parts.pop()  # a name inside a module, or a module's own attribute
+            if parts:
+                found.add(".".join(parts))
+    found.discard(module.removesuffix(".__init__"))
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm), each
+    as one cycle through them, from its alphabetically first module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_cycle_through(graph, group) for group in groups]
+
+
+def _cycle_through(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """One shortest path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt_frontier = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == start:
+                    return [*paths[node], start]
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
+    raise AssertionError(f"no cycle through {sorted(group)}")  # a group always has one
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """An import cycle (lazy, function-level imports included) is a layer that is not one:
+    each part of it can only be understood, tested and moved together with the rest."""
+    graph = {m: _depends_on(path, m) for m, path in MODULES.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    """The check above can fail: a cycle through three modules, and one of two, are found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert _cycles(graph) == [["d", "e", "d"], ["a", "b", "c", "a"]]
 
 
 def test_every_module_has_a_rule() -> None:
