@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from echoic.cli.transcribe import add_decoder_options, load_recognizer, resolve_decoder
+from echoic.cli.transcribe_local import add_decoder_options, load_recognizer, resolve_decoder
 
 EXAMPLES = """\
 examples:

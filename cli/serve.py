@@ -138,7 +138,7 @@ def from_flags(config: type[C], args: argparse.Namespace) -> C:
 
 
 def run(args: argparse.Namespace) -> int:
-    from echoic.cli.main import UserError, missing_extra
+    from echoic.cli.errors import UserError, missing_extra
 
     try:
         config = from_flags(ServerConfig, args)  # a bad combination fails before any import

@@ -3,10 +3,10 @@
 The files are a Ray Data dataset; `map_batches` runs them through a pool of
 `RecognizerActor`s, one per CPU slot (each loads the model once, with one ONNX Runtime
 thread), and the results stream back to this process, which alone writes the output
-and the job record, in input order, as a local job does (`cli/transcribe.py:Job`). So
-a rerun skips what is done and nothing is written twice. An actor that dies (its
-worker killed, its node lost) is restarted and its batch run again, so a dead worker
-loses nothing.
+and the job record, in input order, as a local job does (`cli/transcribe.py:Job`;
+`RayBackend` extends `cli/transcribe_local.py:LocalBackend`). So a rerun skips what is
+done and nothing is written twice. An actor that dies (its worker killed, its node
+lost) is restarted and its batch run again, so a dead worker loses nothing.
 
 Without `--ray-address` the command starts a local Ray of its own (`ray.init`) and
 stops it at the end; with it, it joins that cluster, whose workers must have echoic
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from echoic.cli.batch_io import InInputOrder, Item, transcript_record
-from echoic.cli.transcribe import LONG_FILE_SECONDS, LocalBackend, Stats
+from echoic.cli.transcribe_local import LONG_FILE_SECONDS, LocalBackend, Stats
 
 
 class RecognizerActor:

@@ -10,7 +10,7 @@ the repository poller, all on the caller's event loop, and returns once it serve
 `serve(config)` is the process around it (`echoic serve`): it runs until SIGTERM
 or SIGINT, then stops taking new calls, reports NOT_SERVING to health checks (and
 503 at /readyz) and gives the open streams `grace_seconds` to finish. With
-`--workers N` it runs N such processes on the same ports instead (server/workers.py).
+`--workers N`, server/workers.py runs N such processes on the same ports.
 
 Besides `echoic.v1.Transcriber` the server offers the standard
 `grpc.health.v1.Health` service ("" and "echoic.v1.Transcriber") and server
@@ -404,11 +404,12 @@ async def _serve(config: ServerConfig, on_ready: Callable[[Server], None] | None
 
 def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:
     """Run a server until SIGTERM or SIGINT, then drain it (what `echoic serve` runs);
-    `on_ready(server)` is called once it serves. With `config.workers` > 1 this process
-    supervises that many server processes instead (server/workers.py)."""
+    `on_ready(server)` is called once it serves. This is one server process: with
+    `--workers N`, `echoic serve` runs `server/workers.py:supervise` instead, whose workers
+    each run this (the process level imports the server, never the other way round)."""
     if config.workers > 1:
-        from echoic.server.workers import supervise
-
-        supervise(config)
-        return
+        raise ValueError(
+            f"workers={config.workers}: app.serve runs one server process; "
+            "server/workers.py:supervise runs several"
+        )
     asyncio.run(_serve(config, on_ready))

@@ -51,12 +51,29 @@ class RefusalKind(enum.Enum):
     INTERNAL = "internal"  # the server's own fault
 
 
-class Refusal(Exception):
-    """A request the server refuses: a kind and a sentence a person can act on."""
+class Remedy(enum.Enum):
+    """What a client can do about a refusal, where only its door can say it: in the door's
+    own calls and endpoints (a gRPC client streams with StreamingRecognize, an HTTP one
+    posts files). The refusal's message says what is wrong; each door adds its sentence for
+    the remedy (`server/refusals.py:door_message`)."""
 
-    def __init__(self, kind: RefusalKind, message: str) -> None:
+    SPLIT_AUDIO = "split_audio"  # a whole file over the server's length limit: send it in parts
+    SEND_WHOLE = "send_whole"  # live audio for a model that cannot stream: send the file whole
+
+
+class Refusal(Exception):
+    """A request the server refuses: a kind, a sentence a person can act on, and where the
+    action depends on the door, a `remedy` that the door words."""
+
+    def __init__(self, kind: RefusalKind, message: str, *, remedy: Remedy | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.remedy = remedy
+
+
+def invalid(message: str, *, remedy: Remedy | None = None) -> Refusal:
+    """The request is wrong: `message` says what to change."""
+    return Refusal(RefusalKind.INVALID, message, remedy=remedy)
 
 
 @dataclass(frozen=True)

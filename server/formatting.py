@@ -31,11 +31,12 @@ from echoic.model.runtime.formatting import (
     written_words,
 )
 from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.core import Refusal, RefusalKind
 
 __all__ = [
     "FORMAT_ON_LOOP_WORDS", "Formatter", "FormattingUnavailable", "check_available",
-    "check_tagger", "default_formatter", "format_finals", "format_results", "punctuator",
-    "use_tagger",
+    "check_tagger", "default_formatter", "format_finals", "format_results", "formatter_of",
+    "punctuator", "use_tagger",
 ]  # fmt: skip
 
 # Whether the tagger loads, found once (check_tagger, at the server's start) and read by
@@ -71,6 +72,19 @@ def check_available(formatter: Formatter | None) -> None:
         error = _tagger_error if _tagger_known else check_tagger()
         if error is not None:
             raise FormattingUnavailable(str(error))
+
+
+def formatter_of(punctuation: bool, inverse: bool) -> Formatter | None:
+    """The formatter a request asks for (None: none); a Refusal (UNSUPPORTED) when this
+    server cannot punctuate."""
+    if not (punctuation or inverse):
+        return None
+    formatter = Formatter(punctuation=punctuation, inverse=inverse)
+    try:
+        check_available(formatter)
+    except FormattingUnavailable as e:
+        raise Refusal(RefusalKind.UNSUPPORTED, str(e)) from None
+    return formatter
 
 
 def _format_alternative(alt: pb.SpeechRecognitionAlternative, formatter: Formatter) -> None:

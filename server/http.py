@@ -15,9 +15,10 @@ service's own `admitted` (the same `--max-streams` count and the same refusal
 while draining), turned into a `RecognitionConfig` and through `parse_config`
 into `Options`, and recognized by `TranscriberService.recognize_whole`, the
 function gRPC Recognize calls; so the same audio gives the same transcript on
-either door. Errors are OpenAI's error JSON with the HTTP status that fits the
-gRPC code the same error would get (`status_of`); nothing answers with a
-traceback. Every request is counted by route and status, with its latency.
+either door. Errors are OpenAI's error JSON, each refusal's kind answered by this
+door's own HTTP status and in its own words (`server/openai_api.py:api_error`,
+`HTTP_STATUS`, `HTTP_REMEDIES`); nothing answers with a traceback. Every request is
+counted by route and status, with its latency.
 
 The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
 413 as soon as that many bytes have arrived (at once when its Content-Length or
@@ -46,6 +47,8 @@ from aiohttp import BodyPartReader, ClientError, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from echoic.server.config import ServerConfig
+from echoic.server.core import Options
+from echoic.server.grpc_api import parse_config
 from echoic.server.metrics import HTTP_TRANSCRIPTIONS, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -63,7 +66,6 @@ from echoic.server.openai_api import (
 )
 from echoic.server.realtime import RealtimeDoor
 from echoic.server.service import RateLimitedWarning, TranscriberService
-from echoic.server.session import Options, parse_config
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")

@@ -45,16 +45,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import grpc
-
 from echoic.model.core.decoding import FILE_ENDPOINTING
 from echoic.model.core.version import echoic_version
 from echoic.model.runtime.formatting import ends_sentence
 from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.core import RefusalKind, Remedy
 from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
 from echoic.server.models import ModelLookupError
-from echoic.server.service import status_of
+from echoic.server.refusals import door_message, refusal_of
 
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -98,14 +97,24 @@ class ApiError(Exception):
 _TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 408,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
+# This door's table: each kind of refusal as an HTTP status and the error `code` that
+# OpenAI's error object (and the realtime WebSocket's `error` event) carries.
+HTTP_STATUS: dict[RefusalKind, tuple[int, str]] = {
+    RefusalKind.INVALID: (400, "invalid_argument"),
+    RefusalKind.TOO_LARGE: (400, "out_of_range"),
+    RefusalKind.TIMED_OUT: (408, "deadline_exceeded"),
+    RefusalKind.BUSY: (429, "resource_exhausted"),
+    RefusalKind.NOT_FOUND: (404, "not_found"),
+    RefusalKind.UNAVAILABLE: (503, "unavailable"),
+    RefusalKind.UNSUPPORTED: (400, "failed_precondition"),
+    RefusalKind.INTERNAL: (500, "internal"),
+}
+
+# What an HTTP client can do, with this door's endpoints (a file too long for one request
+# cannot be streamed past the same limit: the realtime socket has it too).
+HTTP_REMEDIES = {
+    Remedy.SPLIT_AUDIO: "split it into shorter files and POST each to /v1/audio/transcriptions",
+    Remedy.SEND_WHOLE: "send the recording as a file to POST /v1/audio/transcriptions instead",
 }
 
 
@@ -115,8 +124,9 @@ def api_error(e: Exception) -> ApiError:
         return e
     if isinstance(e, ModelLookupError):
         return ApiError(404, e.http, param="model", code="model_not_found")
-    code, message = status_of(e)
-    return ApiError(_HTTP_STATUS.get(code, 500), message, code=code.name.lower())
+    refusal = refusal_of(e)
+    status, code = HTTP_STATUS[refusal.kind]
+    return ApiError(status, door_message(refusal, HTTP_REMEDIES), code=code)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:

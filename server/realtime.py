@@ -59,7 +59,8 @@ from aiohttp import WSMsgType, web
 
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
-from echoic.server.formatting import Formatter, format_finals
+from echoic.server.formatting import Formatter, format_finals, formatter_of
+from echoic.server.grpc_api import parse_config
 from echoic.server.metrics import HTTP_REALTIME, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -72,7 +73,7 @@ from echoic.server.openai_api import (
     default_formatter_available,
 )
 from echoic.server.service import RateLimitedWarning, TranscriberService
-from echoic.server.session import Session, formatter_of, open_session, parse_config
+from echoic.server.session import Session, open_session
 
 log = logging.getLogger("echoic.server")
 

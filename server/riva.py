@@ -45,8 +45,9 @@ from riva.client.proto import riva_audio_pb2 as raudio
 
 from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
+from echoic.server.core import invalid
+from echoic.server.grpc_api import check_phrase_count
 from echoic.server.service import Malformed, TranscriberService, lenient
-from echoic.server.session import check_phrase_count, invalid
 
 SERVICE_NAME = rasr.DESCRIPTOR.services_by_name["RivaSpeechRecognition"].full_name
 API = "Riva's riva_asr.proto (nvidia-riva-client)"
@@ -70,7 +71,7 @@ RIVA_BOOST_PER_NAT = 4.0
 
 
 def echoic_config(config: rasr.RecognitionConfig, first_audio: bytes = b"") -> pb.RecognitionConfig:
-    """A Riva RecognitionConfig as echoic's; RequestError (INVALID_ARGUMENT) for what
+    """A Riva RecognitionConfig as echoic's; a Refusal (INVALID) for what
     echoic cannot do. `first_audio`: the first audio bytes, to tell a WAV file sent
     as LINEAR_PCM from raw PCM."""
     if config.encoding not in _ENCODINGS:

@@ -25,26 +25,18 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from echoic.model.core.audio import AudioError, AudioTooLong, DecodeTooSlow
+from echoic.model.core.audio import AudioTooLong, DecodeTooSlow
 from echoic.model.core.version import echoic_version
 from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
-from echoic.server.beam_processes import BeamProcessDied
 from echoic.server.config import ServerConfig
-from echoic.server.core import Refusal
-from echoic.server.dispatcher import DispatcherClosed
+from echoic.server.core import Options, Refusal, RefusalKind, Remedy, invalid
+from echoic.server.grpc_api import parse_config
 from echoic.server.metrics import Metrics
-from echoic.server.models import DecoderError, LoadedModel, ModelLookupError, ModelRegistry
-from echoic.server.session import (
-    GRPC_STATUS,
-    Options,
-    RequestError,
-    Session,
-    invalid,
-    open_session,
-    parse_config,
-)
+from echoic.server.models import LoadedModel, ModelRegistry
+from echoic.server.refusals import door_message, refusal_of
+from echoic.server.session import Session, open_session
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")
@@ -58,6 +50,37 @@ class Whole:
     results: list[pb.SpeechRecognitionResult]
     seconds: float  # audio received, s
     model: LoadedModel
+
+
+# The gRPC status of each kind of refusal: this door's table (echoic's service and Riva's,
+# server/riva.py), as the HTTP door has its own (server/openai_api.py:HTTP_STATUS).
+GRPC_STATUS = {
+    RefusalKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RefusalKind.TOO_LARGE: grpc.StatusCode.OUT_OF_RANGE,
+    RefusalKind.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RefusalKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RefusalKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    RefusalKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    RefusalKind.UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+    RefusalKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_KIND_OF_STATUS = {code: kind for kind, code in GRPC_STATUS.items()}
+
+# What a gRPC client can do, in its own calls (echoic's and Riva's rpcs have these names).
+GRPC_REMEDIES = {
+    Remedy.SPLIT_AUDIO: "split it, or stream it with StreamingRecognize",
+    Remedy.SEND_WHOLE: "send the whole audio with Recognize instead",
+}
+
+
+class RequestError(Refusal):
+    """A refusal in gRPC's words, for the gRPC door's own checks (the stream's messages,
+    its idle time): a status code, its kind following from it, and a sentence saying what
+    to change. Below the door, refusals are `Refusal(kind, message)`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(_KIND_OF_STATUS.get(code, RefusalKind.INTERNAL), message)
+        self.code = code
 
 
 class ClientGone(Exception):
@@ -282,7 +305,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         except AudioTooLong as e:
             raise invalid(
                 f"the audio is {e.length} but this server accepts at most {e.limit:g} s per "
-                "request: split it, or stream it with StreamingRecognize"
+                "request",
+                remedy=Remedy.SPLIT_AUDIO,
             ) from None
         except DecodeTooSlow as e:
             raise _too_slow(e) from None
@@ -378,8 +402,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         try:
             return read()
         except AudioTooLong as e:
-            raise RequestError(
-                grpc.StatusCode.OUT_OF_RANGE,
+            raise Refusal(
+                RefusalKind.TOO_LARGE,
                 f"the stream went over this server's limit of {e.limit:g} s of audio: "
                 "close it and open a new stream for the rest",
             ) from None
@@ -389,8 +413,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
     def _check_stream_limits(self, session: Session) -> None:
         waiting = session.audio.undecoded_bytes
         if waiting > self._config.max_message_bytes:
-            raise RequestError(
-                grpc.StatusCode.OUT_OF_RANGE,
+            raise Refusal(
+                RefusalKind.TOO_LARGE,
                 f"{waiting} bytes of audio are buffered (MP3 is decoded at the end), or of "
                 f"FLAC or Ogg not yet decoded, over this server's "
                 f"{self._config.max_message_bytes} bytes: stream FLAC or Ogg at the pace of "
@@ -484,8 +508,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
 
     def refuse_if_draining(self) -> None:
         if self.draining:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE,
+            raise Refusal(
+                RefusalKind.UNAVAILABLE,
                 "the server is shutting down: retry the call on another replica",
             )
 
@@ -495,8 +519,8 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         while it runs: UNAVAILABLE while draining, RESOURCE_EXHAUSTED at the limit."""
         self.refuse_if_draining()
         if self.active >= self._config.max_streams:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Refusal(
+                RefusalKind.BUSY,
                 f"the server is at its limit of {self._config.max_streams} concurrent "
                 "streams and requests: retry later with backoff, or use another replica",
             )
@@ -509,39 +533,20 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             self._metrics.active_streams.labels(method).dec()
 
 
-def _too_slow(e: DecodeTooSlow) -> RequestError:
-    return RequestError(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
+def _too_slow(e: DecodeTooSlow) -> Refusal:
+    return Refusal(
+        RefusalKind.TIMED_OUT,
         f"decoding the audio took over this server's limit of {e.limit:g} s "
         "(--decode-timeout-seconds): send shorter audio, or WAV or FLAC, which decode fastest",
     )
 
 
-MAX_DETAILS = 1000  # characters of a status message: enough to act on, never a whole input
-
-
 def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status code an error becomes, and its message (cut to MAX_DETAILS)."""
-    code, message = _status_of(e)
-    if len(message) > MAX_DETAILS:
-        message = message[: MAX_DETAILS - 20] + " ... (message cut)"
-    return code, message
-
-
-def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(e, RequestError):
-        return e.code, str(e)
-    if isinstance(e, Refusal):  # the core's, in no door's words
-        return GRPC_STATUS[e.kind], str(e)
-    if isinstance(e, (AudioError, ModelLookupError, DecoderError)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, BeamProcessDied):
-        return grpc.StatusCode.UNAVAILABLE, str(e)
-    if isinstance(e, DispatcherClosed):
-        return grpc.StatusCode.UNAVAILABLE, f"{e}: retry the request"
-    if isinstance(e, ImportError) and "pip install" in str(e):
-        return grpc.StatusCode.FAILED_PRECONDITION, f"not available on this server: {e}"
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log"
+    """The status code an error becomes at the gRPC doors, and its message in their words
+    (cut to server/refusals.py's MAX_DETAILS)."""
+    refusal = refusal_of(e)
+    code = refusal.code if isinstance(refusal, RequestError) else GRPC_STATUS[refusal.kind]
+    return code, door_message(refusal, GRPC_REMEDIES)
 
 
 def _ref(model: LoadedModel) -> pb.ModelRef:

@@ -2,9 +2,10 @@
 
 Statically: every `import` statement in every module of a part, including the
 lazy ones inside functions, names only the echoic parts and the heavy libraries
-that part may use. At run time: every module of a part is imported in a fresh
-interpreter, and the heavy libraries it must never pull in (directly or through
-another module) are absent from `sys.modules` afterwards.
+that part may use, and no chain of them leads from a module back to itself. At run
+time: every module of a part is imported in a fresh interpreter, and the heavy
+libraries it must never pull in (directly or through another module) are absent
+from `sys.modules` afterwards.
 """
 
 from __future__ import annotations
@@ -86,6 +87,99 @@ def _imports(path: Path, module: str) -> set[str]:
     return names
 
 
+def _depends_on(path: Path, module: str) -> set[str]:
+    """The echoic modules that `module` imports anywhere in its file (inside functions and
+    `if TYPE_CHECKING:` too): `from package import name` counts as the submodule `name`
+    where there is one, and as the package otherwise."""
+    if path.name == "__init__.py":  # relative imports resolve against the package itself
+        module += ".__init__"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            named = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*module.split(".")[: -node.level], base]).rstrip(".")
+            named = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            named = [n for n in named[:-1] if n in MODULES] or named[-1:]
+        else:
+            continue
+        for name in named:
+            parts = name.split(".")
+            while parts and ".".join(parts) not in MODULES:
+                parts.pop()  # a name inside a module, or a module's own attribute
+            if parts:
+                found.add(".".join(parts))
+    found.discard(module.removesuffix(".__init__"))
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm), each
+    as one cycle through them, from its alphabetically first module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_cycle_through(graph, group) for group in groups]
+
+
+def _cycle_through(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """One shortest path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt_frontier = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == start:
+                    return [*paths[node], start]
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
+    raise AssertionError(f"no cycle through {sorted(group)}")  # a group always has one
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """An import cycle (lazy, function-level imports included) is a layer that is not one:
+    each part of it can only be understood, tested and moved together with the rest."""
+    graph = {m: _depends_on(path, m) for m, path in MODULES.items()}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    """The check above can fail: a cycle through three modules, and one of two, are found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert _cycles(graph) == [["d", "e", "d"], ["a", "b", "c", "a"]]
+
+
 def test_every_module_has_a_rule() -> None:
     unruled = [m for m in MODULES if not any(m == p or m.startswith(p + ".") for p in RULES)]
     assert not unruled
@@ -120,10 +214,8 @@ NEVER_LOADED = [
 ]
 
 
-@pytest.mark.parametrize(("part", "forbidden"), NEVER_LOADED)
-def test_importing_a_part_loads_no_forbidden_library(part: str, forbidden: tuple[str, ...]):
-    modules = [m for m in MODULES if m == part or m.startswith(part + ".")]
-    assert modules, f"no modules found for {part}"
+def _loaded_by(modules: list[str], forbidden: tuple[str, ...]) -> str:
+    """The `forbidden` libraries that importing `modules` in a fresh interpreter loads."""
     code = (
         "import sys, importlib\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
@@ -132,7 +224,78 @@ def test_importing_a_part_loads_no_forbidden_library(part: str, forbidden: tuple
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True
     )
-    assert out.stdout.strip() == "", f"importing {part} loaded {out.stdout.strip()}"
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize(("part", "forbidden"), NEVER_LOADED)
+def test_importing_a_part_loads_no_forbidden_library(part: str, forbidden: tuple[str, ...]):
+    modules = [m for m in MODULES if m == part or m.startswith(part + ".")]
+    assert modules, f"no modules found for {part}"
+    loaded = _loaded_by(modules, forbidden)
+    assert loaded == "", f"importing {part} loaded {loaded}"
+
+
+# The recognition core below the doors (docs/ARCHITECTURE.md, "Import rules"): the
+# types, the one place a stream is opened, the batch dispatcher, the model registry,
+# audio input, formatting, and refusals. It speaks no protocol: no grpc, no protobuf
+# stubs, no aiohttp, no door and nothing of the process level above them.
+CORE_MODULES = [
+    "echoic.server.core", "echoic.server.session", "echoic.server.dispatcher",
+    "echoic.server.models", "echoic.server.audio_input", "echoic.server.formatting",
+    "echoic.server.refusals",
+]  # fmt: skip
+NOT_FOR_THE_CORE_LIBRARIES = {"grpc", "google", "aiohttp"}  # google: protobuf
+NOT_FOR_THE_CORE = (
+    "echoic.protos",  # the stubs
+    "echoic.server.service", "echoic.server.riva", "echoic.server.grpc_api",  # gRPC doors
+    "echoic.server.http", "echoic.server.openai_api", "echoic.server.realtime",  # HTTP door
+    "echoic.server.app", "echoic.server.workers", "echoic.server.background",  # processes
+)  # fmt: skip
+# What the core still takes from gRPC's words today, each with why; they go once
+# `Session.advance` gives the core's `Result`s (server/core.py) and the doors build their
+# own messages from them. The list may only shrink: an entry no longer imported fails
+# test_the_cores_remaining_protocol_imports_are_still_real.
+CORE_STILL_IMPORTS = {
+    "echoic.server.session": {
+        # Session.advance returns echoic's SpeechRecognitionResult messages ...
+        "echoic.protos.v1.transcriber_pb2",
+        # ... each made by the gRPC door's result_proto (Session._result)
+        "echoic.server.grpc_api",
+    },
+    # format_finals / format_results rewrite those messages' alternatives in place
+    "echoic.server.formatting": {"echoic.protos.v1.transcriber_pb2"},
+}
+
+
+def _protocol_imports(module: str) -> set[str]:
+    path = MODULES[module]
+    libraries = {n for n in _imports(path, module) if n.split(".")[0] in NOT_FOR_THE_CORE_LIBRARIES}
+    ours = {
+        n for n in _depends_on(path, module)
+        if any(n == p or n.startswith(p + ".") for p in NOT_FOR_THE_CORE)
+    }  # fmt: skip
+    return libraries | ours
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_the_core_imports_no_protocol_and_no_door(module: str) -> None:
+    wrong = _protocol_imports(module) - CORE_STILL_IMPORTS.get(module, set())
+    assert not wrong, f"{module} is below the doors but imports {sorted(wrong)}"
+
+
+def test_the_cores_remaining_protocol_imports_are_still_real() -> None:
+    stale = {
+        module: sorted(names - _protocol_imports(module))
+        for module, names in CORE_STILL_IMPORTS.items()
+        if names - _protocol_imports(module)
+    }
+    assert not stale, f"no longer imported: drop them from CORE_STILL_IMPORTS: {stale}"
+
+
+def test_importing_the_core_loads_no_grpc_or_aiohttp() -> None:
+    """Protobuf (`google`) is still loaded, through CORE_STILL_IMPORTS' stubs."""
+    loaded = _loaded_by(CORE_MODULES, ("grpc", "aiohttp", "torch"))
+    assert loaded == "", f"importing the core loaded {loaded}"
 
 
 def test_the_command_line_starts_without_heavy_libraries() -> None:

@@ -1,5 +1,6 @@
 """The recognition core's own types (server/core.py): every kind of refusal has its
-answer at every door, and a gRPC-worded refusal carries the kind its status means."""
+answer at every door, every remedy its words at every door, and a gRPC-worded refusal
+carries the kind its status means."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import pytest
 
 from echoic.model.core.decoding import Transcript, Word
 from echoic.model.runtime.recognizer import Utterance
-from echoic.server.core import Refusal, RefusalKind, Result
+from echoic.server.core import Refusal, RefusalKind, Remedy, Result
 from echoic.server.openai_api import api_error
-from echoic.server.service import status_of
-from echoic.server.session import RequestError
+from echoic.server.service import RequestError, status_of
 
 
 @pytest.mark.parametrize("kind", list(RefusalKind), ids=lambda k: k.value)
@@ -27,6 +27,18 @@ def test_every_refusal_kind_has_a_status_at_each_door(kind: RefusalKind) -> None
     assert (error.status == 500) == (kind is RefusalKind.INTERNAL)
     # The same kind said in gRPC's words is the same refusal.
     assert RequestError(code, "what to change").kind is kind
+
+
+@pytest.mark.parametrize("remedy", list(Remedy), ids=lambda r: r.value)
+def test_every_remedy_is_said_in_each_doors_own_words(remedy: Remedy) -> None:
+    """A refusal whose remedy depends on the door gets a sentence at each: the gRPC doors
+    name their rpcs, the HTTP door its endpoints, and neither the other's."""
+    refusal = Refusal(RefusalKind.INVALID, "what is wrong", remedy=remedy)
+    _, grpc_message = status_of(refusal)
+    http_message = api_error(refusal).message
+    assert grpc_message.startswith("what is wrong: ") and "/v1/" not in grpc_message
+    assert http_message.startswith("what is wrong: ") and "Recognize" not in http_message
+    assert "Recognize" in grpc_message and "/v1/audio/transcriptions" in http_message
 
 
 def test_a_result_counts_word_times_from_the_audios_start() -> None:

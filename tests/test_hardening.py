@@ -292,9 +292,9 @@ def test_unbounded_input_is_never_echoed(stub, config) -> None:
 
 
 def test_status_messages_are_cut_to_a_readable_size() -> None:
-    from echoic.server.service import MAX_DETAILS
+    from echoic.server.core import invalid
+    from echoic.server.refusals import MAX_DETAILS
     from echoic.server.service import status_of as server_status_of
-    from echoic.server.session import invalid
 
     code, message = server_status_of(invalid("x" * 50_000))
     assert code == Code.INVALID_ARGUMENT and len(message) <= MAX_DETAILS

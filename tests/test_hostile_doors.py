@@ -358,6 +358,23 @@ def test_a_realtime_socket_is_closed_at_the_max_stream_time(limited) -> None:
 # ---------------------------------------------------------------- what the log shows
 
 
+def test_audio_over_the_limit_is_refused_in_each_doors_words(limited, speech) -> None:
+    """A file over --max-audio-seconds is refused at both doors, each telling its own
+    client what it can do: gRPC Recognize names StreamingRecognize; an HTTP upload is told
+    to split the file and post the parts, never to use an rpc it cannot call."""
+    wav = _encoded(speech, "WAV", "PCM_16")
+    assert len(speech) > RATE  # over 1 s
+    status, body = _transcribe(limited, wav)
+    message = body["error"]["message"]
+    assert status == 400 and "at most 1 s" in message, body
+    assert "/v1/audio/transcriptions" in message and "Recognize" not in message, message
+    with pytest.raises(grpc.RpcError) as e:
+        _grpc_recognize(limited, wav)
+    details = e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1 s" in details
+    assert "StreamingRecognize" in details and "/v1/" not in details, details
+
+
 def test_requests_aiohttp_cannot_parse_are_one_warning_line(caplog) -> None:
     """20 requests with a header line over aiohttp's 8,190 bytes: each gets 400, and the
     log gets one rate-limited warning, no ERROR and no traceback (a server of its own, so

@@ -840,7 +840,7 @@ def test_a_long_file_is_transcribed_in_bounded_memory(
     ],
 )
 def test_audio_lengths_are_shown_in_the_unit_that_shows_them(seconds: float, shown: str) -> None:
-    from echoic.cli.transcribe import audio_length
+    from echoic.cli.transcribe_local import audio_length
 
     assert audio_length(seconds) == shown
 
