@@ -276,7 +276,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     executors = (executor, decoders, audio)
     beams = registry = None
     try:
-        if config.beam_processes and config.engine == "thread":  # else the engines' own
+        if config.beam_processes and not config.engine_process:  # else the engines' own
             beams = await asyncio.to_thread(BeamProcesses, config.beam_processes)
         registry = ModelRegistry(config, metrics, executor, decoders, beams)
         await registry.start()

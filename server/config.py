@@ -70,7 +70,7 @@ def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa
 
 
 DECODERS = ("auto", "greedy", "beam")  # ServerConfig.decoder
-ENGINES = ("thread", "process")  # ServerConfig.engine
+ENGINES = ("auto", "thread", "process")  # ServerConfig.engine
 DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches
 
 CPU = ("CPUExecutionProvider",)
@@ -142,12 +142,16 @@ class ServerConfig:
         "ms a dispatcher waits for a fuller batch; 0 = run whatever is ready at once",
         Flag(metavar="MS"),
     )
+    # auto by measurement (bench/serve_load.py, docs/benchmarks.md, "The engine in its own
+    # process"): on 2 cores, 256 streams fell behind 1,042 of 1,119 utterances in a thread
+    # and 51 of 1,554 in a process of its own.
     engine: str = setting(
-        "thread",
+        "auto",
         "where each model version's batches run: process = an engine process of its own "
         "(its streams' features, model calls, decoding and endpointing, beside the doors' "
-        "process rather than under its interpreter lock); thread = a thread of this process",
-        Flag(metavar="{thread,process}"),
+        "process rather than under its interpreter lock); thread = a thread of this process; "
+        "auto = process on a machine with two cores or more",
+        Flag(metavar="{auto,thread,process}"),
     )
     batch_lanes: int = setting(
         0,
@@ -316,6 +320,13 @@ class ServerConfig:
     def providers(self) -> tuple[str, ...]:
         """ONNX Runtime execution providers for `device`, the first preferred."""
         return CUDA_THEN_CPU if self.device == "cuda" else CPU
+
+    @property
+    def engine_process(self) -> bool:
+        """Each model version's engine runs in a process of its own (`engine`)."""
+        if self.engine == "auto":
+            return (os.cpu_count() or 1) >= 2
+        return self.engine == "process"
 
     @property
     def lanes(self) -> int:

@@ -383,7 +383,7 @@ class ModelRegistry:
             if cfg.chunk_ms > 0
             else None
         )
-        if cfg.engine == "process":
+        if cfg.engine_process:
             return await self._load_in_process(name, version, path, chunking)
         engine = await asyncio.to_thread(
             Engine, path, providers=cfg.providers, intra_op_threads=cfg.intra_op_threads,

@@ -91,10 +91,12 @@ def test_decoder_processes_give_the_in_process_results_bit_for_bit(speech) -> No
     requests are the same whether the beam searches run in two decoder processes or in
     the server's own threads."""
     model = default_model_dir()
-    with running(model) as server:
+    # The server's own decoder processes, beside a thread engine (an engine process
+    # starts its own: server/engine_process.py).
+    with running(model, engine="thread") as server:
         assert server.server.beam_processes is None
         want = _everything(server, speech)
-    with running(model, beam_processes=2) as server:
+    with running(model, beam_processes=2, engine="thread") as server:
         pids = server.server.beam_processes.pids
         assert len(pids) == 2 and all(_alive(p) for p in pids)
         got = _everything(server, speech)
@@ -110,7 +112,10 @@ def test_a_killed_decoder_process_fails_only_its_streams(speech) -> None:
     saying so; a greedy stream open meanwhile is untouched, and the next beam stream
     gets a new process and its usual result."""
     release = threading.Event()
-    with running(default_model_dir(), beam_processes=1) as server, channel_to(server) as ch:
+    with (
+        running(default_model_dir(), beam_processes=1, engine="thread") as server,
+        channel_to(server) as ch,
+    ):
         stub = pb_grpc.TranscriberStub(ch)
         want = stream(stub, speech, linear16(decoder=BEAM))
         (pid,) = server.server.beam_processes.pids
@@ -148,7 +153,8 @@ def test_decoder_processes_decode_through_a_sigterm_drain_then_end(speech) -> No
     """`echoic serve --beam-processes 2` and SIGTERM (to the whole process group, as a
     terminal or a container runtime may send it): a beam stream open then still gets its
     usual final result during the drain, and the decoder processes end with the server."""
-    flags = ["--model", str(default_model_dir()), "--beam-processes", "2", "--grace-seconds", "20"]
+    flags = ["--model", str(default_model_dir()), "--beam-processes", "2", "--grace-seconds", "20",
+             "--engine", "thread"]  # fmt: skip
     release = threading.Event()
     with serve_process(*flags) as (process, port, log):
         children = _children(process.pid)

@@ -242,7 +242,7 @@ def test_importing_a_part_loads_no_forbidden_library(part: str, forbidden: tuple
 CORE_MODULES = [
     "echoic.server.core", "echoic.server.session", "echoic.server.dispatcher",
     "echoic.server.models", "echoic.server.audio_input", "echoic.server.formatting",
-    "echoic.server.refusals",
+    "echoic.server.refusals", "echoic.server.engine_process",
 ]  # fmt: skip
 NOT_FOR_THE_CORE_LIBRARIES = {"grpc", "google", "aiohttp"}  # google: protobuf
 NOT_FOR_THE_CORE = (
