@@ -35,10 +35,15 @@ Per level it prints:
   batch       streams per model call: mean, and p50/p95 of the server's
               echoic_batch_size histogram (bucket upper bounds)
   srv/cli CPU CPU seconds per wall second of the server (with --workers, the
-              supervisor and its workers) and of all client processes together, %
-              of one core (both share the machine's cores)
-  RSS         the server's resident memory at the level's end (with --workers, of
-              every process together), MB
+              supervisor and its workers; with engine processes, those too) and of
+              all client processes together, % of one core (both share the cores)
+  RSS         the server's resident memory at the level's end (with --workers or
+              engine processes, of every process together), MB
+  of engine   a level the server sustained (final p95 <= 200 ms, none behind, none
+              failed) as a share of the engine's own capacity: the real-time streams
+              that one batched streaming step of 32 streams on every core keeps up
+              with (bench/offline_rtf.py's streaming table), measured first, before
+              any server runs; "-" for a level not sustained
 
 --formatting both runs every level twice on each server, its streams' finals raw and
 then formatted (punctuation and written forms, docs/formatting.md), on rows of their own
@@ -494,11 +499,47 @@ def percentiles(values: list[float], qs=(50, 95, 99)) -> str:
     return "/".join(f"{v:.0f}" for v in np.percentile(np.asarray(values) * 1000, qs))
 
 
-def print_table(runs: dict[str, list[Level]]) -> None:
+SUSTAINED_P95 = 0.2  # s: a level is sustained when its final p95 is within this, none behind
+
+
+def engine_capacity(model: str | None, batch: int = 32, repeats: int = 5) -> float:
+    """Real-time streams the model's batched streaming step keeps up with on every core of
+    this machine (bench/offline_rtf.py's streaming table at `batch` streams): the engine's
+    own ceiling, measured before any server starts."""
+    from echoic.model.runtime.engine import Engine
+    from echoic.model.runtime.recognizer import default_model_dir
+
+    engine = Engine(model or default_model_dir(), intra_op_threads=0)
+    card = engine.card
+    rng = np.random.default_rng(1)
+    windows = rng.normal(size=(batch, card.window_input_frames, card.num_features))
+    windows = windows.astype(np.float32)
+    frames = np.full(batch, card.chunk_frames + card.context_frames, dtype=np.int64)
+    state = engine.initial_state(batch)
+    engine.stream_step(windows, frames, state)  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.stream_step(windows, frames, state)
+        times.append(time.perf_counter() - started)
+    chunk_seconds = card.chunk_frames * card.output_frame_ms / 1000
+    return chunk_seconds / (float(np.median(times)) / batch)
+
+
+def of_engine(level: Level, capacity: float) -> str:
+    """The level as a share of the engine's capacity, when the server sustained it."""
+    s = level.stats
+    sustained = (
+        s.final and np.percentile(s.final, 95) <= SUSTAINED_P95 and not s.behind and not s.failed
+    )
+    return f"{100 * level.streams / capacity:.0f}%" if sustained and capacity else "-"
+
+
+def print_table(runs: dict[str, list[Level]], capacity: float = 0.0) -> None:
     header = (
         f"{'streams':>7}  {'server':<22} {'utts':>6} {'behind':>6} {'failed':>6}"
         f"  {'interim p95':>11}  {'final ms p50/95/99':>18}  {'batch (p50/95)':>14}"
-        f"  {'srv CPU':>7}  {'cli CPU':>7}  {'RSS MB':>6}  errors"
+        f"  {'srv CPU':>7}  {'cli CPU':>7}  {'RSS MB':>6}  {'of engine':>9}  errors"
     )
     print(header)
     print("-" * len(header))
@@ -509,7 +550,8 @@ def print_table(runs: dict[str, list[Level]]) -> None:
                 f"{level.streams:>7}  {mode:<22} {s.utterances:>6} {s.behind:>6} {s.failed:>6}"
                 f"  {percentiles(s.interim, (95,)):>11}  {percentiles(s.final):>18}"
                 f"  {level.batch:>14}  {level.server_cpu:>6.0f}%  {level.client_cpu:>6.0f}%"
-                f"  {level.rss_mb:>6.0f}  {'; '.join(s.errors)[:60]}"
+                f"  {level.rss_mb:>6.0f}  {of_engine(level, capacity):>9}"
+                f"  {'; '.join(s.errors)[:60]}"
             )
             if (b := level.beam) is not None:
                 print(
@@ -606,6 +648,14 @@ def main() -> None:
             f" {args.channels} connection(s) each, {args.decoder} decoding, {os.cpu_count()} CPUs",
             file=sys.stderr,
         )
+        capacity = engine_capacity(args.model)
+        print(
+            f"  engine capacity: {capacity:.0f} real-time streams (one batched streaming step"
+            ' of 32 streams on every core, before any server starts); "of engine" = a'
+            f" level whose final p95 <= {1000 * SUSTAINED_P95:.0f} ms with none behind, as a"
+            " share of it",
+            file=sys.stderr,
+        )
         settings = [shlex.split(a) for a in args.server_args or [""]]
         servers = {" ".join(flags) or "defaults": flags for flags in settings}
         if args.unbatched:
@@ -613,7 +663,7 @@ def main() -> None:
         runs = {row: levels for name, f in servers.items()
                 for row, levels in bench_server(name, f, manifest.resolve(), utterances, args,
                                                 Path(tmp)).items()}  # fmt: skip
-        print_table(runs)
+        print_table(runs, capacity)
 
 
 if __name__ == "__main__":
