@@ -207,7 +207,10 @@ class ServerConfig:
         3600.0, "audio per request or stream, s; 0 = no limit", Flag(metavar="S")
     )
     idle_timeout_seconds: float = setting(
-        30.0, "s a stream may send nothing before it gets DEADLINE_EXCEEDED", Flag(metavar="S")
+        30.0,
+        "s a stream may send nothing before it gets DEADLINE_EXCEEDED; also how long an HTTP "
+        "or metrics connection with no request in progress stays open",
+        Flag(metavar="S"),
     )
     max_stream_seconds: float = setting(
         3900.0,

@@ -363,7 +363,7 @@ class Supervisor:
 
         host, port = self.config.metrics_host, self.config.metrics_port
         try:
-            return serve_http(host, port, exposition)
+            return serve_http(host, port, exposition, self.config.idle_timeout_seconds)
         except OSError as e:
             raise ServerError(f"cannot serve metrics on {host}:{port}: {e}") from e
 

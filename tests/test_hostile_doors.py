@@ -493,3 +493,45 @@ def test_idle_and_slow_header_connections_are_closed_after_the_idle_timeout() ->
         finally:
             for s in socks:
                 s.close()
+
+
+def _closed_by_the_server(sock) -> bool:  # noqa: ANN001 - a socket
+    """Whether the server has closed `sock` (its end reads EOF), without waiting."""
+    import select
+
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_to_the_metrics_port_take_no_threads_and_are_bounded() -> None:
+    """Hundreds of connections to --metrics-port that send nothing (or stop inside their
+    headers) start no thread each, are cut to MAX_CONNECTIONS at once (the oldest idle
+    closed), and leave a scrape answered; the rest close after --idle-timeout-seconds."""
+    import socket
+    import urllib.request
+
+    from echoic.server.metrics import MAX_CONNECTIONS
+
+    many = MAX_CONNECTIONS + 200
+    with http_server(metrics_port=0, idle_timeout_seconds=2.0) as server:
+        address = ("127.0.0.1", server.server.metrics_port)
+        threads = threading.active_count()
+        socks = [socket.create_connection(address, timeout=HUNG) for _ in range(many)]
+        try:
+            for s in socks[::2]:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            url = f"http://127.0.0.1:{address[1]}/metrics"
+            with urllib.request.urlopen(url, timeout=HUNG) as response:
+                assert b"echoic_active_streams" in response.read()
+            assert threading.active_count() <= threads + 1  # a scrape's thread at most
+            closed = [s for s in socks if _closed_by_the_server(s)]
+            assert len(closed) >= many - MAX_CONNECTIONS, len(closed)
+            assert socks[-1] not in closed  # the newest stay, the oldest made room
+            wait_until(lambda: all(_closed_by_the_server(s) or s in closed for s in socks), HUNG)
+        finally:
+            for s in socks:
+                s.close()
