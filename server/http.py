@@ -419,6 +419,10 @@ class HttpDoor:
         try:
             while True:
                 now = loop.time()
+                if content.total_bytes > self.upload_limit + FORM_SLACK:
+                    # a body without Content-Length: a preamble or part headers, skipped
+                    # unread, count against the limit as the file does
+                    raise self._too_large()
                 self._check_pace(content.total_bytes, now - started)
                 # awake at least every PACE_CHECK_SECONDS while the read waits, for the pace
                 wake = min(heard + idle, started + limit, now + PACE_CHECK_SECONDS)

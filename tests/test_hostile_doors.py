@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -535,3 +536,68 @@ def test_idle_connections_to_the_metrics_port_take_no_threads_and_are_bounded() 
         finally:
             for s in socks:
                 s.close()
+
+
+PREAMBLE_BYTES = 20 * 10**6  # junk before a form's first part, or inside its part's header
+JUNK_LINE = b"x" * 62 + b"\r\n"
+
+
+def _form(wav: bytes, preamble: bytes = b"", part_header: bytes = b"") -> bytes:
+    return (
+        preamble + b'--bnd\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        + part_header + b"\r\n" + wav + b'\r\n--bnd\r\nContent-Disposition: form-data; '
+        b'name="formatting"\r\n\r\nfalse\r\n--bnd--\r\n'
+    )  # fmt: skip
+
+
+def _chunked(body: bytes, size: int = 1 << 20) -> bytes:
+    """`body` in HTTP/1.1 chunked transfer coding (no Content-Length to refuse it by)."""
+    pieces = (body[i : i + size] for i in range(0, len(body), size))
+    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in pieces) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("junk, chunked, status", [
+    pytest.param(dict(preamble=JUNK_LINE * (PREAMBLE_BYTES // len(JUNK_LINE))), False, 200,
+                 id="preamble-of-lines"),
+    pytest.param(dict(preamble=b"x" * PREAMBLE_BYTES + b"\r\n"), False, 400,
+                 id="preamble-of-one-line"),
+    pytest.param(dict(part_header=b"X-A: b\r\n" * (PREAMBLE_BYTES // 8)), False, 400,
+                 id="part-header-of-many-lines"),
+    pytest.param(dict(preamble=JUNK_LINE * (3 * PREAMBLE_BYTES // 2 // len(JUNK_LINE))), True,
+                 413, id="chunked-preamble-over-the-upload-limit"),
+])  # fmt: skip
+def test_a_20_mb_multipart_preamble_still_arriving_is_read_or_refused(
+    speech, junk, chunked, status
+) -> None:
+    """Megabytes before the first part, or in a part's header, arriving over longer than
+    --idle-timeout-seconds: not 408 (bytes are arriving); lines of preamble are skipped and
+    the file transcribed, one endless line or a header of a million lines is 400, and with
+    no Content-Length the body's every byte counts against --max-upload-mb (413)."""
+    import socket
+
+    from tests.test_http import _response
+
+    wav = _encoded(speech, "WAV", "PCM_16")
+    body = _form(wav, **junk)
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+    with http_server(max_upload_mb=25.0, idle_timeout_seconds=1.0) as server:
+        _, plain = _transcribe(server, wav)
+        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=HUNG) as s:
+            s.sendall(
+                b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"multipart/form-data; boundary=bnd\r\n%s\r\n\r\n" % framing.encode()
+            )
+            data = _chunked(body) if chunked else body
+            piece = len(data) // 20 + 1
+            try:
+                for i in range(0, len(data), piece):  # over 1.6 s: longer than the idle timeout
+                    s.sendall(data[i : i + piece])
+                    time.sleep(0.08)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server answered and closed while bytes still came
+            answer, error = _response(s)
+        assert answer == status, error
+        if status == 200:
+            assert error["text"] == plain["text"] and plain["text"]
+        _, again = _transcribe(server, wav)
+        assert again == plain
