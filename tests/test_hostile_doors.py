@@ -601,3 +601,87 @@ def test_a_20_mb_multipart_preamble_still_arriving_is_read_or_refused(
             assert error["text"] == plain["text"] and plain["text"]
         _, again = _transcribe(server, wav)
         assert again == plain
+
+
+def _damaged_mp3(speech: np.ndarray) -> bytes:
+    """Speech as MP3 with 700 zero bytes inserted 50 times: libmpg123 resyncs and goes on."""
+    mp3 = _encoded(speech, "MP3", "MPEG_LAYER_III")
+    step = len(mp3) // 51
+    return (
+        b"".join(mp3[i * step : (i + 1) * step] + b"\0" * 700 for i in range(50)) + mp3[50 * step :]
+    )
+
+
+MPG123_LINES = ("Illegal Audio-MPEG-Header", "Trying to resync", "src/libmpg123")
+
+
+def test_a_damaged_mp3_leaves_no_library_notes_on_stderr(speech, tmp_path) -> None:
+    """libmpg123's notes on a damaged MP3 (hundreds of lines for one upload) reach neither
+    a real `echoic serve`'s log, decoding uploads, nor `echoic transcribe`'s terminal."""
+    import http.client
+    import signal
+    import socket
+    import sys
+
+    from echoic.model.core.native import MPG123_CHATTER
+    from tests.test_http import _free_port
+
+    damaged = tmp_path / "damaged.mp3"
+    damaged.write_bytes(_damaged_mp3(speech))
+    echoic = [sys.executable, "-m", "echoic.cli.main"]
+    model = str(Path(__file__).parents[1] / "model" / "default")
+    run = subprocess.run([*echoic, "transcribe", str(damaged), "--model", model,
+                          "--decoder", "greedy", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr
+    port = _free_port()
+    server = subprocess.Popen(
+        [*echoic, "serve", "--model", model, "--port", "0", "--http-port", str(port),
+         "--threads", "1", "--decoder", "greedy"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in server.stderr:
+            if "listening on" in line:
+                break
+        with socket.create_connection(("127.0.0.1", port), timeout=HUNG):
+            pass
+        for _ in range(2):
+            body, content_type = multipart(
+                [("model", "whisper-1")], [("file", damaged.read_bytes())]
+            )
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HUNG)
+            conn.request("POST", "/v1/audio/transcriptions", body, {"Content-Type": content_type})
+            assert conn.getresponse().status == 200
+            conn.close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        log = server.communicate(timeout=HUNG)[1]
+    for stderr in (run.stderr, log):
+        assert not [line for line in stderr.splitlines() if any(m in line for m in MPG123_LINES)]
+    assert "stopped" in log  # the log itself still arrives
+    assert MPG123_CHATTER.fullmatch("Note: Illegal Audio-MPEG-Header 0x00000000 at offset 3276.")
+
+
+def test_only_mpg123_notes_are_dropped_from_c_stderr(speech, tmp_path) -> None:
+    """With the filter on, C's stdio stderr still passes a library's real message, and
+    Python's own stderr is untouched; the damaged MP3's notes are gone."""
+    import sys
+
+    damaged = tmp_path / "damaged.mp3"
+    damaged.write_bytes(_damaged_mp3(speech))
+    script = f"""
+import ctypes, sys
+from echoic.model.core.audio import decode_audio
+from echoic.model.core.native import drop_stdio_chatter
+assert drop_stdio_chatter()
+decode_audio(open({str(damaged)!r}, "rb").read(), 16000)
+libc = ctypes.CDLL(None)
+libc.fputs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+libc.fputs(b"a real message from C\\n", ctypes.c_void_p.in_dll(libc, "stderr").value)
+print("from Python", file=sys.stderr)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=HUNG)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stderr.splitlines()) == ["a real message from C", "from Python"]
