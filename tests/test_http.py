@@ -713,16 +713,19 @@ def test_uploads_in_progress_are_capped_at_twice_max_streams(clips) -> None:
 
 
 @pytest.mark.parametrize("limits, flag", [
-    pytest.param(dict(upload_timeout_seconds=2.0, min_upload_bytes_per_second=0.0),
+    pytest.param(dict(idle_timeout_seconds=1.0, upload_timeout_seconds=2.0,
+                      min_upload_bytes_per_second=0.0),
                  "--upload-timeout-seconds", id="past-the-deadline"),
-    pytest.param(dict(upload_timeout_seconds=30.0, min_upload_bytes_per_second=2000.0),
+    # an idle timeout well above the 0.3 s between bytes, on a loaded machine too
+    pytest.param(dict(idle_timeout_seconds=2.0, upload_timeout_seconds=30.0,
+                      min_upload_bytes_per_second=2000.0),
                  "--min-upload-bytes-per-second", id="under-the-least-pace"),
 ])  # fmt: skip
 def test_an_upload_trickling_gets_408(clips, limits, flag) -> None:
     """Bytes that keep coming, each within --idle-timeout-seconds, do not keep an upload
     open past --upload-timeout-seconds, nor, slower than --min-upload-bytes-per-second
     (a few bytes a second), for longer than the idle timeout."""
-    with http_server(idle_timeout_seconds=1.0, **limits) as server:
+    with http_server(**limits) as server:
         body, content_type = multipart([], [("file", clips[0][0])])
         headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
         with _raw_upload(server, headers) as sock:
