@@ -685,3 +685,29 @@ print("from Python", file=sys.stderr)
                          timeout=HUNG)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert sorted(run.stderr.splitlines()) == ["a real message from C", "from Python"]
+
+
+def test_a_long_whole_file_is_featurized_a_window_at_a_time(speech, monkeypatch) -> None:
+    """A 100 s upload's features (and their STFT, 16 bytes a bin) are computed at most
+    WHOLE_WINDOW_SECONDS at a time, not for the whole file at once (a 12.6-minute WAV
+    took the server to 1 GB): the real batch_features, its calls recorded."""
+    from echoic.model.runtime import recognizer
+    from echoic.server.service import WHOLE_WINDOW_SECONDS
+
+    sizes: list[int] = []
+    real = recognizer.batch_features
+
+    def recorded(streams):  # noqa: ANN001, ANN202 - batch_features' own signature
+        feats = real(streams)
+        sizes.extend(len(f) for f in feats)
+        return feats
+
+    monkeypatch.setattr(recognizer, "batch_features", recorded)
+    gap = np.zeros(RATE // 2, np.float32)
+    long = np.resize(np.concatenate([speech, gap]), 100 * RATE)
+    with http_server(max_upload_mb=25.0) as server:
+        status, body = _transcribe(server, _encoded(long, "WAV", "PCM_16"))
+    assert status == 200 and body["text"]
+    frames_per_second = 100  # 10 ms hop of every bundled feature config
+    assert sum(sizes) >= 99 * frames_per_second
+    assert max(sizes) <= (WHOLE_WINDOW_SECONDS + 1) * frames_per_second, max(sizes)
