@@ -77,7 +77,9 @@ def drop_stdio_chatter(chatter: re.Pattern[str] = MPG123_CHATTER) -> bool:
     """From now on, in this process: C's stdio `stderr` writes to a pipe whose lines a
     daemon thread writes to fd 2 as they come, except those that are `chatter` (whole lines,
     by fullmatch). Once per process (later calls do nothing); returns whether it is on.
-    glibc only (elsewhere `stderr` may be read-only): off on other platforms."""
+    glibc only (elsewhere `stderr` may be read-only): off on other platforms. A line from
+    C now arrives a moment later, so it can fall between two writes of one Python print()
+    (text, then its newline); a log record is one write and stays whole."""
     global _relay
     if _relay is not None:
         return True
