@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from echoic.model.core.native import drop_stdio_chatter
+
+    drop_stdio_chatter()  # libmpg123's notes on a damaged MP3: not for the terminal or the log
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -315,7 +315,9 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         else:
             port = grpc_server.add_secure_port(address, credentials)
         if config.metrics_port is not None:
-            server.metrics_port = metrics.start_http(config.metrics_host, config.metrics_port)
+            server.metrics_port = metrics.start_http(
+                config.metrics_host, config.metrics_port, config.idle_timeout_seconds
+            )
         if door is not None:
             http_address = f"{config.host}:{config.http_port}"
             server.http = door(config, service, registry, metrics)

@@ -229,7 +229,10 @@ class ServerConfig:
         3600.0, "audio per request or stream, s; 0 = no limit", Flag(metavar="S")
     )
     idle_timeout_seconds: float = setting(
-        30.0, "s a stream may send nothing before it gets DEADLINE_EXCEEDED", Flag(metavar="S")
+        30.0,
+        "s a stream may send nothing before it gets DEADLINE_EXCEEDED; also how long an HTTP "
+        "or metrics connection with no request in progress stays open",
+        Flag(metavar="S"),
     )
     max_stream_seconds: float = setting(
         3900.0,
@@ -273,6 +276,15 @@ class ServerConfig:
         "sends (with --idle-timeout-seconds between two reads); past it 408. A request takes "
         "a --max-streams slot only once its upload is complete",
         Flag(metavar="S"),
+    )
+    # Apache's mod_reqtimeout asks 500 bytes/s of a request body by default: far below any
+    # real link (a 25 MiB upload at that pace would not fit --upload-timeout-seconds anyway),
+    # far above a client that trickles a byte at a time to hold its place (17 bytes/s seen).
+    min_upload_bytes_per_second: float = setting(
+        500.0,
+        "least pace of an HTTP upload, bytes/s, averaged from its headers on, once "
+        "--idle-timeout-seconds have passed; slower gets 408 at once; 0 = no minimum",
+        Flag(metavar="B"),
     )
     grace_seconds: float = setting(
         30.0, "s open streams get to finish on shutdown: SIGTERM or Ctrl-C", Flag(metavar="S")
@@ -350,6 +362,7 @@ class ServerConfig:
             (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),
             (self.max_upload_mb > 0, "max_upload_mb must be > 0"),
             (self.upload_timeout_seconds > 0, "upload_timeout_seconds must be > 0"),
+            (self.min_upload_bytes_per_second >= 0, "min_upload_bytes_per_second must be >= 0"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
             (self.beam_processes >= 0, "beam_processes must be >= 0 (0 = decoder threads)"),

@@ -23,12 +23,13 @@ counted by route and status, with its latency.
 The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
 413 as soon as that many bytes have arrived (at once when its Content-Length or
 `Expect: 100-continue` says so), and a client that sends nothing for
-`--idle-timeout-seconds`, or has not sent it all within `--upload-timeout-seconds`, gets
-408. The request takes its `--max-streams` slot once the upload is complete, so a slow
-upload holds no slot that a ready request could use. What bounds the memory uploads
-hold is a cap on the transcription requests in progress, uploading or recognized:
-UPLOADS_PER_STREAM x `--max-streams`; a request beyond it gets 429 before its body is
-read.
+`--idle-timeout-seconds`, sends slower than `--min-upload-bytes-per-second` (on average,
+once the idle timeout has passed), or has not sent it all within
+`--upload-timeout-seconds`, gets 408. The request takes its `--max-streams` slot once
+the upload is complete, so a slow upload holds no slot that a ready request could use.
+What bounds the memory uploads hold is a cap on the transcription requests in progress,
+uploading or recognized: UPLOADS_PER_STREAM x `--max-streams`; a request beyond it gets
+429 before its body is read.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ SHUTDOWN_SECONDS = 10.0  # s requests still open when the HTTP server stops get 
 # one arriving behind it, so a slot never waits for an upload, while at most this many
 # x --max-upload-mb of uploads are held at once.
 UPLOADS_PER_STREAM = 2
+PACE_CHECK_SECONDS = 1.0  # s between two checks of a waiting upload's pace
 
 
 class _ProtocolLog(logging.LoggerAdapter):
@@ -367,8 +369,8 @@ class HttpDoor:
             raise self._too_large()
         fields: dict[str, list[str]] = {}
         audio: bytearray | None = None
-        ends = asyncio.get_running_loop().time() + self._config.upload_timeout_seconds  # loop time
-        bound = partial(self._idle_bound, ends=ends, content=request.content)
+        started = asyncio.get_running_loop().time()  # loop time
+        bound = partial(self._idle_bound, started=started, content=request.content)
         try:
             reader = await request.multipart()
             while (part := await bound(reader.next())) is not None:
@@ -405,32 +407,57 @@ class HttpDoor:
                 raise bad(f"form field {part.name} is over {limit} bytes", part.name)
         return data
 
-    async def _idle_bound(self, read: Awaitable[T], *, ends: float, content: StreamReader) -> T:
-        """`read`, or 408 when the client sends nothing for the idle timeout, or the upload
-        is not complete by `ends` (the loop's time). A read may wait for more than one
-        chunk (a multipart boundary, a long preamble): bytes still arriving (`content`'s
-        count) are not idle."""
-        idle = self._config.idle_timeout_seconds
+    async def _idle_bound(self, read: Awaitable[T], *, started: float, content: StreamReader) -> T:
+        """`read`, or 408 when the client sends nothing for the idle timeout, sends slower
+        than --min-upload-bytes-per-second (on average since `started`, the loop's time at
+        the headers, once the idle timeout has passed), or is not done by the upload
+        timeout. A read may wait for more than one chunk (a multipart boundary, a long
+        preamble): bytes still arriving (`content`'s count) are not idle."""
+        config = self._config
+        idle, limit = config.idle_timeout_seconds, config.upload_timeout_seconds
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(read)
-        seen = content.total_bytes
+        seen, heard = content.total_bytes, loop.time()
         try:
             while True:
-                left = ends - loop.time()
-                done, _ = await asyncio.wait({task}, timeout=max(min(idle, left), 0.0))
+                now = loop.time()
+                if content.total_bytes > self.upload_limit + FORM_SLACK:
+                    # a body without Content-Length: a preamble or part headers, skipped
+                    # unread, count against the limit as the file does
+                    raise self._too_large()
+                self._check_pace(content.total_bytes, now - started)
+                # awake at least every PACE_CHECK_SECONDS while the read waits, for the pace
+                wake = min(heard + idle, started + limit, now + PACE_CHECK_SECONDS)
+                done, _ = await asyncio.wait({task}, timeout=max(wake - now, 0.0))
                 if task in done:
                     return task.result()
-                if loop.time() >= ends:
-                    limit = self._config.upload_timeout_seconds
+                now = loop.time()
+                if now >= started + limit:
                     message = (f"the upload was not complete within {limit:g} s "
                                "(--upload-timeout-seconds): send the request at once")  # fmt: skip
                     raise ApiError(408, message, code="request_timeout")
-                if content.total_bytes == seen:
+                if content.total_bytes != seen:
+                    seen, heard = content.total_bytes, now
+                elif now >= heard + idle:
                     raise ApiError(
                         408,
                         f"the upload sent nothing for {idle:g} s: send the request at once",
                         code="request_timeout",
                     )
-                seen = content.total_bytes
         finally:
             task.cancel()  # nothing if it is done; a read left waiting ends with the request
+
+    def _check_pace(self, received: int, elapsed: float) -> None:
+        """408 when `received` bytes in `elapsed` s since the headers is behind
+        --min-upload-bytes-per-second, the first --idle-timeout-seconds given free: a client
+        that trickles a byte at a time must not hold its place for the whole upload timeout."""
+        pace = self._config.min_upload_bytes_per_second
+        grace = self._config.idle_timeout_seconds
+        if pace and received < (elapsed - grace) * pace:
+            raise ApiError(
+                408,
+                f"the upload is arriving at {received / elapsed:.0f} bytes/s, under this "
+                f"server's minimum of {pace:g} bytes/s (--min-upload-bytes-per-second): send "
+                "the request at once, over a faster link",
+                code="request_timeout",
+            )  # fmt: skip

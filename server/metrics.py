@@ -16,7 +16,8 @@ Names are in base units (seconds, counts) with the prefix `echoic_`:
     echoic_realtime_errors_total{code}              error events sent on realtime WebSockets
 
 plus the standard process_* (CPU, memory, open files) and python_* collectors. The
-endpoint (`start_http`) answers GET /metrics and nothing else (404); the HTTP door
+endpoint (`start_http`, `MetricsHttp`: bounded connections, each with an idle timeout, on
+a thread and loop of its own) answers GET /metrics and nothing else (404); the HTTP door
 serves the same registry at its own /metrics (`exposition`). With `echoic serve
 --workers N` each worker has its own, and the supervisor's --metrics-port shows them all
 with a `worker` label (server/workers.py).
@@ -27,11 +28,18 @@ matches none is counted as `unmatched`, so a scan cannot grow the label set.
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 HTTP_TRANSCRIPTIONS = "HTTPTranscriptions"  # the HTTP door's transcriptions, as a method label
 HTTP_REALTIME = "HTTPRealtime"  # its realtime WebSockets, as a method label
+IDLE_SECONDS = 30.0  # s a metrics connection with no request in progress stays open
+# Open connections to the metrics port, count: Prometheus keeps one per scraper, and a
+# few scrapers (two Prometheus replicas, a person with curl) need no more; each costs a
+# descriptor, of the process's 1,024 by default.
+MAX_CONNECTIONS = 64
 
 
 class Metrics:
@@ -123,9 +131,9 @@ class Metrics:
         encode, content_type = choose_encoder(accept)
         return encode(self.registry), content_type
 
-    def start_http(self, host: str, port: int) -> int:
+    def start_http(self, host: str, port: int, idle_seconds: float = IDLE_SECONDS) -> int:
         """Serve GET /metrics on host:port (0 = any free port) in a thread; returns the port."""
-        self._http = serve_http(host, port, self.exposition)
+        self._http = serve_http(host, port, self.exposition, idle_seconds=idle_seconds)
         return self._http.server_port
 
     def stop_http(self) -> None:
@@ -134,50 +142,150 @@ class Metrics:
             self._http = None
 
 
-class MetricsHttp:
-    """GET /metrics answered by `exposition(accept header)` -> (body, content type), in a
-    thread; anything else is 404. `serve_http` starts one."""
+class _ScrapeLog(logging.LoggerAdapter):
+    """aiohttp's log for the metrics port: a request it cannot parse, or a client gone, is
+    one debug line (no traceback: nobody but a scraper has business here, and a scan
+    must not fill the log); anything else is aiohttp's error with its traceback."""
 
-    def __init__(self, httpd: Any, thread: Any) -> None:
-        self._httpd, self._thread = httpd, thread
-        self.server_port: int = httpd.server_port
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, HttpProcessingError)):
+            self.logger.debug("metrics port: %s", str(error).strip()[:200])
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kw)
+
+
+class MetricsHttp:
+    """GET /metrics answered by `exposition(accept header)` -> (body, content type); any
+    other path is 404, any other method 405. `serve_http` starts one.
+
+    aiohttp on an event loop of its own, in one thread: an open connection costs a socket,
+    never a thread (prometheus_client's server spent a thread on each, with no timeout:
+    1,000 idle connections, 1,000 threads). A connection with no request in progress (idle,
+    or still sending its headers) is closed after `idle_seconds`; beyond `MAX_CONNECTIONS`
+    the oldest such connection is closed to make room, so that neither idle sockets nor a
+    scan can use up the process's descriptors or lock a scraper out. `exposition` runs in
+    one thread of its own (scrapes wait for each other, never for the loop), and a loop
+    of its own means a scrape is answered even while the server's event loop is stalled.
+    """
+
+    def __init__(
+        self, host: str, port: int, exposition: Callable[[str], tuple[bytes, str]],
+        idle_seconds: float,
+    ) -> None:  # fmt: skip
+        import asyncio
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._exposition = exposition
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="echoic-metrics-scrape")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="echoic-metrics", daemon=True
+        )
+        self._thread.start()
+        self._runner: Any = None
+        self._server: Any = None  # the CappedServer, once started
+        try:
+            started = asyncio.run_coroutine_threadsafe(self._start(host, port, idle_seconds),
+                                                       self._loop)  # fmt: skip
+            self.server_port: int = started.result()
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _start(self, host: str, port: int, idle_seconds: float) -> int:
+        from aiohttp import web
+
+        server = self._server = _capped_server_class()(
+            self._answer, limit=MAX_CONNECTIONS, access_log=None, logger=_ScrapeLog(),
+            keepalive_timeout=idle_seconds,
+        )  # fmt: skip
+        runner = web.ServerRunner(server, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host.strip("[]"), port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        return runner.addresses[0][1]
+
+    async def _answer(self, request: Any) -> Any:
+        import asyncio
+
+        from aiohttp import web
+
+        if request.method != "GET":
+            return web.Response(status=405, text="GET /metrics\n", headers={"Allow": "GET"})
+        if request.path != "/metrics":
+            return web.Response(status=404, text="not found: try /metrics\n")
+        busy = self._server.busy  # the connection is not idle while it is answered
+        busy.add(request.protocol)
+        try:
+            body, content_type = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._exposition, request.headers.get("Accept", "")
+            )
+        finally:
+            busy.discard(request.protocol)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        import asyncio
+
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), self._loop).result(timeout=10)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        if not self._loop.is_running():
+            self._loop.close()
+        self._pool.shutdown()  # a scrape in progress ends first
 
 
-def serve_http(host: str, port: int, exposition: Callable[[str], tuple[bytes, str]]) -> MetricsHttp:
-    """Serve GET /metrics on host:port (0 = any free port) in a thread."""
-    import socket
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    from urllib.parse import urlsplit
+def _capped_server_class() -> type:
+    """`CappedServer`, defined when first served (aiohttp is the serve extra's)."""
+    from aiohttp import web
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if urlsplit(self.path).path != "/metrics":
-                self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics\n")
-                return
-            body, content_type = exposition(self.headers.get("Accept", ""))
-            self._send(200, content_type, body)
+    class CappedServer(web.Server):
+        """aiohttp's low-level server, with at most `limit` open connections: one more
+        closes the oldest connection that has no request being answered (idle, or still
+        sending its headers; the newest itself when every other is busy)."""
 
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+        def __init__(self, handler: Any, *, limit: int, **kwargs: Any) -> None:
+            super().__init__(handler, **kwargs)
+            self.limit = limit
+            self.busy: set[Any] = set()  # connections whose request is being answered
+            # Open connections, oldest first; aiohttp's own list keeps one closed until its
+            # handler task ends, so a connection chosen to close would be chosen again.
+            self._open: dict[Any, None] = {}
 
-        def log_message(self, *args: Any) -> None:
-            pass  # a scrape every few seconds is not news
+        def connection_made(self, handler: Any, transport: Any) -> None:
+            super().connection_made(handler, transport)
+            self._open[handler] = None
+            if len(self._open) > self.limit:
+                victim = next((h for h in self._open if h not in self.busy), handler)
+                del self._open[victim]
+                # after this call returns: the newest connection's handler is still starting
+                self._loop.call_soon(victim.force_close)
 
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+            self._open.pop(handler, None)
+            super().connection_lost(handler, exc)
 
-    httpd = Server((host.strip("[]"), port), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
-    thread.start()
-    return MetricsHttp(httpd, thread)
+    return CappedServer
+
+
+def serve_http(
+    host: str, port: int, exposition: Callable[[str], tuple[bytes, str]],
+    idle_seconds: float = IDLE_SECONDS,
+) -> MetricsHttp:  # fmt: skip
+    """Serve GET /metrics on host:port (0 = any free port) in a thread; `idle_seconds`:
+    how long a connection with no request in progress stays open."""
+    return MetricsHttp(host, port, exposition, idle_seconds)

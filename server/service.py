@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from echoic.model.core.audio import AudioTooLong, DecodeTooSlow
 from echoic.model.core.version import echoic_version
+from echoic.model.runtime.recognizer import Stream
 from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
@@ -40,6 +41,10 @@ from echoic.server.session import Session, open_session
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")
+# s of a whole file's audio fed to its stream at a time (`_recognize_windows`): its features
+# and their STFT take about 0.7 MB a second of audio, so 30 s is some 20 MB a request,
+# and 120 awaits an hour
+WHOLE_WINDOW_SECONDS = 30.0
 _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
 
 
@@ -257,11 +262,39 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         async with open_session(
             self._registry, opts, self._config, name=name, whole=True
         ) as session:
-            await self.off_loop(self._decode_whole, session, audio)
+            if session.stream is None:  # a model that cannot stream: the utterance whole
+                await self.off_loop(self._decode_whole, session, audio)
+                results = []
+            else:
+                results = await self._recognize_windows(session, audio)
             ended = time.perf_counter()
-            results = await session.advance()
+            results += await session.advance()
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
             return Whole(results, session.seconds, session.model)
+
+    async def _recognize_windows(
+        self, session: Session, audio: bytes
+    ) -> list[pb.SpeechRecognitionResult]:
+        """A whole file through its stream WHOLE_WINDOW_SECONDS at a time, each window's
+        features computed in the audio pool and its steps run before the next is fed; the
+        stream finished. So the features (and the STFT's complex intermediates, 16 bytes a
+        bin) are a window's, not the file's: a 12.6-minute WAV took the server from 138 MB
+        to 997 MB at once (bench/whole_file_memory.py). The stream and its results are the
+        same as the file fed at once."""
+        samples = await self.off_loop(self._decode_all, session, audio)
+        window = int(WHOLE_WINDOW_SECONDS * session.model.card.sample_rate)
+        results: list[pb.SpeechRecognitionResult] = []
+        for start in range(0, len(samples), window):
+            await self.off_loop(self._accept_window, session, samples[start : start + window])
+            results += await session.advance()
+        await self.off_loop(partial(session.finish, features_now=True))
+        return results
+
+    def _accept_window(self, session: Session, samples: np.ndarray) -> None:
+        """In the audio pool: a window of a whole file, with its features, so that the
+        batch it joins is not held up by them."""
+        self._accept(session, samples)
+        Stream.compute_pending_features([session.stream])
 
     async def recognize_paced(
         self,

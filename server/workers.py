@@ -109,6 +109,9 @@ def _worker_main(index: int, fd: int, level: int) -> None:
     logging.basicConfig(
         level=level, format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s"
     )
+    from echoic.model.core.native import drop_stdio_chatter
+
+    drop_stdio_chatter()  # as `echoic serve` itself does (cli/main.py)
     pipe = Connection(fd)
     config = pipe.recv()
     from echoic.model.runtime.card import ModelError
@@ -363,7 +366,7 @@ class Supervisor:
 
         host, port = self.config.metrics_host, self.config.metrics_port
         try:
-            return serve_http(host, port, exposition)
+            return serve_http(host, port, exposition, self.config.idle_timeout_seconds)
         except OSError as e:
             raise ServerError(f"cannot serve metrics on {host}:{port}: {e}") from e
 

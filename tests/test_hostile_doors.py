@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -510,3 +511,220 @@ def test_idle_and_slow_header_connections_are_closed_after_the_idle_timeout() ->
         finally:
             for s in socks:
                 s.close()
+
+
+def _closed_by_the_server(sock) -> bool:  # noqa: ANN001 - a socket
+    """Whether the server has closed `sock` (its end reads EOF), without waiting."""
+    import select
+
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_to_the_metrics_port_take_no_threads_and_are_bounded() -> None:
+    """Hundreds of connections to --metrics-port that send nothing (or stop inside their
+    headers) start no thread each, are cut to MAX_CONNECTIONS at once (the oldest idle
+    closed), and leave a scrape answered; the rest close after --idle-timeout-seconds."""
+    import socket
+    import urllib.request
+
+    from echoic.server.metrics import MAX_CONNECTIONS
+
+    many = MAX_CONNECTIONS + 200
+    with http_server(metrics_port=0, idle_timeout_seconds=2.0) as server:
+        address = ("127.0.0.1", server.server.metrics_port)
+        threads = threading.active_count()
+        socks = [socket.create_connection(address, timeout=HUNG) for _ in range(many)]
+        try:
+            for s in socks[::2]:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            url = f"http://127.0.0.1:{address[1]}/metrics"
+            with urllib.request.urlopen(url, timeout=HUNG) as response:
+                assert b"echoic_active_streams" in response.read()
+            assert threading.active_count() <= threads + 1  # a scrape's thread at most
+            closed = [s for s in socks if _closed_by_the_server(s)]
+            assert len(closed) >= many - MAX_CONNECTIONS, len(closed)
+            assert socks[-1] not in closed  # the newest stay, the oldest made room
+            wait_until(lambda: all(_closed_by_the_server(s) or s in closed for s in socks), HUNG)
+        finally:
+            for s in socks:
+                s.close()
+
+
+PREAMBLE_BYTES = 20 * 10**6  # junk before a form's first part, or inside its part's header
+JUNK_LINE = b"x" * 62 + b"\r\n"
+
+
+def _form(wav: bytes, preamble: bytes = b"", part_header: bytes = b"") -> bytes:
+    return (
+        preamble + b'--bnd\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        + part_header + b"\r\n" + wav + b'\r\n--bnd\r\nContent-Disposition: form-data; '
+        b'name="formatting"\r\n\r\nfalse\r\n--bnd--\r\n'
+    )  # fmt: skip
+
+
+def _chunked(body: bytes, size: int = 1 << 20) -> bytes:
+    """`body` in HTTP/1.1 chunked transfer coding (no Content-Length to refuse it by)."""
+    pieces = (body[i : i + size] for i in range(0, len(body), size))
+    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in pieces) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("junk, chunked, status", [
+    pytest.param(dict(preamble=JUNK_LINE * (PREAMBLE_BYTES // len(JUNK_LINE))), False, 200,
+                 id="preamble-of-lines"),
+    pytest.param(dict(preamble=b"x" * PREAMBLE_BYTES + b"\r\n"), False, 400,
+                 id="preamble-of-one-line"),
+    pytest.param(dict(part_header=b"X-A: b\r\n" * (PREAMBLE_BYTES // 8)), False, 400,
+                 id="part-header-of-many-lines"),
+    pytest.param(dict(preamble=JUNK_LINE * (3 * PREAMBLE_BYTES // 2 // len(JUNK_LINE))), True,
+                 413, id="chunked-preamble-over-the-upload-limit"),
+])  # fmt: skip
+def test_a_20_mb_multipart_preamble_still_arriving_is_read_or_refused(
+    speech, junk, chunked, status
+) -> None:
+    """Megabytes before the first part, or in a part's header, arriving over longer than
+    --idle-timeout-seconds: not 408 (bytes are arriving); lines of preamble are skipped and
+    the file transcribed, one endless line or a header of a million lines is 400, and with
+    no Content-Length the body's every byte counts against --max-upload-mb (413)."""
+    import socket
+
+    from tests.test_http import _response
+
+    wav = _encoded(speech, "WAV", "PCM_16")
+    body = _form(wav, **junk)
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+    with http_server(max_upload_mb=25.0, idle_timeout_seconds=1.0) as server:
+        _, plain = _transcribe(server, wav)
+        with socket.create_connection(("127.0.0.1", server.server.http_port), timeout=HUNG) as s:
+            s.sendall(
+                b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"multipart/form-data; boundary=bnd\r\n%s\r\n\r\n" % framing.encode()
+            )
+            data = _chunked(body) if chunked else body
+            piece = len(data) // 20 + 1
+            try:
+                for i in range(0, len(data), piece):  # over 1.6 s: longer than the idle timeout
+                    s.sendall(data[i : i + piece])
+                    time.sleep(0.08)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server answered and closed while bytes still came
+            answer, error = _response(s)
+        assert answer == status, error
+        if status == 200:
+            assert error["text"] == plain["text"] and plain["text"]
+        _, again = _transcribe(server, wav)
+        assert again == plain
+
+
+def _damaged_mp3(speech: np.ndarray) -> bytes:
+    """Speech as MP3 with 700 zero bytes inserted 50 times: libmpg123 resyncs and goes on."""
+    mp3 = _encoded(speech, "MP3", "MPEG_LAYER_III")
+    step = len(mp3) // 51
+    return (
+        b"".join(mp3[i * step : (i + 1) * step] + b"\0" * 700 for i in range(50)) + mp3[50 * step :]
+    )
+
+
+MPG123_LINES = ("Illegal Audio-MPEG-Header", "Trying to resync", "src/libmpg123")
+
+
+def test_a_damaged_mp3_leaves_no_library_notes_on_stderr(speech, tmp_path) -> None:
+    """libmpg123's notes on a damaged MP3 (hundreds of lines for one upload) reach neither
+    a real `echoic serve`'s log, decoding uploads, nor `echoic transcribe`'s terminal."""
+    import http.client
+    import signal
+    import socket
+    import sys
+
+    from echoic.model.core.native import MPG123_CHATTER
+    from tests.test_http import _free_port
+
+    damaged = tmp_path / "damaged.mp3"
+    damaged.write_bytes(_damaged_mp3(speech))
+    echoic = [sys.executable, "-m", "echoic.cli.main"]
+    model = str(Path(__file__).parents[1] / "model" / "default")
+    run = subprocess.run([*echoic, "transcribe", str(damaged), "--model", model,
+                          "--decoder", "greedy", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr
+    port = _free_port()
+    server = subprocess.Popen(
+        [*echoic, "serve", "--model", model, "--port", "0", "--http-port", str(port),
+         "--threads", "1", "--decoder", "greedy"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in server.stderr:
+            if "listening on" in line:
+                break
+        with socket.create_connection(("127.0.0.1", port), timeout=HUNG):
+            pass
+        for _ in range(2):
+            body, content_type = multipart(
+                [("model", "whisper-1")], [("file", damaged.read_bytes())]
+            )
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HUNG)
+            conn.request("POST", "/v1/audio/transcriptions", body, {"Content-Type": content_type})
+            assert conn.getresponse().status == 200
+            conn.close()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        log = server.communicate(timeout=HUNG)[1]
+    for stderr in (run.stderr, log):
+        assert not [line for line in stderr.splitlines() if any(m in line for m in MPG123_LINES)]
+    assert "stopped" in log  # the log itself still arrives
+    assert MPG123_CHATTER.fullmatch("Note: Illegal Audio-MPEG-Header 0x00000000 at offset 3276.")
+
+
+def test_only_mpg123_notes_are_dropped_from_c_stderr(speech, tmp_path) -> None:
+    """With the filter on, C's stdio stderr still passes a library's real message, and
+    Python's own stderr is untouched; the damaged MP3's notes are gone."""
+    import sys
+
+    damaged = tmp_path / "damaged.mp3"
+    damaged.write_bytes(_damaged_mp3(speech))
+    script = f"""
+import ctypes, sys
+from echoic.model.core.audio import decode_audio
+from echoic.model.core.native import drop_stdio_chatter
+assert drop_stdio_chatter()
+decode_audio(open({str(damaged)!r}, "rb").read(), 16000)
+libc = ctypes.CDLL(None)
+libc.fputs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+libc.fputs(b"a real message from C\\n", ctypes.c_void_p.in_dll(libc, "stderr").value)
+sys.stderr.write("from Python\\n")  # one write, as a log line is (print makes two)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=HUNG)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stderr.splitlines()) == ["a real message from C", "from Python"], run.stderr
+
+
+def test_a_long_whole_file_is_featurized_a_window_at_a_time(speech, monkeypatch) -> None:
+    """A 100 s upload's features (and their STFT, 16 bytes a bin) are computed at most
+    WHOLE_WINDOW_SECONDS at a time, not for the whole file at once (a 12.6-minute WAV
+    took the server to 1 GB): the real batch_features, its calls recorded."""
+    from echoic.model.runtime import recognizer
+    from echoic.server.service import WHOLE_WINDOW_SECONDS
+
+    sizes: list[int] = []
+    real = recognizer.batch_features
+
+    def recorded(streams):  # noqa: ANN001, ANN202 - batch_features' own signature
+        feats = real(streams)
+        sizes.extend(len(f) for f in feats)
+        return feats
+
+    monkeypatch.setattr(recognizer, "batch_features", recorded)
+    gap = np.zeros(RATE // 2, np.float32)
+    long = np.resize(np.concatenate([speech, gap]), 100 * RATE)
+    with http_server(max_upload_mb=25.0) as server:
+        status, body = _transcribe(server, _encoded(long, "WAV", "PCM_16"))
+    assert status == 200 and body["text"]
+    frames_per_second = 100  # 10 ms hop of every bundled feature config
+    assert sum(sizes) >= 99 * frames_per_second
+    assert max(sizes) <= (WHOLE_WINDOW_SECONDS + 1) * frames_per_second, max(sizes)

@@ -712,10 +712,20 @@ def test_uploads_in_progress_are_capped_at_twice_max_streams(clips) -> None:
         assert post_form(server, [], [("file", clips[0][0])])[0] == 200
 
 
-def test_an_upload_trickling_past_its_deadline_gets_408(clips) -> None:
+@pytest.mark.parametrize("limits, flag", [
+    pytest.param(dict(idle_timeout_seconds=1.0, upload_timeout_seconds=2.0,
+                      min_upload_bytes_per_second=0.0),
+                 "--upload-timeout-seconds", id="past-the-deadline"),
+    # an idle timeout well above the 0.3 s between bytes, on a loaded machine too
+    pytest.param(dict(idle_timeout_seconds=2.0, upload_timeout_seconds=30.0,
+                      min_upload_bytes_per_second=2000.0),
+                 "--min-upload-bytes-per-second", id="under-the-least-pace"),
+])  # fmt: skip
+def test_an_upload_trickling_gets_408(clips, limits, flag) -> None:
     """Bytes that keep coming, each within --idle-timeout-seconds, do not keep an upload
-    open past --upload-timeout-seconds."""
-    with http_server(idle_timeout_seconds=1.0, upload_timeout_seconds=2.0) as server:
+    open past --upload-timeout-seconds, nor, slower than --min-upload-bytes-per-second
+    (a few bytes a second), for longer than the idle timeout."""
+    with http_server(**limits) as server:
         body, content_type = multipart([], [("file", clips[0][0])])
         headers = {"Content-Type": content_type, "Content-Length": str(len(body))}
         with _raw_upload(server, headers) as sock:
@@ -729,7 +739,7 @@ def test_an_upload_trickling_past_its_deadline_gets_408(clips) -> None:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the server answered and closed while bytes still came
             status, body_json = _response(sock)
-        assert status == 408 and "--upload-timeout-seconds" in body_json["error"]["message"]
+        assert status == 408 and flag in body_json["error"]["message"], body_json
 
 
 # ---------------------------------------------------------------- health and metrics
