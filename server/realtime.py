@@ -59,6 +59,7 @@ from aiohttp import WSMsgType, web
 
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
+from echoic.server.core import Result
 from echoic.server.formatting import Formatter, format_finals, formatter_of
 from echoic.server.grpc_api import parse_config
 from echoic.server.metrics import HTTP_REALTIME, Metrics
@@ -504,7 +505,7 @@ class RealtimeSession:
         self.formatter = formatter
         return chosen
 
-    async def _send_results(self, results: list[pb.SpeechRecognitionResult], *, last: bool) -> None:
+    async def _send_results(self, results: list[Result], *, last: bool) -> None:
         finals = [r for r in results if r.is_final]
         for r in results:
             index = f"item_{r.utterance_index}"
@@ -517,11 +518,11 @@ class RealtimeSession:
                 best = (await self._formatted(r)).alternatives[0]
                 await self.send(_event(
                     "conversation.item.input_audio_transcription.completed",
-                    item_id=index, content_index=0, transcript=best.transcript,
+                    item_id=index, content_index=0, transcript=best.text,
                     is_last_result=last and r is finals[-1],
                     words_info={"words": [
-                        {"word": w.word, "start_time": round(w.start_time * 1000),
-                         "end_time": round(w.end_time * 1000), "confidence": w.confidence,
+                        {"word": w.text, "start_time": round(w.start * 1000),
+                         "end_time": round(w.end * 1000), "confidence": w.confidence,
                          "speaker_tag": 0}
                         for w in best.words
                     ]},
@@ -533,14 +534,12 @@ class RealtimeSession:
                 words_info={"words": []},
             ))  # fmt: skip
 
-    async def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
-        """A copy of the final `r` in written form (the deltas keep the spoken words); a
-        long one in a worker thread (`format_finals`)."""
+    async def _formatted(self, r: Result) -> Result:
+        """The final `r` in written form (the deltas keep the spoken words); a long one in a
+        worker thread (`format_finals`)."""
         if self.formatter is None:
             return r
-        copy = pb.SpeechRecognitionResult()
-        copy.CopyFrom(r)
-        return (await format_finals([copy], self.formatter))[0]  # in place: server/formatting.py
+        return (await format_finals([r], self.formatter))[0]
 
 
 def _scalar(given: dict[str, Any], key: str, section: str = "") -> Any:

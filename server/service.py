@@ -31,8 +31,8 @@ from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig
-from echoic.server.core import Options, Refusal, RefusalKind, Remedy, invalid
-from echoic.server.grpc_api import parse_config
+from echoic.server.core import Options, Refusal, RefusalKind, Remedy, Result, invalid
+from echoic.server.grpc_api import parse_config, result_proto
 from echoic.server.metrics import Metrics
 from echoic.server.models import LoadedModel, ModelRegistry
 from echoic.server.refusals import door_message, refusal_of
@@ -45,9 +45,10 @@ _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
 
 @dataclass
 class Whole:
-    """What recognizing a whole file gives: final results, its length and who answered."""
+    """What recognizing a whole file gives: final results (the core's, each door writes
+    its own messages from them), its length and who answered."""
 
-    results: list[pb.SpeechRecognitionResult]
+    results: list[Result]
     seconds: float  # audio received, s
     model: LoadedModel
 
@@ -244,7 +245,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             raise invalid("audio_content is empty: send the whole audio in the request")
         whole = await self.recognize_whole(opts, request.audio_content, "Recognize")
         return pb.RecognizeResponse(
-            results=whole.results, audio_processed_seconds=whole.seconds, model=_ref(whole.model)
+            results=[result_proto(r) for r in whole.results],
+            audio_processed_seconds=whole.seconds,
+            model=_ref(whole.model),
         )
 
     async def recognize_whole(
@@ -271,7 +274,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         *,
         name: str = "audio_content",
         step_seconds: float = 0.5,
-    ) -> AsyncIterator[list[pb.SpeechRecognitionResult]]:
+    ) -> AsyncIterator[list[Result]]:
         """All of `audio` (a file's bytes) as a live stream, for a door that shows results
         as they firm up: decoded at once, then fed `step_seconds` at a time through the
         batched streaming path; yields each step's results (interim ones as `opts` asks),
@@ -369,7 +372,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     self.feed_stream(session, message.audio_content)
                 for result in await session.advance():
                     response = pb.StreamingRecognizeResponse(
-                        results=[result], audio_processed_seconds=session.decoded_seconds, model=ref
+                        results=[result_proto(result)],
+                        audio_processed_seconds=session.decoded_seconds,
+                        model=ref,
                     )
                     try:
                         await context.write(response)
