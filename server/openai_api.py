@@ -50,9 +50,10 @@ from echoic.model.core.version import echoic_version
 from echoic.model.runtime.formatting import ends_sentence
 from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.core import RefusalKind, Remedy, Result
+from echoic.server.core import Options, RefusalKind, Remedy, Result
 from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
 from echoic.server.models import ModelLookupError
+from echoic.server.options import stream_options
 from echoic.server.refusals import door_message, refusal_of
 
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
@@ -238,8 +239,27 @@ def default_formatter_available() -> bool:
     return True
 
 
+def options_of(request: TranscriptionRequest, *, max_beam: int, interim: bool) -> Options:
+    """What this request asks for, checked (`server/options.py:stream_options`): word
+    times, endpointing `ENDPOINTING` for segments, formatting unless `formatting=false`.
+    max_beam: the server's --max-beam-size; interim: interim results (stream=true)."""
+    return stream_options(
+        max_beam=max_beam,
+        model=request.model,
+        words=True,
+        decoder=request.decoder or None,
+        trailing_silence_ms=ENDPOINTING.trailing_silence_ms,
+        max_utterance_ms=ENDPOINTING.max_utterance_ms,
+        interim=interim,
+        punctuation=request.formatting and request.punctuation,
+        inverse=request.formatting,
+    )
+
+
 def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
-    """The gRPC config that asks Recognize for what this request asks."""
+    """The gRPC config that asks Recognize for what this request asks (`options_of`'s
+    Options, through `server/grpc_api.py:parse_config`): for a gRPC client that wants
+    this door's transcripts (bench/http_vs_grpc.py)."""
     config = pb.RecognitionConfig(
         model=request.model,
         enable_word_time_offsets=True,

@@ -18,8 +18,8 @@ Word times are seconds from the start of the stream's audio.
 Errors a client can fix are `server/core.py:Refusal`s, in no door's words; each door
 says them with its own status table and remedies (server/refusals.py). `open_session`
 is the one place a request or stream is opened on a model version and closed again.
-The `RecognitionConfig` a gRPC client sends becomes `Options` in the gRPC door's
-`server/grpc_api.py:parse_config`.
+Each door's settings become `Options` through `server/options.py:stream_options` (the
+gRPC doors' `RecognitionConfig` in `server/grpc_api.py:parse_config`).
 """
 
 from __future__ import annotations

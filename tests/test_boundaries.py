@@ -236,13 +236,14 @@ def test_importing_a_part_loads_no_forbidden_library(part: str, forbidden: tuple
 
 
 # The recognition core below the doors (docs/ARCHITECTURE.md, "Import rules"): the
-# types, the one place a stream is opened, the batch dispatcher, the model registry,
-# audio input, formatting, and refusals. It speaks no protocol: no grpc, no protobuf
-# stubs, no aiohttp, no door and nothing of the process level above them.
+# types, the one place a stream is opened and the one its options are checked, the batch
+# dispatcher, the model registry, audio input, formatting, and refusals. It speaks no
+# protocol: no grpc, no protobuf stubs, no aiohttp, no door and nothing of the process
+# level above them.
 CORE_MODULES = [
     "echoic.server.core", "echoic.server.session", "echoic.server.dispatcher",
     "echoic.server.models", "echoic.server.audio_input", "echoic.server.formatting",
-    "echoic.server.refusals", "echoic.server.engine_process",
+    "echoic.server.refusals", "echoic.server.engine_process", "echoic.server.options",
 ]  # fmt: skip
 NOT_FOR_THE_CORE_LIBRARIES = {"grpc", "google", "aiohttp"}  # google: protobuf
 NOT_FOR_THE_CORE = (
