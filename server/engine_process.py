@@ -180,6 +180,9 @@ class RemoteStream:
     def decoded_seconds(self) -> float:
         return self._decoded_seconds
 
+    def compute_features(self) -> None:
+        """Nothing here: the engine process computes them, off this process's lock."""
+
     def settle(self) -> Stepped:
         """Nothing: the engine settles a stream with its step, and gives its last utterance
         with the step that made it final."""

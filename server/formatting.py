@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import replace
 
 from echoic.model.runtime.formatting import (
     Formatter,
@@ -30,8 +31,7 @@ from echoic.model.runtime.formatting import (
     use_tagger,
     written_words,
 )
-from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.core import Refusal, RefusalKind
+from echoic.server.core import Alternative, Refusal, RefusalKind, Result, Word
 
 __all__ = [
     "FORMAT_ON_LOOP_WORDS", "Formatter", "FormattingUnavailable", "check_available",
@@ -87,45 +87,39 @@ def formatter_of(punctuation: bool, inverse: bool) -> Formatter | None:
     return formatter
 
 
-def _format_alternative(alt: pb.SpeechRecognitionAlternative, formatter: Formatter) -> None:
-    spoken = [w.word for w in alt.words] or alt.transcript.split()
+def _format_alternative(alt: Alternative, formatter: Formatter) -> Alternative:
+    spoken = [w.text for w in alt.words] or alt.text.split()
     tokens = formatter.format(spoken)
-    alt.transcript = " ".join(t.text for t in tokens)
-    if alt.words:
-        old = list(alt.words)
-        written = written_words(
-            tokens, [w.start_time for w in old], [w.end_time for w in old],
-            [w.confidence for w in old],
-        )  # fmt: skip
-        del alt.words[:]
-        alt.words.extend(
-            pb.WordInfo(word=w.text, start_time=w.start, end_time=w.end, confidence=w.confidence)
-            for w in written
-        )
+    text = " ".join(t.text for t in tokens)
+    if not alt.words:
+        return replace(alt, text=text)
+    written = written_words(
+        tokens, [w.start for w in alt.words], [w.end for w in alt.words],
+        [w.confidence for w in alt.words],
+    )  # fmt: skip
+    return replace(
+        alt, text=text, words=tuple(Word(w.text, w.start, w.end, w.confidence) for w in written)
+    )
 
 
-def format_results(
-    results: Sequence[pb.SpeechRecognitionResult], formatter: Formatter
-) -> list[pb.SpeechRecognitionResult]:
-    """The results with each final one's alternatives formatted (in place); interim ones as
-    they are."""
-    for r in results:
-        if r.is_final:
-            for alt in r.alternatives:
-                _format_alternative(alt, formatter)
-    return list(results)
+def format_results(results: Sequence[Result], formatter: Formatter) -> list[Result]:
+    """The results with each final one's alternatives formatted; interim ones as they are."""
+    return [
+        replace(r, alternatives=tuple(_format_alternative(a, formatter) for a in r.alternatives))
+        if r.is_final
+        else r
+        for r in results
+    ]
 
 
 FORMAT_ON_LOOP_WORDS = 200  # words of final results formatted on the event loop; more: a thread
 
 
-async def format_finals(
-    results: Sequence[pb.SpeechRecognitionResult], formatter: Formatter
-) -> list[pb.SpeechRecognitionResult]:
+async def format_finals(results: Sequence[Result], formatter: Formatter) -> list[Result]:
     """`format_results`, in a worker thread when the finals hold over FORMAT_ON_LOOP_WORDS
     words, so that a long (or hostile) transcript does not stall the event loop."""
     words = sum(
-        len(alt.words) or len(alt.transcript.split())
+        len(alt.words) or len(alt.text.split())
         for r in results
         if r.is_final
         for alt in r.alternatives

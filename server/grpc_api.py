@@ -1,6 +1,7 @@
 """echoic's gRPC messages in the core's terms, for the doors that speak them: a
-`RecognitionConfig` checked into `Options` (`parse_config`; the HTTP and realtime doors
-build one from their own fields, Riva's door translates Riva's) and a core `Result` as a
+`RecognitionConfig` read into `Options` (`parse_config`: its enums and boosts here, its
+values checked by `server/options.py:stream_options` as every door's; Riva's door
+translates Riva's config into echoic's) and a core `Result` as a
 `SpeechRecognitionResult` (`result_proto`). The messages' field names appear in the
 refusals said here, since a client of these messages can act on them. Protobuf only:
 the gRPC status of each refusal is the gRPC door's (`server/service.py:GRPC_STATUS`).
@@ -8,13 +9,10 @@ the gRPC status of each refusal is the gRPC door's (`server/service.py:GRPC_STAT
 
 from __future__ import annotations
 
-from echoic.model.core.audio import AudioError
-from echoic.model.core.decoding import DecoderConfig
 from echoic.model.core.text import normalize_text
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.audio_input import check_format
 from echoic.server.core import Options, Result, invalid
-from echoic.server.formatting import formatter_of
+from echoic.server.options import stream_options
 
 _ENCODINGS = {
     pb.RecognitionConfig.ENCODING_UNSPECIFIED: "auto",
@@ -25,9 +23,7 @@ _ENCODINGS = {
     pb.RecognitionConfig.ALAW: "alaw",
     pb.RecognitionConfig.OGG_OPUS: "ogg",
 }
-
-
-MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
+_DECODERS = {pb.DecoderConfig.GREEDY: "greedy", pb.DecoderConfig.BEAM: "beam"}
 
 
 MAX_BOOSTED_WORDS = 1000  # words in all of a request's decoder.boosts, count
@@ -79,73 +75,39 @@ def parse_config(
     interim: bool = False,
     interval_ms: int = 0,
 ) -> Options:
-    """Options from a RecognitionConfig; a Refusal (INVALID) saying what is wrong.
-    `max_beam`: the largest beam_size this server allows (`ServerConfig.max_beam_size`)."""
+    """Options from a RecognitionConfig; a Refusal (INVALID) saying what is wrong: the
+    message's own enums and boosts here, the values' checks in
+    `server/options.py:stream_options`, as every door's. `max_beam`: the largest
+    beam_size this server allows (`ServerConfig.max_beam_size`)."""
     if config.encoding not in _ENCODINGS:
         raise invalid(
             f"unsupported encoding {config.encoding}: use LINEAR16 (raw PCM16), MULAW, ALAW, "
             "WAV, FLAC or OGG_OPUS"
         )
-    for field, value in (("model", config.model), ("model_version", config.model_version)):
-        if len(value) > MAX_NAME:
-            raise invalid(f"{field} is {len(value)} characters long; at most {MAX_NAME}")
-    encoding = _ENCODINGS[config.encoding]
-    rate = config.sample_rate_hertz or None
-    channels = config.audio_channel_count or 1
-    try:
-        check_format(encoding, rate, channels)
-    except AudioError as e:
-        raise invalid(str(e)) from None
     d = config.decoder
-    named = config.HasField("decoder")  # no decoder message: the server's default
-    if d.kind not in (pb.DecoderConfig.GREEDY, pb.DecoderConfig.BEAM):
+    if d.kind not in _DECODERS:
         raise invalid(f"unknown decoder kind {d.kind}: use GREEDY or BEAM")
-    default_beam = DecoderConfig.beam_size
-    if not 0 <= d.beam_size <= max_beam:
-        raise invalid(
-            f"beam_size must be 0 (the default, {min(default_beam, max_beam)}) to {max_beam} "
-            f"(this server's --max-beam-size), got {d.beam_size}"
-        )
-    boost = _boosts(d)
-    if boost and d.kind != pb.DecoderConfig.BEAM:
-        raise invalid("decoder.boosts need decoder.kind BEAM (greedy decoding cannot boost)")
-    decoder = (
-        DecoderConfig(
-            "beam",
-            d.beam_size or min(default_beam, max_beam),
-            use_lm=not d.disable_lm,
-            boost=boost,
-        )  # fmt: skip
-        if d.kind == pb.DecoderConfig.BEAM
-        else DecoderConfig()
-        if named
-        else None
-    )
     e = config.endpointing
-    for field, value in (
-        ("endpointing.trailing_silence_ms", e.trailing_silence_ms),
-        ("endpointing.max_utterance_ms", e.max_utterance_ms),
-        ("interim_interval_ms", interval_ms),
-        ("max_alternatives", config.max_alternatives),
-    ):
-        if value < 0:
-            raise invalid(f"{field} must be >= 0, got {value}")
-    return Options(
-        encoding=encoding,
-        sample_rate=rate,
-        channels=channels,
+    return stream_options(
+        max_beam=max_beam,
+        encoding=_ENCODINGS[config.encoding],
+        sample_rate=config.sample_rate_hertz or None,
+        channels=config.audio_channel_count or 1,
         model=config.model,
         version=config.model_version,
         words=config.enable_word_time_offsets,
-        decoder=decoder,
-        trailing_silence=e.trailing_silence_ms / 1000.0,
-        max_utterance=e.max_utterance_ms / 1000.0,
+        # no decoder message: the server's default
+        decoder=_DECODERS[d.kind] if config.HasField("decoder") else None,
+        beam_size=d.beam_size,
+        use_lm=not d.disable_lm,
+        boost=_boosts(d),
+        trailing_silence_ms=e.trailing_silence_ms,
+        max_utterance_ms=e.max_utterance_ms,
         interim=interim,
-        interim_interval=interval_ms / 1000.0,
-        alternatives=max(1, config.max_alternatives),
-        formatting=formatter_of(
-            config.formatting.punctuation, config.formatting.inverse_normalization
-        ),
+        interim_interval_ms=interval_ms,
+        alternatives=config.max_alternatives,
+        punctuation=config.formatting.punctuation,
+        inverse=config.formatting.inverse_normalization,
     )
 
 

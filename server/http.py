@@ -11,14 +11,14 @@
     POST /v1/realtime/transcription_sessions, GET /v1/realtime: server/realtime.py
 
 A door, thin as ARCHITECTURE.md asks: a transcription is admitted by the gRPC
-service's own `admitted` (the same `--max-streams` count and the same refusal
-while draining), turned into a `RecognitionConfig` and through `parse_config`
-into `Options`, and recognized by `TranscriberService.recognize_whole`, the
-function gRPC Recognize calls; so the same audio gives the same transcript on
-either door. Errors are OpenAI's error JSON, each refusal's kind answered by this
-door's own HTTP status and in its own words (`server/openai_api.py:api_error`,
-`HTTP_STATUS`, `HTTP_REMEDIES`); nothing answers with a traceback. Every request is
-counted by route and status, with its latency.
+service's own `admitted` (the same `--max-streams` count and the same refusal while
+draining), its fields checked into `Options` (`server/openai_api.py:options_of`,
+through the core's `server/options.py:stream_options`, as every door's), and
+recognized by `TranscriberService.recognize_whole`, the function gRPC Recognize calls;
+so the same audio gives the same transcript on either door. Errors are OpenAI's error
+JSON, each refusal's kind answered by this door's own HTTP status and in its own words
+(`server/openai_api.py:api_error`, `HTTP_STATUS`, `HTTP_REMEDIES`); nothing answers
+with a traceback. Every request is counted by route and status, with its latency.
 
 The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
 413 as soon as that many bytes have arrived (at once when its Content-Length or
@@ -49,7 +49,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from echoic.server.config import ServerConfig
 from echoic.server.core import Options
-from echoic.server.grpc_api import parse_config
 from echoic.server.metrics import HTTP_TRANSCRIPTIONS, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -59,7 +58,7 @@ from echoic.server.openai_api import (
     api_error,
     bad,
     model_list,
-    recognition_config,
+    options_of,
     render,
     segments_of,
     sse,
@@ -262,10 +261,7 @@ class HttpDoor:
             if not audio:
                 raise bad("the uploaded file is empty (0 bytes)", "file", "empty_file")
             asked = transcription_request(fields)
-            opts = parse_config(
-                recognition_config(asked), max_beam=self._config.max_beam_size,
-                interim=asked.stream,
-            )  # fmt: skip
+            opts = options_of(asked, max_beam=self._config.max_beam_size, interim=asked.stream)
             if asked.stream:
                 return await self._events(request, opts, bytes(audio))
             whole = await self._service.recognize_whole(

@@ -50,9 +50,10 @@ from echoic.model.core.version import echoic_version
 from echoic.model.runtime.formatting import ends_sentence
 from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.core import RefusalKind, Remedy
+from echoic.server.core import Options, RefusalKind, Remedy, Result
 from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
 from echoic.server.models import ModelLookupError
+from echoic.server.options import stream_options
 from echoic.server.refusals import door_message, refusal_of
 
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
@@ -238,8 +239,27 @@ def default_formatter_available() -> bool:
     return True
 
 
+def options_of(request: TranscriptionRequest, *, max_beam: int, interim: bool) -> Options:
+    """What this request asks for, checked (`server/options.py:stream_options`): word
+    times, endpointing `ENDPOINTING` for segments, formatting unless `formatting=false`.
+    max_beam: the server's --max-beam-size; interim: interim results (stream=true)."""
+    return stream_options(
+        max_beam=max_beam,
+        model=request.model,
+        words=True,
+        decoder=request.decoder or None,
+        trailing_silence_ms=ENDPOINTING.trailing_silence_ms,
+        max_utterance_ms=ENDPOINTING.max_utterance_ms,
+        interim=interim,
+        punctuation=request.formatting and request.punctuation,
+        inverse=request.formatting,
+    )
+
+
 def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
-    """The gRPC config that asks Recognize for what this request asks."""
+    """The gRPC config that asks Recognize for what this request asks (`options_of`'s
+    Options, through `server/grpc_api.py:parse_config`): for a gRPC client that wants
+    this door's transcripts (bench/http_vs_grpc.py)."""
     config = pb.RecognitionConfig(
         model=request.model,
         enable_word_time_offsets=True,
@@ -274,18 +294,17 @@ class Segment:
     words: list[Word] = field(default_factory=list)
 
 
-def segments_of(results: list[pb.SpeechRecognitionResult]) -> list[Segment]:
+def segments_of(results: list[Result]) -> list[Segment]:
     """One segment per final result with words (an utterance), in order."""
     out = []
     for r in results:
         best = r.alternatives[0] if r.alternatives else None
-        if not r.is_final or best is None or not best.transcript:
+        if not r.is_final or best is None or not best.text:
             continue
-        words = [Word(w.word, round(w.start_time, 3), round(w.end_time, 3)) for w in best.words]
+        words = [Word(w.text, round(w.start, 3), round(w.end, 3)) for w in best.words]
         out.append(
             Segment(
-                id=len(out), start=round(r.utterance_start_time, 3),
-                end=round(r.utterance_end_time, 3), text=best.transcript,
+                id=len(out), start=round(r.start, 3), end=round(r.end, 3), text=best.text,
                 confidence=best.confidence, words=words,
             )
         )  # fmt: skip
@@ -391,11 +410,11 @@ class TextDeltas:
     def text(self) -> str:
         return " ".join(t for t in self.finals if t)
 
-    def add(self, results: list[pb.SpeechRecognitionResult]) -> list[str]:
+    def add(self, results: list[Result]) -> list[str]:
         """The deltas these results add (in order; none when nothing firmed up)."""
         out = []
         for r in results:
-            transcript = r.alternatives[0].transcript if r.alternatives else ""
+            transcript = r.alternatives[0].text if r.alternatives else ""
             if not r.is_final and self._finals_only:
                 continue
             words = transcript.split()

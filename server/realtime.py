@@ -57,10 +57,9 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.config import ServerConfig
+from echoic.server.core import Result
 from echoic.server.formatting import Formatter, format_finals, formatter_of
-from echoic.server.grpc_api import parse_config
 from echoic.server.metrics import HTTP_REALTIME, Metrics
 from echoic.server.models import ModelRegistry
 from echoic.server.openai_api import (
@@ -72,6 +71,7 @@ from echoic.server.openai_api import (
     api_error,
     default_formatter_available,
 )
+from echoic.server.options import stream_options
 from echoic.server.service import RateLimitedWarning, TranscriberService
 from echoic.server.session import Session, open_session
 
@@ -88,11 +88,11 @@ MAX_INT = 2**31 - 1  # the largest integer setting (they become int32 config fie
 # Settings an update may give that have no default to show: echoed only once given
 # (recognition_config.decoder absent means the server's default, `echoic serve --decoder`).
 _UNSET_KEYS = {"recognition_config": {"decoder"}}
-_ENCODINGS = {  # input_audio_format -> the RecognitionConfig encoding it is
-    "pcm16": pb.RecognitionConfig.LINEAR16,
-    "g711_ulaw": pb.RecognitionConfig.MULAW,
-    "g711_alaw": pb.RecognitionConfig.ALAW,
-    "none": pb.RecognitionConfig.ENCODING_UNSPECIFIED,
+_ENCODINGS = {  # input_audio_format -> the encoding it is (`Options.encoding`)
+    "pcm16": "linear16",
+    "g711_ulaw": "mulaw",
+    "g711_alaw": "alaw",
+    "none": "auto",
 }
 
 
@@ -469,20 +469,19 @@ class RealtimeSession:
                 f"{', '.join(DECODERS)} (leave it out for the server's default)",
             )
         raw = fmt != "none"  # no header: the rate and channels come from the session
-        config = pb.RecognitionConfig(
-            encoding=_ENCODINGS[fmt],
-            sample_rate_hertz=rate if raw else 0,
-            audio_channel_count=channels if raw else 0,
-            model="" if name in OPENAI_MODELS else name,
-            enable_word_time_offsets=words,
-            endpointing=pb.EndpointingConfig(
-                trailing_silence_ms=silence, max_utterance_ms=ENDPOINTING.max_utterance_ms
-            ),
-        )
-        if decoder is not None:
-            config.decoder.kind = DECODERS[decoder]
         service, registry = self.door._service, self.door._registry
-        opts = parse_config(config, max_beam=self.door._config.max_beam_size, interim=True)
+        opts = stream_options(
+            max_beam=self.door._config.max_beam_size,
+            encoding=_ENCODINGS[fmt],
+            sample_rate=(rate or None) if raw else None,
+            channels=(channels or 1) if raw else 1,
+            model="" if name in OPENAI_MODELS else name,
+            words=words,
+            decoder=decoder,
+            trailing_silence_ms=silence,
+            max_utterance_ms=ENDPOINTING.max_utterance_ms,
+            interim=True,
+        )
         # Formatted here rather than by the Session: the deltas need the spoken words of
         # every result, the final's included; `.completed` gets the written form.
         formatter = formatter_of(
@@ -504,7 +503,7 @@ class RealtimeSession:
         self.formatter = formatter
         return chosen
 
-    async def _send_results(self, results: list[pb.SpeechRecognitionResult], *, last: bool) -> None:
+    async def _send_results(self, results: list[Result], *, last: bool) -> None:
         finals = [r for r in results if r.is_final]
         for r in results:
             index = f"item_{r.utterance_index}"
@@ -517,11 +516,11 @@ class RealtimeSession:
                 best = (await self._formatted(r)).alternatives[0]
                 await self.send(_event(
                     "conversation.item.input_audio_transcription.completed",
-                    item_id=index, content_index=0, transcript=best.transcript,
+                    item_id=index, content_index=0, transcript=best.text,
                     is_last_result=last and r is finals[-1],
                     words_info={"words": [
-                        {"word": w.word, "start_time": round(w.start_time * 1000),
-                         "end_time": round(w.end_time * 1000), "confidence": w.confidence,
+                        {"word": w.text, "start_time": round(w.start * 1000),
+                         "end_time": round(w.end * 1000), "confidence": w.confidence,
                          "speaker_tag": 0}
                         for w in best.words
                     ]},
@@ -533,14 +532,12 @@ class RealtimeSession:
                 words_info={"words": []},
             ))  # fmt: skip
 
-    async def _formatted(self, r: pb.SpeechRecognitionResult) -> pb.SpeechRecognitionResult:
-        """A copy of the final `r` in written form (the deltas keep the spoken words); a
-        long one in a worker thread (`format_finals`)."""
+    async def _formatted(self, r: Result) -> Result:
+        """The final `r` in written form (the deltas keep the spoken words); a long one in a
+        worker thread (`format_finals`)."""
         if self.formatter is None:
             return r
-        copy = pb.SpeechRecognitionResult()
-        copy.CopyFrom(r)
-        return (await format_finals([copy], self.formatter))[0]  # in place: server/formatting.py
+        return (await format_finals([r], self.formatter))[0]
 
 
 def _scalar(given: dict[str, Any], key: str, section: str = "") -> Any:

@@ -27,13 +27,12 @@ from google.protobuf.message import DecodeError
 
 from echoic.model.core.audio import AudioTooLong, DecodeTooSlow
 from echoic.model.core.version import echoic_version
-from echoic.model.runtime.recognizer import Stream
 from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig
-from echoic.server.core import Options, Refusal, RefusalKind, Remedy, invalid
-from echoic.server.grpc_api import parse_config
+from echoic.server.core import Options, Refusal, RefusalKind, Remedy, Result, invalid
+from echoic.server.grpc_api import parse_config, result_proto
 from echoic.server.metrics import Metrics
 from echoic.server.models import LoadedModel, ModelRegistry
 from echoic.server.refusals import door_message, refusal_of
@@ -50,9 +49,10 @@ _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
 
 @dataclass
 class Whole:
-    """What recognizing a whole file gives: final results, its length and who answered."""
+    """What recognizing a whole file gives: final results (the core's, each door writes
+    its own messages from them), its length and who answered."""
 
-    results: list[pb.SpeechRecognitionResult]
+    results: list[Result]
     seconds: float  # audio received, s
     model: LoadedModel
 
@@ -249,7 +249,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             raise invalid("audio_content is empty: send the whole audio in the request")
         whole = await self.recognize_whole(opts, request.audio_content, "Recognize")
         return pb.RecognizeResponse(
-            results=whole.results, audio_processed_seconds=whole.seconds, model=_ref(whole.model)
+            results=[result_proto(r) for r in whole.results],
+            audio_processed_seconds=whole.seconds,
+            model=_ref(whole.model),
         )
 
     async def recognize_whole(
@@ -272,9 +274,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
             return Whole(results, session.seconds, session.model)
 
-    async def _recognize_windows(
-        self, session: Session, audio: bytes
-    ) -> list[pb.SpeechRecognitionResult]:
+    async def _recognize_windows(self, session: Session, audio: bytes) -> list[Result]:
         """A whole file through its stream WHOLE_WINDOW_SECONDS at a time, each window's
         features computed in the audio pool and its steps run before the next is fed; the
         stream finished. So the features (and the STFT's complex intermediates, 16 bytes a
@@ -283,7 +283,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         same as the file fed at once."""
         samples = await self.off_loop(self._decode_all, session, audio)
         window = int(WHOLE_WINDOW_SECONDS * session.model.card.sample_rate)
-        results: list[pb.SpeechRecognitionResult] = []
+        results: list[Result] = []
         for start in range(0, len(samples), window):
             await self.off_loop(self._accept_window, session, samples[start : start + window])
             results += await session.advance()
@@ -294,7 +294,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         """In the audio pool: a window of a whole file, with its features, so that the
         batch it joins is not held up by them."""
         self._accept(session, samples)
-        Stream.compute_pending_features([session.stream])
+        session.stream.compute_features()
 
     async def recognize_paced(
         self,
@@ -304,7 +304,7 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         *,
         name: str = "audio_content",
         step_seconds: float = 0.5,
-    ) -> AsyncIterator[list[pb.SpeechRecognitionResult]]:
+    ) -> AsyncIterator[list[Result]]:
         """All of `audio` (a file's bytes) as a live stream, for a door that shows results
         as they firm up: decoded at once, then fed `step_seconds` at a time through the
         batched streaming path; yields each step's results (interim ones as `opts` asks),
@@ -402,7 +402,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
                     self.feed_stream(session, message.audio_content)
                 for result in await session.advance():
                     response = pb.StreamingRecognizeResponse(
-                        results=[result], audio_processed_seconds=session.decoded_seconds, model=ref
+                        results=[result_proto(result)],
+                        audio_processed_seconds=session.decoded_seconds,
+                        model=ref,
                     )
                     try:
                         await context.write(response)

@@ -4,8 +4,9 @@ A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and a
 runtime `Stream` (samples -> utterances, made with the request's endpointing and
 decoder settings: `model/runtime/recognizer.py`, where endpointing lives), and
 turns what each step gives (`Stepped`, one await of the dispatcher per step) into
-`SpeechRecognitionResult`s: interim results every `interim_interval_ms` of
-decoded audio, a final one at each endpoint and at the end of the audio.
+the core's `Result`s (`server/core.py`), which each door writes as its own messages:
+interim results every `interim_interval_ms` of decoded audio, a final one at each
+endpoint and at the end of the audio.
 
 Endpointing (the rule is `model/core/decoding.py:Endpointing`, shared with
 files transcribed locally): rule 1 ends an utterance after `trailing_silence_ms`
@@ -17,8 +18,8 @@ Word times are seconds from the start of the stream's audio.
 Errors a client can fix are `server/core.py:Refusal`s, in no door's words; each door
 says them with its own status table and remedies (server/refusals.py). `open_session`
 is the one place a request or stream is opened on a model version and closed again.
-The `RecognitionConfig` a gRPC client sends becomes `Options` in the gRPC door's
-`server/grpc_api.py:parse_config`.
+Each door's settings become `Options` through `server/options.py:stream_options` (the
+gRPC doors' `RecognitionConfig` in `server/grpc_api.py:parse_config`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ from contextlib import asynccontextmanager
 import numpy as np
 
 from echoic.model.runtime.recognizer import Endpointing, Recognizer, Utterance
-from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.server.audio_input import AudioInput
 from echoic.server.config import ServerConfig
 from echoic.server.core import Options, Remedy, Result, invalid
 from echoic.server.formatting import format_finals
-from echoic.server.grpc_api import result_proto
 from echoic.server.models import LoadedModel, ModelRegistry
 
 
@@ -156,7 +155,7 @@ class Session:
         if self.stream is not None:
             self.stream.finish(features_now=features_now)
 
-    async def advance(self) -> list[pb.SpeechRecognitionResult]:
+    async def advance(self) -> list[Result]:
         """Run every ready step (through the dispatcher, one await each); the results to
         send now, final ones formatted as the options ask (server/formatting.py)."""
         out = await self._advance()
@@ -165,10 +164,10 @@ class Session:
             return out
         return await format_finals(out, formatter)
 
-    async def _advance(self) -> list[pb.SpeechRecognitionResult]:
+    async def _advance(self) -> list[Result]:
         if self.stream is None:
             return await self._advance_offline()
-        out: list[pb.SpeechRecognitionResult] = []
+        out: list[Result] = []
         stream, opts = self.stream, self.options
         while stream.is_ready():
             stepped = await self.model.dispatcher.step(stream)
@@ -191,11 +190,11 @@ class Session:
             out += (self._result(u, True) for u in stream.settle().finals)
         return out
 
-    def _result(self, utterance: Utterance, final: bool) -> pb.SpeechRecognitionResult:
+    def _result(self, utterance: Utterance, final: bool) -> Result:
         end = min(utterance.end, self.seconds)
-        return result_proto(Result.of(utterance, final=final, words=self.options.words, end=end))
+        return Result.of(utterance, final=final, words=self.options.words, end=end)
 
-    async def _advance_offline(self) -> list[pb.SpeechRecognitionResult]:
+    async def _advance_offline(self) -> list[Result]:
         """A model without stream.onnx: the whole utterance once the audio has ended."""
         if self.done or not self.finished:
             return []

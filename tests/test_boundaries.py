@@ -236,13 +236,14 @@ def test_importing_a_part_loads_no_forbidden_library(part: str, forbidden: tuple
 
 
 # The recognition core below the doors (docs/ARCHITECTURE.md, "Import rules"): the
-# types, the one place a stream is opened, the batch dispatcher, the model registry,
-# audio input, formatting, and refusals. It speaks no protocol: no grpc, no protobuf
-# stubs, no aiohttp, no door and nothing of the process level above them.
+# types, the one place a stream is opened and the one its options are checked, the batch
+# dispatcher, the model registry, audio input, formatting, and refusals. It speaks no
+# protocol: no grpc, no protobuf stubs, no aiohttp, no door and nothing of the process
+# level above them.
 CORE_MODULES = [
     "echoic.server.core", "echoic.server.session", "echoic.server.dispatcher",
     "echoic.server.models", "echoic.server.audio_input", "echoic.server.formatting",
-    "echoic.server.refusals", "echoic.server.engine_process",
+    "echoic.server.refusals", "echoic.server.engine_process", "echoic.server.options",
 ]  # fmt: skip
 NOT_FOR_THE_CORE_LIBRARIES = {"grpc", "google", "aiohttp"}  # google: protobuf
 NOT_FOR_THE_CORE = (
@@ -251,20 +252,6 @@ NOT_FOR_THE_CORE = (
     "echoic.server.http", "echoic.server.openai_api", "echoic.server.realtime",  # HTTP door
     "echoic.server.app", "echoic.server.workers", "echoic.server.background",  # processes
 )  # fmt: skip
-# What the core still takes from gRPC's words today, each with why; they go once
-# `Session.advance` gives the core's `Result`s (server/core.py) and the doors build their
-# own messages from them. The list may only shrink: an entry no longer imported fails
-# test_the_cores_remaining_protocol_imports_are_still_real.
-CORE_STILL_IMPORTS = {
-    "echoic.server.session": {
-        # Session.advance returns echoic's SpeechRecognitionResult messages ...
-        "echoic.protos.v1.transcriber_pb2",
-        # ... each made by the gRPC door's result_proto (Session._result)
-        "echoic.server.grpc_api",
-    },
-    # format_finals / format_results rewrite those messages' alternatives in place
-    "echoic.server.formatting": {"echoic.protos.v1.transcriber_pb2"},
-}
 
 
 def _protocol_imports(module: str) -> set[str]:
@@ -279,22 +266,14 @@ def _protocol_imports(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", CORE_MODULES)
 def test_the_core_imports_no_protocol_and_no_door(module: str) -> None:
-    wrong = _protocol_imports(module) - CORE_STILL_IMPORTS.get(module, set())
+    wrong = _protocol_imports(module)
     assert not wrong, f"{module} is below the doors but imports {sorted(wrong)}"
 
 
-def test_the_cores_remaining_protocol_imports_are_still_real() -> None:
-    stale = {
-        module: sorted(names - _protocol_imports(module))
-        for module, names in CORE_STILL_IMPORTS.items()
-        if names - _protocol_imports(module)
-    }
-    assert not stale, f"no longer imported: drop them from CORE_STILL_IMPORTS: {stale}"
-
-
-def test_importing_the_core_loads_no_grpc_or_aiohttp() -> None:
-    """Protobuf (`google`) is still loaded, through CORE_STILL_IMPORTS' stubs."""
-    loaded = _loaded_by(CORE_MODULES, ("grpc", "aiohttp", "torch"))
+def test_importing_the_core_loads_no_protocol() -> None:
+    """Not even indirectly: the core's results are its own (`server/core.py:Result`), and
+    each door writes its messages from them."""
+    loaded = _loaded_by(CORE_MODULES, ("grpc", "google", "aiohttp", "torch"))
     assert loaded == "", f"importing the core loaded {loaded}"
 
 

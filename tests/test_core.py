@@ -1,6 +1,7 @@
 """The recognition core's own types (server/core.py): every kind of refusal has its
 answer at every door, every remedy its words at every door, and a gRPC-worded refusal
-carries the kind its status means."""
+carries the kind its status means; every door's settings checked in one place
+(server/options.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 from echoic.model.core.decoding import Transcript, Word
 from echoic.model.runtime.recognizer import Utterance
 from echoic.server.core import Refusal, RefusalKind, Remedy, Result
-from echoic.server.openai_api import api_error
+from echoic.server.grpc_api import parse_config
+from echoic.server.openai_api import (
+    api_error,
+    options_of,
+    recognition_config,
+    transcription_request,
+)
+from echoic.server.options import stream_options
 from echoic.server.service import RequestError, status_of
 
 
@@ -57,3 +65,41 @@ def test_a_result_counts_word_times_from_the_audios_start() -> None:
     assert (final.stable_words, final.stability, len(final.alternatives)) == (2, 1.0, 2)
     assert final.alternatives[0].words == ()
     assert (final.utterance_index, final.start, final.end) == (2, 10.0, 10.5)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({}, id="defaults"),
+        pytest.param({"decoder": ["beam"], "model": ["whisper-1"]}, id="beam"),
+        pytest.param({"decoder": ["greedy"], "formatting": ["false"]}, id="greedy-raw"),
+        pytest.param({"model": ["tiny"], "stream": ["true"]}, id="named-stream"),
+    ],
+)
+def test_the_http_doors_options_are_its_grpc_configs(fields: dict[str, list[str]]) -> None:
+    """The HTTP door checks its fields into Options itself (`options_of`), and what it asks
+    is what its RecognitionConfig asks a gRPC server (`recognition_config`, which
+    bench/http_vs_grpc.py sends): the two doors cannot drift apart."""
+    asked = transcription_request(fields)
+    direct = options_of(asked, max_beam=16, interim=asked.stream)
+    assert direct == parse_config(recognition_config(asked), max_beam=16, interim=asked.stream)
+    assert direct.words and direct.trailing_silence == 0.8 and direct.max_utterance == 30.0
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        pytest.param({"model": "m" * 257}, "at most 256", id="long-name"),
+        pytest.param({"encoding": "linear16"}, "sample_rate_hertz", id="raw-without-rate"),
+        pytest.param({"decoder": "viterbi"}, "use greedy or beam", id="unknown-decoder"),
+        pytest.param({"decoder": "beam", "beam_size": 17}, "--max-beam-size", id="wide-beam"),
+        pytest.param({"boost": (("echoic", 5.0),)}, "need decoder.kind BEAM", id="greedy-boost"),
+        pytest.param({"trailing_silence_ms": -1}, "trailing_silence_ms must be >= 0", id="neg"),
+    ],
+)
+def test_stream_options_refuse_what_no_door_may_ask(values: dict, said: str) -> None:
+    """One place checks every door's settings (server/options.py): each mistake is an
+    INVALID refusal that says what to change."""
+    with pytest.raises(Refusal) as refused:
+        stream_options(max_beam=16, **values)
+    assert refused.value.kind is RefusalKind.INVALID and said in str(refused.value)

@@ -5,6 +5,7 @@ real server on the bundled model, with speech synthesized by espeak-ng."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -30,7 +31,8 @@ from echoic.model.runtime.formatting import (  # noqa: E402
 )
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.formatting import FORMAT_ON_LOOP_WORDS, format_finals  # noqa: E402
+from echoic.server.core import Alternative, Result, Word  # noqa: E402
+from echoic.server.formatting import FORMAT_ON_LOOP_WORDS, format_finals, format_results  # noqa: E402
 from tests.test_http import http_server, openai_client  # noqa: E402
 
 TIMEOUT = 60.0
@@ -120,8 +122,30 @@ def test_written_words_take_the_times_and_lowest_confidence_of_their_span() -> N
     ]  # fmt: skip
 
 
-async def _loop_turns_while_formatting(result: pb.SpeechRecognitionResult) -> int:
-    """How often the event loop turned while `format_finals` formatted `result`."""
+def test_format_results_writes_finals_with_their_spoken_words_times() -> None:
+    """The core's results are frozen: formatting gives new ones, each written word timed by
+    the spoken words it came from, and leaves interim results (and its input) as they are."""
+    said = [("it", 0.0, 0.2, 0.9), ("costs", 0.3, 0.6, 0.8), ("twenty", 0.7, 0.9, 0.7),
+            ("five", 1.0, 1.2, 0.95), ("dollars", 1.3, 1.8, 0.6)]  # fmt: skip
+    spoken = Alternative(" ".join(w[0] for w in said), 0.8, tuple(Word(*w) for w in said))
+
+    def result(final: bool) -> Result:
+        return Result((spoken,), final, 1.0, 5, 0, 0.0, 1.8)
+
+    interim, final = result(False), result(True)
+    got = format_results([interim, final], Formatter(punctuation=False))
+    assert got[0] is interim and final.alternatives == (spoken,)
+    (written,) = got[1].alternatives
+    assert written.text == "it costs $25" and written.confidence == spoken.confidence
+    assert written.words == (
+        Word("it", 0.0, 0.2, 0.9), Word("costs", 0.3, 0.6, 0.8), Word("$25", 0.7, 1.8, 0.6),
+    )  # fmt: skip
+    assert dataclasses.replace(got[1], alternatives=final.alternatives) == final
+
+
+async def _loop_turns_while_formatting(result: Result) -> tuple[int, Result]:
+    """How often the event loop turned while `format_finals` formatted `result`, and the
+    result formatted."""
     turns, formatting = 0, True
 
     async def other_work() -> None:
@@ -133,11 +157,11 @@ async def _loop_turns_while_formatting(result: pb.SpeechRecognitionResult) -> in
     other = asyncio.create_task(other_work())
     await asyncio.sleep(0)
     before = turns
-    await format_finals([result], Formatter())
+    (formatted,) = await format_finals([result], Formatter())
     during = turns - before
     formatting = False
     await other
-    return during
+    return during, formatted
 
 
 @pytest.mark.parametrize(
@@ -152,13 +176,14 @@ def test_a_long_final_is_formatted_while_the_event_loop_turns(words: int, off_th
     for up to --max-audio-seconds) is formatted in a worker thread, so the server's other
     streams and /healthz go on meanwhile; a short one costs less than the hop."""
     spoken = " ".join(["oh"] * words)
-    result = pb.SpeechRecognitionResult(
-        is_final=True, alternatives=[pb.SpeechRecognitionAlternative(transcript=spoken)]
-    )
+    result = Result(
+        alternatives=(Alternative(spoken, 1.0, ()),), is_final=True, stability=1.0,
+        stable_words=words, utterance_index=0, start=0.0, end=0.0,
+    )  # fmt: skip
     assert (words > FORMAT_ON_LOOP_WORDS) == off_the_loop
-    turns = asyncio.run(_loop_turns_while_formatting(result))
+    turns, written = asyncio.run(_loop_turns_while_formatting(result))
     assert (turns > 0) == off_the_loop
-    formatted = result.alternatives[0].transcript
+    formatted = written.alternatives[0].text
     assert formatted.startswith("Oh") and formatted.endswith((".", "?"))
     assert len(formatted.split()) == words
 

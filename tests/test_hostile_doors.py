@@ -722,7 +722,8 @@ def test_a_long_whole_file_is_featurized_a_window_at_a_time(speech, monkeypatch)
     monkeypatch.setattr(recognizer, "batch_features", recorded)
     gap = np.zeros(RATE // 2, np.float32)
     long = np.resize(np.concatenate([speech, gap]), 100 * RATE)
-    with http_server(max_upload_mb=25.0) as server:
+    # This process's calls: an engine process gets the same windows, one step each.
+    with http_server(max_upload_mb=25.0, engine="thread") as server:
         status, body = _transcribe(server, _encoded(long, "WAV", "PCM_16"))
     assert status == 200 and body["text"]
     frames_per_second = 100  # 10 ms hop of every bundled feature config

@@ -461,6 +461,11 @@ class Stream:
         if features_now:
             Stream.compute_pending_features([self])
 
+    def compute_features(self) -> None:
+        """This stream's pending feature frames, here and now (a caller off the event loop
+        holding much audio, so that the batch the stream joins is not held up by them)."""
+        Stream.compute_pending_features([self])
+
     @property
     def finished(self) -> bool:
         """finish() was called."""
