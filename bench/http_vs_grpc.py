@@ -41,7 +41,7 @@ from serve_load import free_port, start_server, stop_server  # this folder, as a
 from echoic.model.core.audio import decode_audio
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
-from echoic.server.openai_api import recognition_config, transcription_request
+from echoic.server.doors.openai_api import recognition_config, transcription_request
 
 SENTENCE = "the quick brown fox jumps over the lazy dog and she sells sea shells by the shore"
 

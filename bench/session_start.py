@@ -71,7 +71,7 @@ def main() -> None:
             print(f"{name:>12} {1000 * plain:>12.1f} {1000 * pre:>14.1f}"
                   f" {1000 * (plain - pre):>7.1f}")  # fmt: skip
     engine = _median(lambda: _engine_seconds(args.model), args.repeats)
-    code = "import time; t = time.perf_counter(); import echoic.server.app; "
+    code = "import time; t = time.perf_counter(); import echoic.server.process.app; "
     code += "print(time.perf_counter() - t)"
     imports = [
         float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

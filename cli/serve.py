@@ -148,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
             for module, package in _SERVE_MODULES.items():
                 if importlib.util.find_spec(module) is None:
                     raise missing_extra("serve", package)
-            from echoic.server.workers import supervise as serve
+            from echoic.server.process.workers import supervise as serve
         else:
-            from echoic.server.app import serve
+            from echoic.server.process.app import serve
 
         logging.basicConfig(
             level=args.log_level.upper(),

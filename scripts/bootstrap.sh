@@ -13,7 +13,7 @@ case "$mode" in all|serve) ;; *) echo "bootstrap: unknown mode $mode (all or ser
 PY=${PYTHON:-python3}
 if [ "$mode" = serve ]; then
   # What `echoic serve` imports; a full set-up (the marker below) has it too.
-  if ! .venv/bin/python -c "import echoic.server.app, onnxruntime, aiohttp" 2>/dev/null \
+  if ! .venv/bin/python -c "import echoic.server.process.app, onnxruntime, aiohttp" 2>/dev/null \
      || { [ pyproject.toml -nt .venv/.echoic-installed ] && [ pyproject.toml -nt .venv/.echoic-serve ]; }; then
     echo "bootstrap: installing echoic with the serve extras into .venv" >&2
     [ -x .venv/bin/python ] || "$PY" -m venv .venv

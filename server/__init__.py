@@ -1,16 +1,19 @@
-"""echoic.server: the gRPC transcription server (torch-free; the serve extra).
+"""echoic.server: the transcription server (torch-free; the serve extra), in three layers.
 
-    config.py       ServerConfig, with units on every field
-    app.py          create_server(config) -> (server, port), serve(config)
-    service.py      the echoic.v1.Transcriber rpcs, admission control, status codes
-    session.py      one request or stream: config, utterances, endpointing, results
-    audio_input.py  request bytes -> samples at the model's rate, incrementally
-    dispatcher.py   the one place work is batched: one queue and loop per model version
-    models.py       the model repository, hot reload, draining
-    metrics.py      Prometheus metrics (a registry per server)
-    workers.py      `--workers N`: N server processes on one port, under a supervisor
-    background.py   a server in a background thread, for tests and benchmarks
+    process/    the process level: the server built, run and stopped (app), the supervisor
+                of `--workers N` server processes (workers), a server in a background
+                thread for tests and benchmarks (background)
+    doors/      the protocols: echoic's gRPC service (service, grpc_api), Riva's (riva), the
+                HTTP door (http, with OpenAI's shapes in openai_api and the realtime
+                WebSocket in realtime, and the browser page in static/)
+    core/       below the doors, in no protocol's words: the types (types), options, sessions,
+                audio input, the batch dispatcher, the engine process, beam decoder
+                processes, the model registry, formatting, refusals
+    config.py   ServerConfig, with units on every field (every layer reads it)
+    metrics.py  Prometheus metrics, a registry per server (every layer counts in it)
 
-This package imports nothing heavy itself, so `echoic --help` stays fast; import
-the module you need.
+Each layer imports only those below it: process -> doors -> core -> echoic.model.runtime
+(docs/ARCHITECTURE.md, "Import rules"; tests/test_boundaries.py holds the code to it).
+This package imports nothing heavy itself, so `echoic --help` stays fast; import the
+module you need.
 """

@@ -20,7 +20,7 @@ endpoint (`start_http`, `MetricsHttp`: bounded connections, each with an idle ti
 a thread and loop of its own) answers GET /metrics and nothing else (404); the HTTP door
 serves the same registry at its own /metrics (`exposition`). With `echoic serve
 --workers N` each worker has its own, and the supervisor's --metrics-port shows them all
-with a `worker` label (server/workers.py).
+with a `worker` label (server/process/workers.py).
 
 HTTP routes are the route templates (`/v1/audio/transcriptions`), and a path that
 matches none is counted as `unmatched`, so a scan cannot grow the label set.

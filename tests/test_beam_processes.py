@@ -17,8 +17,8 @@ pytest.importorskip("flashlight.lib.text", reason="beam search needs flashlight-
 from echoic.model.runtime.recognizer import default_model_dir  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.beam_processes import BeamProcesses  # noqa: E402
 from echoic.server.config import ServerError  # noqa: E402
+from echoic.server.core.beam_processes import BeamProcesses  # noqa: E402
 
 from .test_server import (  # noqa: E402
     GREEDY,
@@ -92,7 +92,7 @@ def test_decoder_processes_give_the_in_process_results_bit_for_bit(speech) -> No
     the server's own threads."""
     model = default_model_dir()
     # The server's own decoder processes, beside a thread engine (an engine process
-    # starts its own: server/engine_process.py).
+    # starts its own: server/core/engine_process.py).
     with running(model, engine="thread") as server:
         assert server.server.beam_processes is None
         want = _everything(server, speech)

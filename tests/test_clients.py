@@ -29,8 +29,8 @@ from echoic.clients.client import Tries
 pytest.importorskip("grpc_health", reason="the server needs the serve extra")
 pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
 
-from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
+from echoic.server.process.background import BackgroundServer  # noqa: E402
 from tests.test_server import certificates  # noqa: E402, F401 - a fixture; belongs in conftest
 
 ECHOIC = [sys.executable, "-m", "echoic.cli.main"]

@@ -1,7 +1,7 @@
-"""The recognition core's own types (server/core.py): every kind of refusal has its
+"""The recognition core's own types (server/core/types.py): every kind of refusal has its
 answer at every door, every remedy its words at every door, and a gRPC-worded refusal
 carries the kind its status means; every door's settings checked in one place
-(server/options.py)."""
+(server/core/options.py)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import pytest
 
 from echoic.model.core.decoding import Transcript, Word
 from echoic.model.runtime.recognizer import Utterance
-from echoic.server.core import Refusal, RefusalKind, Remedy, Result
-from echoic.server.grpc_api import parse_config
-from echoic.server.openai_api import (
+from echoic.server.core.options import stream_options
+from echoic.server.core.types import Refusal, RefusalKind, Remedy, Result
+from echoic.server.doors.grpc_api import parse_config
+from echoic.server.doors.openai_api import (
     api_error,
     options_of,
     recognition_config,
     transcription_request,
 )
-from echoic.server.options import stream_options
-from echoic.server.service import RequestError, status_of
+from echoic.server.doors.service import RequestError, status_of
 
 
 @pytest.mark.parametrize("kind", list(RefusalKind), ids=lambda k: k.value)
@@ -98,7 +98,7 @@ def test_the_http_doors_options_are_its_grpc_configs(fields: dict[str, list[str]
     ],
 )
 def test_stream_options_refuse_what_no_door_may_ask(values: dict, said: str) -> None:
-    """One place checks every door's settings (server/options.py): each mistake is an
+    """One place checks every door's settings (server/core/options.py): each mistake is an
     INVALID refusal that says what to change."""
     with pytest.raises(Refusal) as refused:
         stream_options(max_beam=16, **values)

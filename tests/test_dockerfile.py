@@ -112,8 +112,8 @@ def _healthcheck_command(stage: str) -> list[str]:
 @pytest.mark.slow
 def test_healthcheck_asks_a_real_server(tiny_model_dir: Path) -> None:
     pytest.importorskip("grpc_health", reason="the serve extra is not installed")
-    from echoic.server.background import BackgroundServer
     from echoic.server.config import ServerConfig
+    from echoic.server.process.background import BackgroundServer
 
     command = _healthcheck_command("serve")
     assert command == _healthcheck_command("gpu")
@@ -195,7 +195,7 @@ def test_build_copies_every_package_and_the_context_has_them() -> None:
     for src in copied:
         assert _in_context(src, rules), f".dockerignore keeps {src} out of the build context"
     assert not _in_context(".venv", rules) and not _in_context("runs", rules)
-    assert not _in_context("server/__pycache__/app.cpython-311.pyc", rules)
+    assert not _in_context("server/process/__pycache__/app.cpython-311.pyc", rules)
 
 
 @pytest.mark.slow
@@ -225,7 +225,8 @@ def test_build_stage_makes_a_wheel_with_stubs_and_model(tmp_path: Path) -> None:
         "echoic/protos/v1/transcriber_pb2.py",
         "echoic/protos/v1/transcriber_pb2_grpc.py",
         "echoic/protos/echoic/v1/transcriber.proto",
-        "echoic/server/app.py",
+        "echoic/server/process/app.py",
+        "echoic/server/doors/static/index.html",  # the browser page (package data)
         "echoic/clients/client.py",
         "echoic/cli/main.py",
         "echoic/model/punct/punct.onnx",  # the punctuation tagger (docs/formatting.md)

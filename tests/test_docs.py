@@ -17,11 +17,11 @@ STOP = re.compile(r"`([\w/]+\.py):([\w.]+)`")
 
 
 def _code_folders() -> set[str]:
-    """Folders of the package, benchmarks, examples and deployment: model's subpackages, the
-    other top folders."""
+    """Folders of the package, benchmarks, examples and deployment: model's subpackages and
+    server's layers, the other top folders."""
     tops = {"training", "server", "clients", "protos", "cli", "bench", "examples", "deploy"}
-    model = {f"model/{p.name}" for p in (ROOT / "model").iterdir() if p.is_dir()}
-    return tops | {m for m in model if not m.endswith("__pycache__")}
+    subs = {f"{top}/{p.name}" for top in ("model", "server") for p in (ROOT / top).iterdir()}
+    return tops | {s for s in subs if (ROOT / s).is_dir() and not s.endswith("__pycache__")}
 
 
 def _table_folders(text: str, heading: str) -> set[str]:

@@ -19,7 +19,7 @@ from echoic.model.runtime.engine import ModelError  # noqa: E402
 from echoic.model.runtime.recognizer import default_model_dir  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.engine_process import EngineProcess  # noqa: E402
+from echoic.server.core.engine_process import EngineProcess  # noqa: E402
 
 from .test_beam_processes import _alive, _everything, _reaped  # noqa: E402
 from .test_server import (  # noqa: E402

@@ -18,8 +18,8 @@ pytest.importorskip("onnxruntime", reason="the server needs the serve extra")
 from echoic.clients import Client, ClientError  # noqa: E402
 from echoic.clients.client import ClientError as TargetError  # noqa: E402
 from echoic.clients.client import resolve_target  # noqa: E402
-from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
+from echoic.server.process.background import BackgroundServer  # noqa: E402
 
 
 def _streams_served(server: BackgroundServer) -> int:

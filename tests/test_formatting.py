@@ -31,8 +31,8 @@ from echoic.model.runtime.formatting import (  # noqa: E402
 )
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.core import Alternative, Result, Word  # noqa: E402
-from echoic.server.formatting import FORMAT_ON_LOOP_WORDS, format_finals, format_results  # noqa: E402
+from echoic.server.core.formatting import FORMAT_ON_LOOP_WORDS, format_finals, format_results  # noqa: E402
+from echoic.server.core.types import Alternative, Result, Word  # noqa: E402
 from tests.test_http import http_server, openai_client  # noqa: E402
 
 TIMEOUT = 60.0

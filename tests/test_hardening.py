@@ -19,8 +19,8 @@ import soundfile as sf  # noqa: E402
 from echoic.model.core.audio import AudioTooLong, decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
+from echoic.server.process.background import BackgroundServer  # noqa: E402
 from tests.test_server import (  # noqa: E402
     channel_to,
     recognize,
@@ -173,7 +173,7 @@ def test_an_ogg_stream_holds_what_is_not_decoded_not_the_stream() -> None:
     holds a piece and its decoded samples at a time: peak memory (Python's and numpy's
     allocations, traced) stays far below the stream's bytes, which buffering it to its
     end would hold at least."""
-    from echoic.server.audio_input import AudioInput
+    from echoic.server.core.audio_input import AudioInput
 
     data = _container(300, 16000, 1, "OGG", tone=True, subtype="OPUS", compression_level=0.0)
     audio = AudioInput("ogg", 16000)
@@ -292,9 +292,9 @@ def test_unbounded_input_is_never_echoed(stub, config) -> None:
 
 
 def test_status_messages_are_cut_to_a_readable_size() -> None:
-    from echoic.server.core import invalid
-    from echoic.server.refusals import MAX_DETAILS
-    from echoic.server.service import status_of as server_status_of
+    from echoic.server.core.refusals import MAX_DETAILS
+    from echoic.server.core.types import invalid
+    from echoic.server.doors.service import status_of as server_status_of
 
     code, message = server_status_of(invalid("x" * 50_000))
     assert code == Code.INVALID_ARGUMENT and len(message) <= MAX_DETAILS

@@ -31,7 +31,7 @@ from aiohttp import WSMsgType  # noqa: E402
 from echoic.model.core.audio import decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.background import BackgroundServer  # noqa: E402
+from echoic.server.process.background import BackgroundServer  # noqa: E402
 from tests.test_http import http_server, multipart, post  # noqa: E402
 from tests.test_server import wait_until  # noqa: E402
 
@@ -709,7 +709,7 @@ def test_a_long_whole_file_is_featurized_a_window_at_a_time(speech, monkeypatch)
     WHOLE_WINDOW_SECONDS at a time, not for the whole file at once (a 12.6-minute WAV
     took the server to 1 GB): the real batch_features, its calls recorded."""
     from echoic.model.runtime import recognizer
-    from echoic.server.service import WHOLE_WINDOW_SECONDS
+    from echoic.server.doors.service import WHOLE_WINDOW_SECONDS
 
     sizes: list[int] = []
     real = recognizer.batch_features

@@ -39,9 +39,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from echoic.model.core.audio import decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig, ServerError  # noqa: E402
-from echoic.server.openai_api import ENDPOINTING  # noqa: E402
+from echoic.server.doors.openai_api import ENDPOINTING  # noqa: E402
+from echoic.server.process.background import BackgroundServer  # noqa: E402
 from tests.conftest import words_heard  # noqa: E402
 from tests.test_server import certificates  # noqa: E402, F401 - a fixture; belongs in conftest
 
@@ -1017,7 +1017,7 @@ def test_realtime_g711_gets_the_transcript_of_its_pcm16(server, clips, fmt, subt
     decode of the bytes is soundfile's, sample for sample, and the transcripts equal the
     pcm16 path's for the same narrowband audio (soundfile's decode of the G.711, as PCM16
     at 8 kHz). A rate other than 8 kHz is an error event."""
-    from echoic.server.audio_input import AudioInput
+    from echoic.server.core.audio_input import AudioInput
 
     narrow = soxr.resample(clips[2][1], 16000, 8000)
     buf = io.BytesIO()

@@ -128,7 +128,7 @@ def _deployment(folder: Path) -> tuple[dict, dict]:
 
 def test_the_deployment_agrees_with_the_server_and_the_image() -> None:
     from echoic.cli.main import build_parser
-    from echoic.server.app import END_SECONDS, SERVICE_NAME
+    from echoic.server.process.app import END_SECONDS, SERVICE_NAME
 
     _, pod = _deployment(KUBE / "base")
     (container,) = pod["containers"]
@@ -190,7 +190,7 @@ def test_the_service_monitor_scrapes_the_metrics_port() -> None:
 def test_the_envoy_config_health_checks_what_the_server_serves() -> None:
     """deploy/envoy (not run here: no Envoy): it reads as YAML, dials the headless
     Service's port and health-checks the service name the server reports."""
-    from echoic.server.app import SERVICE_NAME
+    from echoic.server.process.app import SERVICE_NAME
 
     envoy = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy.yaml").read_text())
     (cluster,) = envoy["static_resources"]["clusters"]

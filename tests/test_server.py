@@ -38,8 +38,8 @@ from echoic.model.core.audio import decode_audio  # noqa: E402
 from echoic.model.runtime.recognizer import MAX_CUT_DELAY, Recognizer  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.background import BackgroundServer  # noqa: E402
 from echoic.server.config import ServerConfig  # noqa: E402
+from echoic.server.process.background import BackgroundServer  # noqa: E402
 
 Code = grpc.StatusCode
 Config = pb.RecognitionConfig
@@ -488,7 +488,7 @@ def test_rates_and_encodings(stub, recognizer, clips, encoding, rate, channels) 
 def test_g711_decodes_as_it_arrives(clips, fmt, subtype, encoding, rate) -> None:
     """Telephony audio streams: fed 7 bytes at a time, its samples come out before the
     end (interim results are possible), and all of them equal the whole file's decode."""
-    from echoic.server.audio_input import AudioInput
+    from echoic.server.core.audio_input import AudioInput
 
     data = container(soxr.resample(clips[1][1], 16000, 8000), 8000, fmt, subtype)
     audio = AudioInput(encoding, 16000, sample_rate=rate)
@@ -514,7 +514,7 @@ def test_flac_and_ogg_decode_as_they_arrive(clips, fmt, subtype, rate, channels)
     """A FLAC or Ogg stream's samples come out while it arrives (interim results are
     possible), all of them equal to the whole file's decode, and memory holds only what
     the decoder has not reached."""
-    from echoic.server.audio_input import AudioInput
+    from echoic.server.core.audio_input import AudioInput
 
     samples = soxr.resample(clips[0][1], 16000, rate)
     if channels == 2:
@@ -536,7 +536,7 @@ def test_ogg_streams_equal_soundfiles_own_decode(clips, subtype) -> None:
     """At the model's rate (no resampling), an Ogg stream fed 50 bytes at a time gives
     libsndfile's own samples of the whole file, as soundfile reads them (clipped to
     [-1, 1], as all audio is)."""
-    from echoic.server.audio_input import AudioInput
+    from echoic.server.core.audio_input import AudioInput
 
     data = container(clips[1][1], 16000, "OGG", subtype)
     audio = AudioInput("ogg", 16000)
@@ -553,7 +553,7 @@ def test_ogg_streams_equal_soundfiles_own_decode(clips, subtype) -> None:
 def test_an_abandoned_stream_frees_its_decoder(clips, fmt, subtype, threads) -> None:
     """A call that ends early ends its decoder's threads (an Ogg decoder has two: libsndfile
     reading an OS pipe, and the thread that fills it)."""
-    from echoic.server.audio_input import AudioInput
+    from echoic.server.core.audio_input import AudioInput
 
     data = container(clips[0][1], 16000, fmt, subtype)
     before = threading.active_count()
@@ -786,7 +786,8 @@ def test_health_and_reflection(server) -> None:
 
 def test_server_imports_no_torch() -> None:
     code = (
-        "import sys, echoic.server.app, echoic.server.background, echoic.cli.serve; "
+        "import sys, echoic.server.process.app, echoic.server.process.background; "
+        "import echoic.cli.serve; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'onnx'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -430,7 +430,7 @@ class Stream:
 
     def close(self) -> None:
         """Let go of the stream: nothing to release in this process (a stream held by an
-        engine process is let go of there: `server/engine_process.py:RemoteStream`)."""
+        engine process is let go of there: `server/core/engine_process.py:RemoteStream`)."""
 
     def _new_decoder(self) -> StreamingDecoder:
         decoder = self.recognizer.decoder_stream()

@@ -24,7 +24,7 @@ The server's side:
   has model work, as in-process. What each step said (its window position, decoded
   audio, finality) comes back with the step's result.
 
-The engine's side (`python -m echoic.server.engine_process FD`, `_Host`): a thread
+The engine's side (`python -m echoic.server.core.engine_process FD`, `_Host`): a thread
 reads the pipe; the main thread takes whatever steps are queued the moment the batch
 before is done (up to `max_batch`), runs one `Recognizer.step` for them and settles
 the greedy ones there; beam searches settle in its decoder threads (or its own
@@ -66,12 +66,12 @@ from echoic.model.runtime.card import ModelCard
 from echoic.model.runtime.chunking import ChunkConfig
 from echoic.model.runtime.engine import Engine, window_ready
 from echoic.model.runtime.recognizer import Recognizer, Stepped, Stream
-from echoic.server.dispatcher import DispatcherClosed
+from echoic.server.core.dispatcher import DispatcherClosed
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
 
-CHILD_MODULE = "echoic.server.engine_process"
+CHILD_MODULE = "echoic.server.core.engine_process"
 START_SECONDS = 300.0  # s a new engine process gets to load its model
 STOP_SECONDS = 10.0  # s it gets to exit once told, before it is killed
 BOOSTED_KEPT = 64  # decoders with one request's boosted words an engine keeps built, count
@@ -505,7 +505,7 @@ class _Host:
         self._send_lock = threading.Lock()
         self._beams = None
         if spec.beam_processes:
-            from echoic.server.beam_processes import BeamProcesses
+            from echoic.server.core.beam_processes import BeamProcesses
 
             self._beams = BeamProcesses(spec.beam_processes)
         engine = Engine(
@@ -773,7 +773,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from echoic.server.engine_process import main as engine_main  # its classes, not __main__'s
+    from echoic.server.core.engine_process import main as engine_main  # its classes, not __main__'s
 
     engine_main()
     os._exit(0)  # nothing left to flush: skip ONNX Runtime's, flashlight's and KenLM's teardown

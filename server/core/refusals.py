@@ -5,7 +5,7 @@ The core and the parts beneath it raise `Refusal(kind, message)` for what a clie
 act on, and their own exceptions for the rest (a model not served, a beam decoder
 process that died, ...). `refusal_of` is the one place those become refusals; each door
 then owns what it answers: its table from `RefusalKind` to its status (the gRPC doors'
-`server/service.py:GRPC_STATUS`, the HTTP door's `server/openai_api.py:HTTP_STATUS`) and
+`server/doors/service.py:GRPC_STATUS`, the HTTP door's `server/doors/openai_api.py:HTTP_STATUS`) and
 its words for each `Remedy` (`GRPC_REMEDIES`, `HTTP_REMEDIES`), joined by `door_message`.
 This module imports no grpc, protobuf or aiohttp.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from echoic.model.core.audio import AudioError
-from echoic.server.beam_processes import BeamProcessDied
-from echoic.server.core import Refusal, RefusalKind, Remedy
-from echoic.server.dispatcher import DispatcherClosed
-from echoic.server.models import DecoderError, ModelLookupError
+from echoic.server.core.beam_processes import BeamProcessDied
+from echoic.server.core.dispatcher import DispatcherClosed
+from echoic.server.core.models import DecoderError, ModelLookupError
+from echoic.server.core.types import Refusal, RefusalKind, Remedy
 
 MAX_DETAILS = 1000  # characters of a refusal's message: enough to act on, never a whole input
 

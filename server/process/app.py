@@ -5,12 +5,12 @@
     await server.stop(grace=5)
 
 `create_server` loads the models, binds the port (0 = any free one), starts the
-gRPC server, the HTTP door (server/http.py, `http_port`), the metrics endpoint and
+gRPC server, the HTTP door (server/doors/http.py, `http_port`), the metrics endpoint and
 the repository poller, all on the caller's event loop, and returns once it serves.
 `serve(config)` is the process around it (`echoic serve`): it runs until SIGTERM
 or SIGINT, then stops taking new calls, reports NOT_SERVING to health checks (and
 503 at /readyz) and gives the open streams `grace_seconds` to finish. With
-`--workers N`, server/workers.py runs N such processes on the same ports.
+`--workers N`, server/process/workers.py runs N such processes on the same ports.
 
 Besides `echoic.v1.Transcriber` the server offers the standard
 `grpc.health.v1.Health` service ("" and "echoic.v1.Transcriber") and server
@@ -37,7 +37,6 @@ from grpc_reflection.v1alpha import reflection
 
 from echoic.model.core.version import echoic_version
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import (
     DECODER_THREADS,
     ServerConfig,
@@ -45,13 +44,14 @@ from echoic.server.config import (
     busy_port_hint,
     probe_binds,
 )
-from echoic.server.formatting import check_tagger, use_tagger
+from echoic.server.core.beam_processes import BeamProcesses
+from echoic.server.core.formatting import check_tagger, use_tagger
+from echoic.server.core.models import ModelRegistry
+from echoic.server.doors.service import TranscriberService, add_to_server
 from echoic.server.metrics import Metrics
-from echoic.server.models import ModelRegistry
-from echoic.server.service import TranscriberService, add_to_server
 
 if TYPE_CHECKING:
-    from echoic.server.http import HttpDoor
+    from echoic.server.doors.http import HttpDoor
 
 log = logging.getLogger("echoic.server")
 
@@ -159,7 +159,7 @@ def _add_riva(
     """The Riva ASR API beside echoic's, when nvidia-riva-client (the riva extra) is
     installed; returns its service name, or None."""
     try:
-        from echoic.server import riva
+        from echoic.server.doors import riva
     except ModuleNotFoundError as e:
         if not (e.name or "").startswith("riva"):
             raise
@@ -211,7 +211,7 @@ def _ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
 
 def _http_door() -> type[HttpDoor]:
     try:
-        from echoic.server.http import HttpDoor
+        from echoic.server.doors.http import HttpDoor
     except ImportError as e:
         if e.name != "aiohttp":
             raise
@@ -289,7 +289,7 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         # A busy port is an error, not a second server beside it; only a worker of
-        # `--workers` shares its port, which its supervisor holds (server/workers.py).
+        # `--workers` shares its port, which its supervisor holds (server/process/workers.py).
         ("grpc.so_reuseport", int(config.reuse_port)),
     ]
     if config.max_connection_age_seconds:
@@ -407,11 +407,11 @@ async def _serve(config: ServerConfig, on_ready: Callable[[Server], None] | None
 def serve(config: ServerConfig, on_ready: Callable[[Server], None] | None = None) -> None:
     """Run a server until SIGTERM or SIGINT, then drain it (what `echoic serve` runs);
     `on_ready(server)` is called once it serves. This is one server process: with
-    `--workers N`, `echoic serve` runs `server/workers.py:supervise` instead, whose workers
+    `--workers N`, `echoic serve` runs `server/process/workers.py:supervise` instead, whose workers
     each run this (the process level imports the server, never the other way round)."""
     if config.workers > 1:
         raise ValueError(
             f"workers={config.workers}: app.serve runs one server process; "
-            "server/workers.py:supervise runs several"
+            "server/process/workers.py:supervise runs several"
         )
     asyncio.run(_serve(config, on_ready))

@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 from echoic.server.config import ServerConfig, ServerError, busy_port_hint, probe_binds
 
 if TYPE_CHECKING:
-    from echoic.server.app import Server
     from echoic.server.metrics import MetricsHttp
+    from echoic.server.process.app import Server
 
 log = logging.getLogger("echoic.server")
 
@@ -59,7 +59,7 @@ MAX_BACKOFF = 30.0  # s, the longest wait between two starts of one worker
 STEADY_SECONDS = 60.0  # s a worker serves before its backoff starts over
 STOP_SLACK = 20.0  # s beyond its drain (grace + the last results) a worker gets to exit
 SCRAPE_SECONDS = 5.0  # s a scrape waits for one worker's registry
-WORKER_MODULE = "echoic.server.workers"  # what a worker process runs (python -m)
+WORKER_MODULE = "echoic.server.process.workers"  # what a worker process runs (python -m)
 
 
 # ------------------------------------------------------------------ ports
@@ -115,7 +115,7 @@ def _worker_main(index: int, fd: int, level: int) -> None:
     pipe = Connection(fd)
     config = pipe.recv()
     from echoic.model.runtime.card import ModelError
-    from echoic.server.app import serve
+    from echoic.server.process.app import serve
 
     def ready(server: Server) -> None:
         pipe.send((READY, os.getpid(), server.metrics_port))
@@ -325,7 +325,7 @@ class Supervisor:
     async def _stop_all(self, tasks: list[asyncio.Task]) -> None:
         """SIGTERM to every worker, then wait for them all: the drain, the final results
         and some slack, after which a worker still there is killed."""
-        from echoic.server.app import END_SECONDS
+        from echoic.server.process.app import END_SECONDS
 
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:

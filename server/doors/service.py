@@ -31,12 +31,12 @@ from echoic.model.runtime.repository import version_key
 from echoic.protos.v1 import transcriber_pb2 as pb
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
 from echoic.server.config import ServerConfig
-from echoic.server.core import Options, Refusal, RefusalKind, Remedy, Result, invalid
-from echoic.server.grpc_api import parse_config, result_proto
+from echoic.server.core.models import LoadedModel, ModelRegistry
+from echoic.server.core.refusals import door_message, refusal_of
+from echoic.server.core.session import Session, open_session
+from echoic.server.core.types import Options, Refusal, RefusalKind, Remedy, Result, invalid
+from echoic.server.doors.grpc_api import parse_config, result_proto
 from echoic.server.metrics import Metrics
-from echoic.server.models import LoadedModel, ModelRegistry
-from echoic.server.refusals import door_message, refusal_of
-from echoic.server.session import Session, open_session
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")
@@ -58,7 +58,7 @@ class Whole:
 
 
 # The gRPC status of each kind of refusal: this door's table (echoic's service and Riva's,
-# server/riva.py), as the HTTP door has its own (server/openai_api.py:HTTP_STATUS).
+# server/doors/riva.py), as the HTTP door has its own (server/doors/openai_api.py:HTTP_STATUS).
 GRPC_STATUS = {
     RefusalKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     RefusalKind.TOO_LARGE: grpc.StatusCode.OUT_OF_RANGE,
@@ -578,7 +578,7 @@ def _too_slow(e: DecodeTooSlow) -> Refusal:
 
 def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The status code an error becomes at the gRPC doors, and its message in their words
-    (cut to server/refusals.py's MAX_DETAILS)."""
+    (cut to server/core/refusals.py's MAX_DETAILS)."""
     refusal = refusal_of(e)
     code = refusal.code if isinstance(refusal, RequestError) else GRPC_STATUS[refusal.kind]
     return code, door_message(refusal, GRPC_REMEDIES)

@@ -31,7 +31,7 @@ from echoic.model.runtime.formatting import (
     use_tagger,
     written_words,
 )
-from echoic.server.core import Alternative, Refusal, RefusalKind, Result, Word
+from echoic.server.core.types import Alternative, Refusal, RefusalKind, Result, Word
 
 __all__ = [
     "FORMAT_ON_LOOP_WORDS", "Formatter", "FormattingUnavailable", "check_available",

@@ -4,7 +4,7 @@ A `Session` owns an `AudioInput` (bytes -> samples at the model's rate) and a
 runtime `Stream` (samples -> utterances, made with the request's endpointing and
 decoder settings: `model/runtime/recognizer.py`, where endpointing lives), and
 turns what each step gives (`Stepped`, one await of the dispatcher per step) into
-the core's `Result`s (`server/core.py`), which each door writes as its own messages:
+the core's `Result`s (`server/core/types.py`), which each door writes as its own messages:
 interim results every `interim_interval_ms` of decoded audio, a final one at each
 endpoint and at the end of the audio.
 
@@ -15,11 +15,11 @@ word; rule 2 ends it once it reaches `max_utterance_ms`, at the first step that
 does not end inside a character's run of frames (at most MAX_CUT_DELAY later).
 Word times are seconds from the start of the stream's audio.
 
-Errors a client can fix are `server/core.py:Refusal`s, in no door's words; each door
-says them with its own status table and remedies (server/refusals.py). `open_session`
+Errors a client can fix are `server/core/types.py:Refusal`s, in no door's words; each door
+says them with its own status table and remedies (server/core/refusals.py). `open_session`
 is the one place a request or stream is opened on a model version and closed again.
-Each door's settings become `Options` through `server/options.py:stream_options` (the
-gRPC doors' `RecognitionConfig` in `server/grpc_api.py:parse_config`).
+Each door's settings become `Options` through `server/core/options.py:stream_options` (the
+gRPC doors' `RecognitionConfig` in `server/doors/grpc_api.py:parse_config`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from contextlib import asynccontextmanager
 import numpy as np
 
 from echoic.model.runtime.recognizer import Endpointing, Recognizer, Utterance
-from echoic.server.audio_input import AudioInput
 from echoic.server.config import ServerConfig
-from echoic.server.core import Options, Remedy, Result, invalid
-from echoic.server.formatting import format_finals
-from echoic.server.models import LoadedModel, ModelRegistry
+from echoic.server.core.audio_input import AudioInput
+from echoic.server.core.formatting import format_finals
+from echoic.server.core.models import LoadedModel, ModelRegistry
+from echoic.server.core.types import Options, Remedy, Result, invalid
 
 
 @asynccontextmanager
@@ -157,7 +157,7 @@ class Session:
 
     async def advance(self) -> list[Result]:
         """Run every ready step (through the dispatcher, one await each); the results to
-        send now, final ones formatted as the options ask (server/formatting.py)."""
+        send now, final ones formatted as the options ask (server/core/formatting.py)."""
         out = await self._advance()
         formatter = self.options.formatting
         if formatter is None or not any(r.is_final for r in out):

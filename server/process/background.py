@@ -15,8 +15,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from echoic.server.app import Server, create_server
 from echoic.server.config import ServerConfig
+from echoic.server.process.app import Server, create_server
 
 T = TypeVar("T")
 

@@ -1,18 +1,18 @@
 """echoic's gRPC messages in the core's terms, for the doors that speak them: a
 `RecognitionConfig` read into `Options` (`parse_config`: its enums and boosts here, its
-values checked by `server/options.py:stream_options` as every door's; Riva's door
+values checked by `server/core/options.py:stream_options` as every door's; Riva's door
 translates Riva's config into echoic's) and a core `Result` as a
 `SpeechRecognitionResult` (`result_proto`). The messages' field names appear in the
 refusals said here, since a client of these messages can act on them. Protobuf only:
-the gRPC status of each refusal is the gRPC door's (`server/service.py:GRPC_STATUS`).
+the gRPC status of each refusal is the gRPC door's (`server/doors/service.py:GRPC_STATUS`).
 """
 
 from __future__ import annotations
 
 from echoic.model.core.text import normalize_text
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.core import Options, Result, invalid
-from echoic.server.options import stream_options
+from echoic.server.core.options import stream_options
+from echoic.server.core.types import Options, Result, invalid
 
 _ENCODINGS = {
     pb.RecognitionConfig.ENCODING_UNSPECIFIED: "auto",
@@ -77,7 +77,7 @@ def parse_config(
 ) -> Options:
     """Options from a RecognitionConfig; a Refusal (INVALID) saying what is wrong: the
     message's own enums and boosts here, the values' checks in
-    `server/options.py:stream_options`, as every door's. `max_beam`: the largest
+    `server/core/options.py:stream_options`, as every door's. `max_beam`: the largest
     beam_size this server allows (`ServerConfig.max_beam_size`)."""
     if config.encoding not in _ENCODINGS:
         raise invalid(

@@ -1,6 +1,6 @@
 """The HTTP door (aiohttp, on the gRPC server's event loop): OpenAI's audio API, health, metrics.
 
-    POST /v1/audio/transcriptions   a file -> its transcript (server/openai_api.py's shapes)
+    POST /v1/audio/transcriptions   a file -> its transcript (server/doors/openai_api.py's shapes)
     GET  /v1/models                 the served model names; /v1/models/{model} one of them
     GET  /healthz                   200 while the process runs
     GET  /readyz                    200 while a model is loaded and the server is not draining
@@ -8,16 +8,16 @@
     GET  /metrics                   the server's Prometheus registry
     GET  /                          a browser page (static/index.html): the microphone live
                                     over the realtime WebSocket, a file, txt/srt downloads
-    POST /v1/realtime/transcription_sessions, GET /v1/realtime: server/realtime.py
+    POST /v1/realtime/transcription_sessions, GET /v1/realtime: server/doors/realtime.py
 
 A door, thin as ARCHITECTURE.md asks: a transcription is admitted by the gRPC
 service's own `admitted` (the same `--max-streams` count and the same refusal while
-draining), its fields checked into `Options` (`server/openai_api.py:options_of`,
-through the core's `server/options.py:stream_options`, as every door's), and
+draining), its fields checked into `Options` (`server/doors/openai_api.py:options_of`,
+through the core's `server/core/options.py:stream_options`, as every door's), and
 recognized by `TranscriberService.recognize_whole`, the function gRPC Recognize calls;
 so the same audio gives the same transcript on either door. Errors are OpenAI's error
 JSON, each refusal's kind answered by this door's own HTTP status and in its own words
-(`server/openai_api.py:api_error`, `HTTP_STATUS`, `HTTP_REMEDIES`); nothing answers
+(`server/doors/openai_api.py:api_error`, `HTTP_STATUS`, `HTTP_REMEDIES`); nothing answers
 with a traceback. Every request is counted by route and status, with its latency.
 
 The upload is read a chunk at a time: over `--max-upload-mb` it is refused with
@@ -48,10 +48,9 @@ from aiohttp import BodyPartReader, ClientError, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from echoic.server.config import ServerConfig
-from echoic.server.core import Options
-from echoic.server.metrics import HTTP_TRANSCRIPTIONS, Metrics
-from echoic.server.models import ModelRegistry
-from echoic.server.openai_api import (
+from echoic.server.core.models import ModelRegistry
+from echoic.server.core.types import Options
+from echoic.server.doors.openai_api import (
     MAX_FIELD_BYTES,
     ApiError,
     TextDeltas,
@@ -64,8 +63,9 @@ from echoic.server.openai_api import (
     sse,
     transcription_request,
 )
-from echoic.server.realtime import RealtimeDoor
-from echoic.server.service import RateLimitedWarning, TranscriberService
+from echoic.server.doors.realtime import RealtimeDoor
+from echoic.server.doors.service import RateLimitedWarning, TranscriberService
+from echoic.server.metrics import HTTP_TRANSCRIPTIONS, Metrics
 
 log = logging.getLogger("echoic.server")
 T = TypeVar("T")

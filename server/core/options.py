@@ -1,14 +1,14 @@
 """The options a stream or request is opened with, from plain values, checked: the one
-place every door's settings become `server/core.py:Options`.
+place every door's settings become `server/core/types.py:Options`.
 
 Each door reads its own messages (echoic's and Riva's `RecognitionConfig` in
-`server/grpc_api.py:parse_config`, OpenAI's form fields in
-`server/openai_api.py:options_of`, the realtime WebSocket's settings in
-`server/realtime.py:RealtimeSession._configure`) and hands the values here, so a
+`server/doors/grpc_api.py:parse_config`, OpenAI's form fields in
+`server/doors/openai_api.py:options_of`, the realtime WebSocket's settings in
+`server/doors/realtime.py:RealtimeSession._configure`) and hands the values here, so a
 model name, an audio format, a decoder or a formatting request is checked the same
 way whichever door it came through. A value that will not do is a Refusal (INVALID;
 UNSUPPORTED for formatting this server cannot do) whose message names echoic's config
-field, as `server/audio_input.py:check_format`'s do: the fields every door's settings
+field, as `server/core/audio_input.py:check_format`'s do: the fields every door's settings
 map to, and the ones docs/ARCHITECTURE.md and the clients use.
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from echoic.model.core.audio import AudioError
 from echoic.model.core.decoding import DecoderConfig
-from echoic.server.audio_input import check_format
-from echoic.server.core import Options, invalid
-from echoic.server.formatting import formatter_of
+from echoic.server.core.audio_input import check_format
+from echoic.server.core.formatting import formatter_of
+from echoic.server.core.types import Options, invalid
 
 MAX_NAME = 256  # characters of a model name or version in a request (they name directories)
 DECODERS = ("greedy", "beam")  # decoder names; None: the server's default (--decoder)

@@ -45,10 +45,10 @@ from echoic.model.runtime.repository import (
     seed_with_bundled,
     version_key,
 )
-from echoic.server.beam_processes import BeamProcesses
 from echoic.server.config import DECODER_THREADS, ServerConfig, ServerError
-from echoic.server.dispatcher import Dispatcher
-from echoic.server.engine_process import EngineProcess, EngineSpec, RemoteRecognizer
+from echoic.server.core.beam_processes import BeamProcesses
+from echoic.server.core.dispatcher import Dispatcher
+from echoic.server.core.engine_process import EngineProcess, EngineSpec, RemoteRecognizer
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
@@ -101,7 +101,7 @@ class LoadedModel:
     version: str
     path: Path
     # the engine's recognizer with greedy decoding, and the batches'; with --engine process,
-    # the engine process's (server/engine_process.py), which is also the dispatcher
+    # the engine process's (server/core/engine_process.py), which is also the dispatcher
     greedy: Recognizer | RemoteRecognizer
     dispatcher: Dispatcher | EngineProcess
     # What builds a beam search: the decoder processes' (`--beam-processes`); None: in

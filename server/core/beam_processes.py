@@ -3,7 +3,7 @@
 flashlight-text's beam decoder holds the interpreter lock for the whole of each call,
 so beam searches run in the server's decoder threads still stall the event loop and
 the engine's thread behind them. With `--beam-processes N` they run in N child
-processes instead (`python -m echoic.server.beam_processes`, each talking to the
+processes instead (`python -m echoic.server.core.beam_processes`, each talking to the
 server over a socket pair), and a decoder thread of the server only waits on the
 pipe, which releases the lock.
 
@@ -57,7 +57,7 @@ from echoic.model.core.text import Vocabulary
 
 log = logging.getLogger("echoic.server")
 
-CHILD_MODULE = "echoic.server.beam_processes"
+CHILD_MODULE = "echoic.server.core.beam_processes"
 STOP_SECONDS = 5.0  # s a process gets to exit once its pipe closes, before it is killed
 
 

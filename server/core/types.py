@@ -55,7 +55,7 @@ class Remedy(enum.Enum):
     """What a client can do about a refusal, where only its door can say it: in the door's
     own calls and endpoints (a gRPC client streams with StreamingRecognize, an HTTP one
     posts files). The refusal's message says what is wrong; each door adds its sentence for
-    the remedy (`server/refusals.py:door_message`)."""
+    the remedy (`server/core/refusals.py:door_message`)."""
 
     SPLIT_AUDIO = "split_audio"  # a whole file over the server's length limit: send it in parts
     SEND_WHOLE = "send_whole"  # live audio for a model that cannot stream: send the file whole

@@ -1,4 +1,4 @@
-"""The OpenAI audio API's shapes, for the HTTP door (server/http.py): request fields in,
+"""The OpenAI audio API's shapes, for the HTTP door (server/doors/http.py): request fields in,
 transcripts out, errors in OpenAI's one error shape.
 
 POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
@@ -17,7 +17,7 @@ POST /v1/audio/transcriptions (multipart/form-data), OpenAI's field names:
                               lower case (docs/formatting.md); with the openai package,
                               `extra_body={"formatting": "false"}`
 
-Formatted text (server/formatting.py) has sentence ends, commas, question marks,
+Formatted text (server/core/formatting.py) has sentence ends, commas, question marks,
 capitals and written-form numbers ("$25", "3:30 p.m."); srt and vtt cues then end at
 sentence ends too. When the server has no punctuation tagger, the default falls back to
 written forms alone (lower case, no marks), and an explicit formatting=true is refused
@@ -50,11 +50,11 @@ from echoic.model.core.version import echoic_version
 from echoic.model.runtime.formatting import ends_sentence
 from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.core import Options, RefusalKind, Remedy, Result
-from echoic.server.formatting import FormattingUnavailable, check_available, default_formatter
-from echoic.server.models import ModelLookupError
-from echoic.server.options import stream_options
-from echoic.server.refusals import door_message, refusal_of
+from echoic.server.core.formatting import FormattingUnavailable, check_available, default_formatter
+from echoic.server.core.models import ModelLookupError
+from echoic.server.core.options import stream_options
+from echoic.server.core.refusals import door_message, refusal_of
+from echoic.server.core.types import Options, RefusalKind, Remedy, Result
 
 OPENAI_MODELS = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -240,7 +240,7 @@ def default_formatter_available() -> bool:
 
 
 def options_of(request: TranscriptionRequest, *, max_beam: int, interim: bool) -> Options:
-    """What this request asks for, checked (`server/options.py:stream_options`): word
+    """What this request asks for, checked (`server/core/options.py:stream_options`): word
     times, endpointing `ENDPOINTING` for segments, formatting unless `formatting=false`.
     max_beam: the server's --max-beam-size; interim: interim results (stream=true)."""
     return stream_options(
@@ -258,7 +258,7 @@ def options_of(request: TranscriptionRequest, *, max_beam: int, interim: bool) -
 
 def recognition_config(request: TranscriptionRequest) -> pb.RecognitionConfig:
     """The gRPC config that asks Recognize for what this request asks (`options_of`'s
-    Options, through `server/grpc_api.py:parse_config`): for a gRPC client that wants
+    Options, through `server/doors/grpc_api.py:parse_config`): for a gRPC client that wants
     this door's transcripts (bench/http_vs_grpc.py)."""
     config = pb.RecognitionConfig(
         model=request.model,

@@ -58,11 +58,12 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from echoic.server.config import ServerConfig
-from echoic.server.core import Result
-from echoic.server.formatting import Formatter, format_finals, formatter_of
-from echoic.server.metrics import HTTP_REALTIME, Metrics
-from echoic.server.models import ModelRegistry
-from echoic.server.openai_api import (
+from echoic.server.core.formatting import Formatter, format_finals, formatter_of
+from echoic.server.core.models import ModelRegistry
+from echoic.server.core.options import stream_options
+from echoic.server.core.session import Session, open_session
+from echoic.server.core.types import Result
+from echoic.server.doors.openai_api import (
     DECODERS,
     ENDPOINTING,
     OPENAI_MODELS,
@@ -71,9 +72,8 @@ from echoic.server.openai_api import (
     api_error,
     default_formatter_available,
 )
-from echoic.server.options import stream_options
-from echoic.server.service import RateLimitedWarning, TranscriberService
-from echoic.server.session import Session, open_session
+from echoic.server.doors.service import RateLimitedWarning, TranscriberService
+from echoic.server.metrics import HTTP_REALTIME, Metrics
 
 log = logging.getLogger("echoic.server")
 

@@ -45,9 +45,9 @@ from riva.client.proto import riva_audio_pb2 as raudio
 
 from echoic.protos import DECODER_KINDS
 from echoic.protos.v1 import transcriber_pb2 as pb
-from echoic.server.core import invalid
-from echoic.server.grpc_api import check_phrase_count
-from echoic.server.service import Malformed, TranscriberService, lenient
+from echoic.server.core.types import invalid
+from echoic.server.doors.grpc_api import check_phrase_count
+from echoic.server.doors.service import Malformed, TranscriberService, lenient
 
 SERVICE_NAME = rasr.DESCRIPTOR.services_by_name["RivaSpeechRecognition"].full_name
 API = "Riva's riva_asr.proto (nvidia-riva-client)"
