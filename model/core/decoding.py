@@ -397,7 +397,7 @@ class DecoderConfig:
 
     kind: str = "greedy"  # "greedy" or "beam"
     beam_size: int = 32  # hypotheses kept per frame (beam)
-    lm_path: str = ""  # ARPA word LM; "" = the model directory's lm.arpa when present
+    lm_path: str = ""  # word LM (ARPA or KenLM binary); "" = the model directory's, if any
     use_lm: bool = True  # with kind="beam": use the LM when one is found
     lm_weight: float = 0.5  # LM weight (beam), natural-log units per LM log-prob
     word_bonus: float = 1.0  # score added per word (beam), nats
@@ -619,11 +619,11 @@ class _KenLM:
             return lm
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from echoic.model.core.lm import UNK, arpa_words
+        from echoic.model.core.lm import UNK, lm_words
 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"language model {os.fspath(path)!r} does not exist")
-        words = arpa_words(path)
+        words = lm_words(path)  # an ARPA file's unigrams, or a KenLM binary file's
         if UNK not in words:
             words.append(UNK)  # KenLM's own <unk> answers for it
         from flashlight.lib.text.decoder.kenlm import KenLM
