@@ -439,7 +439,7 @@ def check_beam_settings(
 
 class BeamSearchDecoder(_Decoder):
     """CTC prefix beam search over characters or subword tokens, optionally with a word
-    n-gram LM (ARPA).
+    n-gram LM (an ARPA file, or KenLM's binary format).
 
     Hypotheses score, in nats,
 
@@ -596,9 +596,9 @@ def _common_prefix(a: tuple, b: tuple) -> int:
 
 
 class _KenLM:
-    """A word ARPA model loaded through flashlight's KenLM wrapper, shared by all streams
-    and by every decoder of the same file (`shared`): one copy in memory per LM file,
-    whatever the beam sizes asked for, freed once no decoder holds it."""
+    """A word LM (ARPA or KenLM binary) loaded through flashlight's KenLM wrapper, shared
+    by all streams and by every decoder of the same file (`shared`): one copy in memory per
+    LM file, whatever the beam sizes asked for, freed once no decoder holds it."""
 
     _loaded: weakref.WeakValueDictionary[tuple, _KenLM] = weakref.WeakValueDictionary()
     _lock = threading.Lock()
