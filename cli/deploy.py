@@ -32,8 +32,9 @@ complete (the server serves it under the directory's name and version, whatever 
 model card says), so a server polling the repository loads it whole or not at all; SIGHUP
 (kill -HUP) makes the server look at once instead of at its next poll. Streams
 already open finish on the version they started on. The new version gets the word
-LM (lm.arpa) of --lm, else the source directory's, else the newest version's of
-the same name (--no-lm: none).
+LM of --lm (ARPA, or KenLM binary: it becomes lm.arpa or lm.bin), else the source
+directory's, else the newest version's of the same name (lm.bin and lm.arpa, whichever
+it has; --no-lm: none).
 """
 
 
@@ -67,7 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", metavar="N", help="model name (default: the source's own)")
     p.add_argument("--version", metavar="V", help="version (default: one more than the highest)")
     lm = p.add_mutually_exclusive_group()
-    lm.add_argument("--lm", metavar="ARPA", help="word LM to ship with it (lm.arpa)")
+    lm.add_argument(
+        "--lm",
+        metavar="FILE",
+        help="word LM to ship with it, in place of the"
+        " source's: an ARPA file (lm.arpa) or a KenLM binary file (lm.bin)",
+    )
     lm.add_argument("--no-lm", action="store_true", help="ship no word LM")
     p.add_argument(
         "--make-default",
@@ -158,7 +164,7 @@ def _remove(repo: Path, what: str, force: bool) -> tuple[str, str]:
 
 def _publish(args: argparse.Namespace, repo: Path) -> tuple[str, str]:
     from echoic.cli.errors import UserError
-    from echoic.model.runtime.recognizer import LM_FILE
+    from echoic.model.core.lm import LM_ARPA, LM_BINARY, LM_FILES, is_kenlm_binary, model_lm
     from echoic.model.runtime.repository import (
         incomplete,
         next_version,
@@ -182,16 +188,17 @@ def _publish(args: argparse.Namespace, repo: Path) -> tuple[str, str]:
     version = args.version or next_version(repo, name)
     if (repo / name / version).exists():
         raise UserError(f"{repo / name / version} already exists: publish another version")
-    lm = None
+    lm: dict[str, Path] = {}  # file name in the new version -> the file copied there
     if args.lm:
-        lm = Path(args.lm)
-        if not lm.is_file():
-            raise UserError(f"--lm {lm}: no such file")
-    elif not args.no_lm and not (exported and (source / LM_FILE).is_file()):
+        given = Path(args.lm)
+        if not given.is_file():
+            raise UserError(f"--lm {given}: no such file")
+        lm[LM_BINARY if is_kenlm_binary(given) else LM_ARPA] = given
+    elif not args.no_lm and not (exported and model_lm(source) is not None):
         versions = scan_repository(repo).get(name, {}) if repo.is_dir() else {}
         for v in sorted(versions, key=version_key, reverse=True):
-            if (versions[v] / LM_FILE).is_file():
-                lm = versions[v] / LM_FILE
+            if model_lm(versions[v]) is not None:
+                lm = {f: versions[v] / f for f in LM_FILES if (versions[v] / f).is_file()}
                 break
     tmp = staging_dir(repo, name, version)
     try:
@@ -200,19 +207,20 @@ def _publish(args: argparse.Namespace, repo: Path) -> tuple[str, str]:
             built.mkdir()
             for entry in sorted(source.iterdir()):
                 if entry.is_file() and not entry.name.startswith("."):
-                    if not (args.no_lm and entry.name == LM_FILE):
+                    # --lm replaces the source's LM (both files), --no-lm drops it
+                    if not ((args.lm or args.no_lm) and entry.name in LM_FILES):
                         shutil.copy2(entry, built / entry.name)
         else:
             _export(source, built, name, version)
-        if lm is not None:
-            shutil.copy2(lm, built / LM_FILE)
+        for target, file in lm.items():
+            shutil.copy2(file, built / target)
         path = publish(built, repo, name, version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if lm is not None:
-        note = f"word LM {lm}"
+    if lm:
+        note = "word LM " + ", ".join(map(str, lm.values()))
     else:
-        note = "its own word LM" if (path / LM_FILE).is_file() else "no word LM"
+        note = "its own word LM" if model_lm(path) is not None else "no word LM"
     print(f"deployed {name} version {version} to {path} ({note})")
     return name, version
 

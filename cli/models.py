@@ -62,7 +62,7 @@ def _table(rows: list[dict], columns: list[str]) -> None:
 
 def repository_rows(repo) -> list[dict]:
     """One row per version directory of `repo`, newest first within a name."""
-    from echoic.model.runtime.recognizer import LM_FILE
+    from echoic.model.core.lm import model_lm
     from echoic.model.runtime.repository import (
         incomplete,
         read_report_card,
@@ -84,7 +84,7 @@ def repository_rows(repo) -> list[dict]:
                 "version": version,
                 "status": status,
                 "step": card.training_step if card else "",
-                "lm": (path / LM_FILE).is_file(),
+                "lm": model_lm(path) is not None,
                 "streamable": card.streamable if card else "",
                 "path": str(path),
             })  # fmt: skip

@@ -26,7 +26,7 @@ MODEL_DIR is a directory written by `echoic export` (fp32); OUT_DIR must not exi
 be empty). It gets model.onnx and stream.onnx with the convolutions and the output layer
 quantized by ONNX Runtime's static quantization (QDQ; activation scales from the first
 32 utterances of --calibration; the recurrent layers stay fp32), the card saying
-precision int8, the other files of MODEL_DIR (lm.arpa), and export.json.
+precision int8, the other files of MODEL_DIR (its word LM: lm.bin, lm.arpa), and export.json.
 A checkpoint goes straight to int8 with `echoic export --quantize int8`.
 On the bundled model int8 is no faster than fp32 on x86 CPUs: docs/benchmarks.md, "Benchmarks".
 """

@@ -44,8 +44,9 @@ def add_decoder_options(p: argparse.ArgumentParser, default: str = "auto") -> No
     )  # fmt: skip
     p.add_argument("--beam-size", type=int, default=d.beam_size,
                    help=f"beam width (beam; default {d.beam_size})")  # fmt: skip
-    p.add_argument("--lm", metavar="ARPA", default=d.lm_path, help="word n-gram LM (beam;"
-                   " default: the model directory's lm.arpa)")  # fmt: skip
+    p.add_argument("--lm", metavar="FILE", default=d.lm_path, help="word n-gram LM, ARPA or"
+                   " KenLM binary (beam; default: the model directory's lm.bin, else"
+                   " lm.arpa)")  # fmt: skip
     p.add_argument("--no-lm", action="store_true", help="beam search without an LM")
     p.add_argument("--lm-weight", type=float, default=d.lm_weight,
                    help=f"LM weight (beam; default {d.lm_weight:g})")  # fmt: skip
@@ -68,10 +69,11 @@ def resolve_decoder(args: argparse.Namespace) -> None:
     errors: README, "Talk to the server"), greedy where none is (beam alone gains little)."""
     if args.decoder != "auto":
         return
-    from echoic.model.runtime.recognizer import LM_FILE, default_model_dir
+    from echoic.model.core.lm import model_lm
+    from echoic.model.runtime.recognizer import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
-    has_lm = bool(args.lm) or (model_dir / LM_FILE).is_file()
+    has_lm = bool(args.lm) or model_lm(model_dir) is not None
     args.decoder = "beam" if has_lm and not args.no_lm else "greedy"
 
 

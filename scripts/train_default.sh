@@ -20,6 +20,7 @@ $E lm $D/text/train.txt --wordnet --exclude $D/text/heldout.txt $D/lm.arpa --min
 rm -rf runs/default-export
 $E export runs/default/last.pt runs/default-export/1 --name echoic-en-default --version 1
 cp $D/lm.arpa runs/default-export/1/lm.arpa
+bash scripts/build_lm_binary.sh runs/default-export/1/lm.arpa  # lm.bin: what loads
 rm -rf model/default && cp -r runs/default-export/1 model/default
 $E eval --model model/default --manifest $D/heldout/manifest.jsonl
 $E eval --model model/default --manifest $D/heldout/manifest.jsonl --decoder beam

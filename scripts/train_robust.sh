@@ -22,7 +22,7 @@ bash scripts/heldout_sets.sh model/default 100 > data/heldout-sets/before.txt
 ${ECHOIC_LAUNCH:-} $E train --config training/recipes/robust.toml --no-progress "$@"
 rm -rf runs/robust-export
 $E export runs/robust/last.pt runs/robust-export/1 --name echoic-en-default --version 2
-cp model/default/lm.arpa runs/robust-export/1/lm.arpa
+cp model/default/lm.arpa model/default/lm.bin runs/robust-export/1/
 bash scripts/heldout_sets.sh runs/robust-export/1 100 | tee data/heldout-sets/after.txt
 # Install it as the bundled model (it fine-tunes what model/default holds: run this after
 # scripts/train_default.sh, which leaves v1 there).

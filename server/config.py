@@ -143,8 +143,8 @@ class ServerConfig:
         Flag(metavar="MS"),
     )
     # auto by measurement (bench/serve_load.py), docs/benchmarks.md
-    # "The engine in its own process": on 2 cores, 256 streams fell behind 1,042 of
-    # 1,119 utterances in a thread and 51 of 1,554 in a process of its own.
+    # "The engine in its own process": on 2 cores, 256 streams fell behind 1,029 of
+    # 1,096 utterances in a thread and 2 of 1,579 in a process of its own.
     engine: str = setting(
         "auto",
         "where each model version's batches run: process = an engine process of its own "

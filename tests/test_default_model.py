@@ -25,9 +25,9 @@ def test_card_describes_a_streamable_bidirectional_model(recognizer: Recognizer)
     card = recognizer.card
     assert card.name == "echoic-en-default" and card.streamable and card.bidirectional
     assert card.sample_rate == 16000 and card.chunk_frames > 0
-    assert (default_model_dir() / "lm.arpa").is_file()
+    assert {"lm.bin", "lm.arpa"} <= {f.name for f in default_model_dir().iterdir()}
     size = sum(f.stat().st_size for f in default_model_dir().iterdir())
-    assert size < 30 * 2**20
+    assert size < 40e6
 
 
 def test_it_transcribes_synthesized_speech(recognizer: Recognizer, corpus_audio) -> None:
@@ -44,10 +44,47 @@ def test_streaming_equals_offline(recognizer: Recognizer, corpus_audio) -> None:
 
 def test_beam_search_with_the_bundled_lm(corpus_audio) -> None:
     rec = Recognizer(decoder=DecoderConfig(kind="beam"), intra_op_threads=1)
-    assert rec.lm_path is not None and rec.lm_path.endswith("lm.arpa")
+    assert rec.lm_path is not None and rec.lm_path.endswith("lm.bin")  # the binary first
     text = rec.transcribe([corpus_audio[1][1]])[0].text
     assert jiwer.cer(corpus_audio[1][0], text) < 0.5
     assert rec.transcribe([np.zeros(1600, np.float32)])[0].text == ""
+
+
+def test_the_bundled_lm_binary_decodes_as_its_arpa_file(corpus_audio) -> None:
+    """lm.bin is lm.arpa in KenLM's binary format (scripts/build_lm_binary.sh): the same
+    vocabulary, and the beam search's transcripts are the same with either file."""
+    from echoic.model.core.lm import arpa_words, binary_words
+
+    model = default_model_dir()
+    words = binary_words(model / "lm.bin")
+    assert words[0] == "<unk>" and sorted(words) == sorted(arpa_words(model / "lm.arpa"))
+    audio = [a for _, a in corpus_audio[:6]]
+    texts = {
+        name: [
+            t.text for t in Recognizer(
+                decoder=DecoderConfig(kind="beam", lm_path=str(model / name)), intra_op_threads=1
+            ).transcribe(audio)
+        ]
+        for name in ("lm.arpa", "lm.bin")
+    }  # fmt: skip
+    assert texts["lm.bin"] == texts["lm.arpa"] and any(texts["lm.bin"])
+
+
+def test_the_bundled_lm_loads_without_kenlms_advice_to_build_a_binary(capfd) -> None:
+    """KenLM itself, unfiltered (echoic drops its loading chatter, `native.quiet_stderr`),
+    says nothing of building a binary file when it loads the LM the model directory
+    ships: the binary one (an ARPA-only directory gets the advice)."""
+    from flashlight.lib.text.decoder.kenlm import KenLM
+    from flashlight.lib.text.dictionary import Dictionary
+
+    from echoic.model.core.lm import lm_words, model_lm
+
+    lm = model_lm(default_model_dir())
+    assert lm is not None
+    capfd.readouterr()
+    KenLM(str(lm), Dictionary(lm_words(lm)))
+    err = capfd.readouterr().err
+    assert "build a binary file" not in err and "Reading" not in err, err
 
 
 @pytest.mark.parametrize("kind", ["greedy", "beam"])

@@ -109,7 +109,10 @@ def test_a_killed_engine_process_fails_its_streams_then_serves_again(speech) -> 
         assert next(call).results  # an interim result: the engine holds the stream
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not _alive(pid) or _reaped(pid), what="the process to die")
-        wait_until(lambda: engine.pid != pid and _alive(engine.pid), what="a new engine process")
+        wait_until(
+            lambda: engine.pid != pid and _alive(engine.pid), timeout=90,
+            what="a new engine process",
+        )  # fmt: skip
         release.set()
         with pytest.raises(grpc.RpcError) as e:
             list(call)

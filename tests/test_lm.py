@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 
 from echoic.cli.main import main
-from echoic.model.core.lm import BOS, EOS, UNK, ArpaError, ArpaModel, arpa_words, build_arpa
+from echoic.model.core.lm import (
+    BOS,
+    EOS,
+    UNK,
+    ArpaError,
+    ArpaModel,
+    arpa_words,
+    binary_words,
+    build_arpa,
+    lm_words,
+    model_lm,
+)
 
 
 def _build(tmp_path: Path, sentences: list[str], **kwargs) -> tuple[ArpaModel, Path]:
@@ -210,3 +221,31 @@ def test_wordnet_sentences_are_clean_and_distinct() -> None:
     assert len(sentences) > 100_000 and len(set(sentences)) == len(sentences)
     assert "she was able to program her computer" in sentences
     assert all(s == s.lower() and "(" not in s and '"' not in s for s in sentences)
+
+
+def test_a_model_directory_s_lm_is_its_binary_file_first(tmp_path: Path) -> None:
+    assert model_lm(tmp_path) is None
+    build_arpa(["the cat sat"], tmp_path / "lm.arpa", order=2)
+    assert model_lm(tmp_path) == tmp_path / "lm.arpa"
+    (tmp_path / "lm.bin").write_bytes(b"")
+    assert model_lm(tmp_path) == tmp_path / "lm.bin"
+
+
+BUNDLED_BINARY = Path(__file__).parent.parent / "model" / "default" / "lm.bin"
+
+
+@pytest.mark.skipif(not BUNDLED_BINARY.is_file(), reason="no bundled model in model/default")
+def test_a_binary_file_s_words_are_read_from_its_end_or_the_fault_named(tmp_path: Path) -> None:
+    """KenLM's binary format keeps the vocabulary after the n-grams; a file cut short, or
+    of another format version, is an error that says to rebuild it."""
+    words = lm_words(BUNDLED_BINARY)
+    assert words[0] == UNK and len(words) == len(set(words)) > 50000 and "the" in words
+    data = BUNDLED_BINARY.read_bytes()
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(data[:-1000])
+    with pytest.raises(ArpaError, match=r"no vocabulary of \d+ words at its end"):
+        binary_words(cut)
+    old = tmp_path / "old.bin"
+    old.write_bytes(data.replace(b"format version 5", b"format version 4", 1))
+    with pytest.raises(ArpaError, match="another format version.*build_lm_binary.sh"):
+        lm_words(old)

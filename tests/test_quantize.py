@@ -63,7 +63,7 @@ def test_the_card_says_int8_and_nothing_else_changed(int8_dir: Path) -> None:
     assert report["model_card"]["precision"] == "int8"
     assert report["quantization"]["calibration_utterances"] == CALIBRATION
     assert report["quantization"]["graphs"]["stream.onnx"]["left_fp32"] == {"GRU": 8}
-    assert (int8_dir / "lm.arpa").is_file()  # the word LM goes with it
+    assert (int8_dir / "lm.bin").is_file() and (int8_dir / "lm.arpa").is_file()  # its LM too
 
 
 @needs_bundled
@@ -185,7 +185,7 @@ def test_cli_quantize(speech_corpus: Path, tmp_path: Path, capsys) -> None:
     assert main([*args, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["version"], summary["precision"]) == ("5", "int8")
-    assert summary["files"] == ["export.json", "lm.arpa", "model.onnx", "stream.onnx"]
+    assert summary["files"] == ["export.json", "lm.arpa", "lm.bin", "model.onnx", "stream.onnx"]
     assert Engine(out).card.precision == "int8"
     assert main(args) == 1  # OUT_DIR exists now
     assert "already exists" in capsys.readouterr().err

@@ -330,6 +330,14 @@ def test_deploy_and_models_in_a_repository(tiny_model_dir, tmp_path, capsys) -> 
                                    "--name", "t", "--version", "²")  # fmt: skip
     assert main(["models", "--bundled"]) == 0
     assert capsys.readouterr().out.strip() == str(default_model_dir())
+    # A KenLM binary LM ships as lm.bin, in place of the source's; later versions carry it.
+    binary = default_model_dir() / "lm.bin"
+    assert main(["deploy", str(tiny_model_dir), "--repo", str(repo), "--name", "b",
+                 "--lm", str(binary)]) == 0  # fmt: skip
+    assert main(["deploy", str(tiny_model_dir), "--repo", str(repo), "--name", "b"]) == 0
+    for v in ("1", "2"):
+        assert sorted(f.name for f in (repo / "b" / v).glob("lm.*")) == ["lm.bin"]
+        assert (repo / "b" / v / "lm.bin").read_bytes() == binary.read_bytes()
 
 
 def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeypatch) -> None:
@@ -344,7 +352,7 @@ def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeyp
     with running() as server, channel_to(server) as channel:
         assert _versions(pb_grpc.TranscriberStub(channel)) == [("echoic-en-default", version)]
     copied = repo / "echoic-en-default" / version
-    for name in ("model.onnx", "stream.onnx", "lm.arpa", "export.json"):
+    for name in ("model.onnx", "stream.onnx", "lm.bin", "lm.arpa", "export.json"):
         assert (copied / name).read_bytes() == (default_model_dir() / name).read_bytes()
     (repo / "mine").mkdir()
     shutil.move(copied, repo / "mine" / "1")

@@ -397,7 +397,7 @@ class DecoderConfig:
 
     kind: str = "greedy"  # "greedy" or "beam"
     beam_size: int = 32  # hypotheses kept per frame (beam)
-    lm_path: str = ""  # ARPA word LM; "" = the model directory's lm.arpa when present
+    lm_path: str = ""  # word LM (ARPA or KenLM binary); "" = the model directory's, if any
     use_lm: bool = True  # with kind="beam": use the LM when one is found
     lm_weight: float = 0.5  # LM weight (beam), natural-log units per LM log-prob
     word_bonus: float = 1.0  # score added per word (beam), nats
@@ -439,7 +439,7 @@ def check_beam_settings(
 
 class BeamSearchDecoder(_Decoder):
     """CTC prefix beam search over characters or subword tokens, optionally with a word
-    n-gram LM (ARPA).
+    n-gram LM (an ARPA file, or KenLM's binary format).
 
     Hypotheses score, in nats,
 
@@ -596,9 +596,9 @@ def _common_prefix(a: tuple, b: tuple) -> int:
 
 
 class _KenLM:
-    """A word ARPA model loaded through flashlight's KenLM wrapper, shared by all streams
-    and by every decoder of the same file (`shared`): one copy in memory per LM file,
-    whatever the beam sizes asked for, freed once no decoder holds it."""
+    """A word LM (ARPA or KenLM binary) loaded through flashlight's KenLM wrapper, shared
+    by all streams and by every decoder of the same file (`shared`): one copy in memory per
+    LM file, whatever the beam sizes asked for, freed once no decoder holds it."""
 
     _loaded: weakref.WeakValueDictionary[tuple, _KenLM] = weakref.WeakValueDictionary()
     _lock = threading.Lock()
@@ -619,11 +619,11 @@ class _KenLM:
             return lm
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from echoic.model.core.lm import UNK, arpa_words
+        from echoic.model.core.lm import UNK, lm_words
 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"language model {os.fspath(path)!r} does not exist")
-        words = arpa_words(path)
+        words = lm_words(path)  # an ARPA file's unigrams, or a KenLM binary file's
         if UNK not in words:
             words.append(UNK)  # KenLM's own <unk> answers for it
         from flashlight.lib.text.decoder.kenlm import KenLM

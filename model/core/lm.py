@@ -23,6 +23,10 @@ through KenLM without any external tool:
 
 Text goes through `normalize_text`, so the model spells words as the acoustic
 model's transcripts do.
+
+A model directory ships its LM as `lm.bin` (KenLM's binary format, converted from the
+ARPA file by scripts/build_lm_binary.sh: it loads faster) or `lm.arpa`; `model_lm` finds
+it, the binary first, and `lm_words` reads the vocabulary of either.
 """
 
 from __future__ import annotations
@@ -278,6 +282,71 @@ class ArpaModel:
             total += self.log10_prob(word, history)
             history.append(word)
         return total
+
+
+# The word LM a model directory may ship beside its graphs, in the order a loader prefers
+# them: KenLM's binary format (scripts/build_lm_binary.sh makes it from the ARPA file; it
+# loads in a fraction of the ARPA's time, docs/models-and-import.md), then the ARPA file.
+LM_BINARY, LM_ARPA = "lm.bin", "lm.arpa"
+LM_FILES = (LM_BINARY, LM_ARPA)
+
+# KenLM's binary files begin with this (lm/binary_format.cc, kMagicBytes: format version 5).
+_KENLM_MAGIC = b"mmap lm http://kheafield.com/code format version 5\n\0\0"
+_KENLM_OLD_MAGIC = b"mmap lm http://kheafield.com/code"
+_KENLM_SANITY = (len(_KENLM_MAGIC) + 7) // 8 * 8 + 12 + 12 + 8  # magic, 3 floats, 3 ids, 1
+
+
+def model_lm(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The word LM a model directory ships (the first of `LM_FILES` there), or None."""
+    for name in LM_FILES:
+        if (path := Path(model_dir) / name).is_file():
+            return path
+    return None
+
+
+def is_kenlm_binary(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a KenLM binary file (of any format version) rather than text."""
+    with open(path, "rb") as f:
+        return f.read(len(_KENLM_OLD_MAGIC)) == _KENLM_OLD_MAGIC
+
+
+def lm_words(path: str | os.PathLike[str]) -> list[str]:
+    """The unigrams of a word LM: an ARPA file's, or a KenLM binary file's."""
+    return binary_words(path) if is_kenlm_binary(path) else arpa_words(path)
+
+
+def binary_words(path: str | os.PathLike[str]) -> list[str]:
+    """The vocabulary of a KenLM binary file: build_binary writes the words at its end,
+    each followed by a NUL, <unk> first (lm/vocab.cc); the header gives how many."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(_KENLM_SANITY + 20)
+        if not head.startswith(_KENLM_MAGIC) or len(head) < _KENLM_SANITY + 20:
+            raise ArpaError(
+                f"{path}: a KenLM binary file of another format version than 5:"
+                " rebuild it from its ARPA file (scripts/build_lm_binary.sh)"
+            )
+        _, _, _, has_words, _ = struct.unpack_from("<Bxxxfi?xxxI", head, _KENLM_SANITY)
+        if not has_words:
+            raise ArpaError(
+                f"{path}: built without its vocabulary (build_binary -v):"
+                " rebuild it from its ARPA file (scripts/build_lm_binary.sh)"
+            )
+        f.seek(_KENLM_SANITY + 20)
+        (unigrams,) = struct.unpack("<Q", f.read(8))
+        size = f.seek(0, os.SEEK_END)
+        tail, end = b"", size
+        while end > 0:  # back from the end, a MiB at a time, to the last "<unk>\0" there
+            start = max(0, end - (1 << 20))
+            f.seek(start)
+            tail, end = f.read(end - start) + tail, start
+            at = tail.rfind(b"<unk>\0")
+            while at >= 0 and tail.count(b"\0", at) != unigrams:
+                at = tail.rfind(b"<unk>\0", 0, at)  # a word that ends in "<unk>"
+            if at >= 0:
+                return tail[at:-1].decode("utf-8").split("\0")
+    raise ArpaError(f"{path}: no vocabulary of {unigrams} words at its end (truncated?)")
 
 
 def arpa_words(path: str | os.PathLike[str]) -> list[str]:

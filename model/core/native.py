@@ -30,9 +30,9 @@ from contextlib import contextmanager
 
 _LOCK = threading.Lock()  # one redirection at a time: fd 2 is the process's
 
-# KenLM's ARPA loader (through flashlight-text): a hint to build a binary file (no tool
-# here builds one: docs/transcribing.md, "A language model"), the path, then a 100-column
-# progress bar.
+# KenLM's ARPA loader (through flashlight-text): a hint to build a binary file (the
+# bundled model ships one, lm.bin, which loads without a word; scripts/build_lm_binary.sh
+# makes one of a user's ARPA file), the path, then a 100-column progress bar.
 KENLM_CHATTER = re.compile(
     r"Loading the LM will be faster if you build a binary file\.|Reading .*|"
     r"-+5-+10-+15.*|\*+"

@@ -52,7 +52,7 @@ from echoic.model.core.decoding import (
 )
 
 __all__ = [
-    "FILE_ENDPOINTING", "LM_FILE", "MAX_CUT_DELAY", "Endpointing", "Recognizer", "Stepped",
+    "FILE_ENDPOINTING", "MAX_CUT_DELAY", "Endpointing", "Recognizer", "Stepped",
     "Stream", "Utterance", "default_model_dir",
 ]  # fmt: skip
 from echoic.model.core.features import (
@@ -62,6 +62,7 @@ from echoic.model.core.features import (
     nemo_features,
     normalize_utterance,
 )
+from echoic.model.core.lm import model_lm
 from echoic.model.runtime.chunking import (
     WHOLE_SECONDS,
     ChunkConfig,
@@ -73,8 +74,6 @@ from echoic.model.runtime.chunking import (
 )
 from echoic.model.runtime.engine import Engine, StreamState, WindowFeeder
 from echoic.model.runtime.repository import default_model_dir
-
-LM_FILE = "lm.arpa"  # an optional word LM shipped beside the graphs
 
 
 class Recognizer:
@@ -144,8 +143,8 @@ class Recognizer:
             return None
         if cfg.lm_path:
             return cfg.lm_path
-        shipped = self.engine.model_dir / LM_FILE
-        return str(shipped) if shipped.is_file() else None
+        shipped = model_lm(self.engine.model_dir)  # lm.bin before lm.arpa
+        return str(shipped) if shipped is not None else None
 
     def load_decoder(self) -> None:
         """Build the decoder now (a beam search loads its LM) rather than at first use."""

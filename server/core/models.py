@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from echoic.model.core.decoding import DecoderConfig
+from echoic.model.core.lm import model_lm
 from echoic.model.runtime.card import ModelCard
 from echoic.model.runtime.chunking import ChunkConfig
 from echoic.model.runtime.engine import Engine
-from echoic.model.runtime.recognizer import LM_FILE, Recognizer, default_model_dir
+from echoic.model.runtime.recognizer import Recognizer, default_model_dir
 from echoic.model.runtime.repository import (
     check_name,
     default_model,
@@ -108,7 +109,7 @@ class LoadedModel:
     # this process, in the dispatcher's decoder threads.
     beam_decoders: Callable[..., Any] | None = None
     default_decoder: DecoderConfig = field(default_factory=DecoderConfig)  # `default_decoder`
-    has_lm: bool = False  # the version ships a word LM (lm.arpa)
+    has_lm: bool = False  # the version ships a word LM (lm.bin or lm.arpa)
     state: str = LOADED
     active: int = 0  # open streams and requests on this version, count
     _recognizers: dict[DecoderConfig, Recognizer | RemoteRecognizer] = field(
@@ -406,7 +407,7 @@ class ModelRegistry:
             metrics=self._metrics,
             labels=(name, version),
         )
-        has_lm = (path / LM_FILE).is_file()
+        has_lm = model_lm(path) is not None
         model = LoadedModel(
             name, version, path, greedy, dispatcher,
             beam_decoders=self._beams.decoder if self._beams is not None else None,
@@ -431,7 +432,7 @@ class ModelRegistry:
         card = engine.info.card
         name, version = name or card.name, version or card.version
         engine.labels = (name, version)
-        has_lm = (path / LM_FILE).is_file()
+        has_lm = model_lm(path) is not None
         model = LoadedModel(
             name, version, path, RemoteRecognizer(engine, DecoderConfig()), engine,
             default_decoder=default_decoder(cfg, has_lm), has_lm=has_lm,
