@@ -149,7 +149,7 @@ def encoded(pcm: bytes, fmt: str, subtype: str) -> bytes:
 
 async def grpc_good(client: AsyncClient, utt: Utterance, want: str, rec: Record) -> None:
     sent_at: list[float] = []
-    finals = []
+    finals, last = [], 0.0
     try:
         async for response in client.stream(
             at_real_time(utt.chunks, sent_at), sample_rate=RATE, interim_results=False,
@@ -157,8 +157,8 @@ async def grpc_good(client: AsyncClient, utt: Utterance, want: str, rec: Record)
         ):  # fmt: skip
             if response.results and response.results[0].is_final:
                 finals.append(response.results[0].alternatives[0].transcript)
-                latency = time.monotonic() - sent_at[-1]
-        rec.good_answer(latency, " ".join(finals), want)
+                last = time.monotonic()
+        rec.good_answer((last or time.monotonic()) - sent_at[-1], " ".join(finals), want)
     except ClientError as e:
         rec.good_failure(e.code.name if e.code else "ERROR", str(e))
 
@@ -167,8 +167,9 @@ async def grpc_hostile(client: AsyncClient, kind: str, pcm: bytes, chunks,
                        rng: random.Random) -> str:  # fmt: skip
     try:
         if kind == "malformed":
-            raw = client._channel.unary_unary("/echoic.v1.Transcriber/Recognize")
-            await raw(rng.randbytes(rng.randrange(1, 64)), timeout=30)
+            async with grpc.aio.insecure_channel(client.target) as channel:
+                raw = channel.unary_unary("/echoic.v1.Transcriber/Recognize")
+                await raw(rng.randbytes(rng.randrange(1, 64)), timeout=30)
         elif kind == "cancel":
             stream = client.stream(at_real_time(chunks, []), sample_rate=RATE)
             async for _ in stream:
