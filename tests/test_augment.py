@@ -123,10 +123,31 @@ def test_the_draws_depend_on_seed_epoch_and_index_alone() -> None:
     assert not np.array_equal(Augmenter(EVERYTHING, 8, RATE).waveform(x, 0, 0), runs[0, 0])
 
 
+def test_a_clean_share_leaves_the_waveform_and_changes_no_other_draw() -> None:
+    """clean_prob leaves that share of the utterances as they were (a fine-tune keeps
+    clean speech in every batch); the others are augmented exactly as without it."""
+    from dataclasses import replace
+
+    x = _speechlike(0.5)
+    always = replace(EVERYTHING, speed_prob=1.0)  # every augmented utterance changes length
+    plain = Augmenter(always, seed=5, sample_rate=RATE)
+    shared = Augmenter(replace(always, clean_prob=0.4), seed=5, sample_rate=RATE)
+    clean = 0
+    for index in range(200):
+        out = shared.waveform(x, 0, index)
+        if np.array_equal(out, x):
+            clean += 1
+        else:
+            assert np.array_equal(out, plain.waveform(x, 0, index))
+    assert 60 <= clean <= 100  # 40% of 200, give or take the draw
+    assert not any(np.array_equal(plain.waveform(x, 0, i), x) for i in range(200))
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ({"noise_prob": 1.5}, "noise_prob must be in [0, 1]"),
+        ({"clean_prob": -0.1}, "clean_prob must be in [0, 1]"),
         ({"speed": [1.2, 0.9]}, "low 1.2 is above high 0.9"),
         ({"noise_kinds": ["thunder"]}, "noise_kinds"),
         ({"level_dbfs": [-10.0, 3.0]}, "level_dbfs must be <= 0"),

@@ -173,8 +173,9 @@ def test_the_finetune_recipe_is_the_bundled_models_network() -> None:
     finetune = tomllib.loads(FINETUNE.read_text())
     default = tomllib.loads(DEFAULT_RECIPE.read_text())["model"]
     assert finetune["model"] == default
-    robust = tomllib.loads((ROOT / "training" / "recipes" / "robust.toml").read_text())
-    assert robust["model"] == default and robust["init_from"] == "bundled"
+    for stage in ("robust.toml", "robust3.toml"):  # the stages that fine-tune the bundled model
+        robust = tomllib.loads((ROOT / "training" / "recipes" / stage).read_text())
+        assert robust["model"] == default and robust["init_from"] == "bundled", stage
     assert finetune["init_from"] == "bundled"
     _, info = rebuild(default_model_dir())
     card = read_report_card(default_model_dir())

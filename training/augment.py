@@ -8,6 +8,11 @@ keyed by (seed, epoch, utterance index) alone, so it differs every epoch, is the
 whatever the number of loader workers or ranks, and a resumed run draws what an
 uninterrupted one would (determinism holds).
 
+A share of the utterances (`clean_prob`) is left as the corpus has it on the waveform
+(SpecAugment still applies), so that every batch keeps some clean speech whatever the
+other probabilities: a fine-tune that augments everything forgets the clean voices it
+started from.
+
 On the waveform, in this order (a room comes before the line, the line before the
 noise on it, the level and the clipping last):
 
@@ -46,6 +51,7 @@ BABBLE_TALKERS = (3, 6)  # other utterances summed into babble, count range
 
 @dataclass(frozen=True)
 class AugmentConfig:
+    clean_prob: float = 0.0  # chance that the waveform is left untouched, 0-1
     speed_prob: float = 0.0  # chance of speed perturbation, 0-1
     speed: tuple[float, float] = (0.9, 1.1)  # speed factor range, x
     reverb_prob: float = 0.0  # chance of room reverberation, 0-1
@@ -64,8 +70,8 @@ class AugmentConfig:
     time_width: float = 0.05  # widest time mask, fraction of the utterance
 
     def __post_init__(self) -> None:
-        probs = ("speed_prob", "reverb_prob", "telephone_prob", "noise_prob", "level_prob",
-                 "clip_prob")  # fmt: skip
+        probs = ("clean_prob", "speed_prob", "reverb_prob", "telephone_prob", "noise_prob",
+                 "level_prob", "clip_prob")  # fmt: skip
         for name in probs:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"augment.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -124,6 +130,9 @@ class Augmenter:
             _rng(self.seed, epoch, index, 10 + k) for k in range(6)
         )
         x = samples.astype(np.float32, copy=False)
+        # Its own stream too: with clean_prob 0 nothing else draws differently.
+        if cfg.clean_prob and _rng(self.seed, epoch, index, 16).random() < cfg.clean_prob:
+            return x
         if speed.random() < cfg.speed_prob:
             x = speed_perturb(x, float(speed.uniform(*cfg.speed)))
         if room.random() < cfg.reverb_prob:
