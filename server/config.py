@@ -71,6 +71,14 @@ def setting(default: Any, help: str, flag: Flag | None = Flag()) -> Any:  # noqa
 
 DECODERS = ("auto", "greedy", "beam")  # ServerConfig.decoder
 ENGINES = ("auto", "thread", "process")  # ServerConfig.engine
+
+
+def _cores() -> int:
+    """The cores this process may run on (a container's or `taskset`'s share, not the
+    host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches
 
 CPU = ("CPUExecutionProvider",)
@@ -139,7 +147,8 @@ class ServerConfig:
     max_batch: int = setting(32, "streams per ONNX Runtime call, count", Flag(metavar="N"))
     max_wait_ms: float = setting(
         0.0,
-        "ms a dispatcher waits for a fuller batch; 0 = run whatever is ready at once",
+        "with --engine thread: ms a dispatcher waits for a fuller batch; 0 = run whatever "
+        "is ready at once (an engine process always does)",
         Flag(metavar="MS"),
     )
     # auto by measurement (bench/serve_load.py), docs/benchmarks.md
@@ -337,13 +346,13 @@ class ServerConfig:
     def engine_process(self) -> bool:
         """Each model version's engine runs in a process of its own (`engine`)."""
         if self.engine == "auto":
-            return (os.cpu_count() or 1) >= 2
+            return _cores() >= 2
         return self.engine == "process"
 
     @property
     def lanes(self) -> int:
         """Batches an engine process runs at once (`batch_lanes`; 0 = one per core)."""
-        return self.batch_lanes or os.cpu_count() or 1
+        return self.batch_lanes or _cores()
 
     def __post_init__(self) -> None:
         checks = [

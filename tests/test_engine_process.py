@@ -175,3 +175,31 @@ def test_an_engine_process_that_cannot_load_its_model_says_why(tmp_path: Path) -
                 pass
         errors.append(str(e.value))
     assert errors[0] == errors[1]
+
+
+def test_an_engine_process_that_cannot_restart_is_retried_until_it_can(
+    tiny_model_dir: Path, tmp_path: Path, corpus_audio
+) -> None:
+    """The engine process dies while its model cannot be loaded: the server keeps trying
+    (with a backoff) rather than leaving the version dead, and serves again once it can."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    audio = pcm16(corpus_audio[0][1])
+    with running(model, engine="process") as server, channel_to(server) as ch:
+        stub = pb_grpc.TranscriberStub(ch)
+        want = recognize(stub, audio, linear16()).results
+        (engine,) = _engines(server)
+        pid = engine.pid
+        graph = model / "model.onnx"
+        graph.rename(tmp_path / "away.onnx")
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: "retrying" in engine._broken, timeout=60, what="a failed restart")
+        with pytest.raises(grpc.RpcError) as e:
+            recognize(stub, audio, linear16())
+        assert e.value.code() == Code.UNAVAILABLE
+        (tmp_path / "away.onnx").rename(graph)
+        wait_until(
+            lambda: engine.pid != pid and not engine._broken, timeout=90,
+            what="a restart once the model loads again",
+        )  # fmt: skip
+        assert recognize(stub, audio, linear16()).results == want

@@ -228,6 +228,7 @@ class EngineProcess:
         self._closed = False
         self._broken = ""  # why no process can start; "" while one can
         self._restart: asyncio.Task | None = None
+        self._built: set[DecoderConfig] = set()  # decoders built, to rebuild after a restart
         self._loop: asyncio.AbstractEventLoop
 
     @classmethod
@@ -291,6 +292,8 @@ class EngineProcess:
         """A recognizer with `decoder`, built in the engine process (a beam search loads its
         LM there); ValueError for settings it refuses (a boosted word it cannot spell)."""
         await self._call(("decoder", decoder))
+        if not decoder.boost:  # one request's boosted words are not worth rebuilding
+            self._built.add(decoder)
         return RemoteRecognizer(self, decoder)
 
     def open_stream(
@@ -378,6 +381,11 @@ class EngineProcess:
                 replies = _receive(pipe)
             except (EOFError, OSError):
                 break
+            except Exception:  # a reply that does not load: this process is beyond trust
+                log.exception("an engine process's reply could not be read; restarting it")
+                if self._process is not None:
+                    self._process.kill()
+                break
             try:
                 self._loop.call_soon_threadsafe(self._on_replies, replies)
             except RuntimeError:  # the loop is closed: the server is gone
@@ -446,14 +454,26 @@ class EngineProcess:
         log.error("%s; failing %d waiting request(s) and starting a new one", why,
                   len(self._waiting))  # fmt: skip
         self._fail(DispatcherClosed(f"{why}: retry"))
-        try:
-            await self._spawn()
-        except Exception as e:  # noqa: BLE001 - logged; requests are refused with it
-            self._broken = f"the engine process could not be restarted: {e}"
-            log.error("%s %s: %s", *self.labels, self._broken)
-            self._fail(DispatcherClosed(self._broken))
-        else:
+        delay = 1.0
+        while not self._closed:
+            try:
+                await self._spawn()
+            except Exception as e:  # noqa: BLE001 - logged; requests are refused with it
+                self._broken = f"the engine process could not be restarted ({e}); retrying"
+                log.error("%s %s: %s", *self.labels, self._broken)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 30.0)
+                continue
+            self._broken = ""
             log.info("%s version %s: a new engine process (pid %s) serves", *self.labels, self.pid)
+            # The decoders the old process had built, built again beside the batches (a
+            # stream opened on one not yet built would build it on the batches' thread).
+            for decoder in list(self._built):
+                try:
+                    await self._call(("decoder", decoder))
+                except Exception:  # noqa: BLE001 - a later request says why, if it still fails
+                    log.exception("rebuilding a decoder in the new engine process")
+            return
 
     def _fail(self, error: Exception) -> None:
         waiting = list(self._waiting.values())
@@ -643,10 +663,11 @@ class _Host:
         self._decoders.submit(run)
 
     def _reply_error(self, rid: int, error: Exception) -> None:
-        try:
-            self.send([("error", rid, error)])
-        except Exception:  # noqa: BLE001 - an error that does not pickle
-            self.send([("error", rid, RuntimeError(f"{type(error).__name__}: {error}"))])
+        try:  # the server must be able to load it, not only this process to dump it
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # noqa: BLE001 - an error that does not pickle both ways
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        self.send([("error", rid, error)])
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
         """The recognizer for a decoder config, built once (one with boosted words: kept
@@ -705,7 +726,12 @@ class _Host:
                 self._reply_error(item.rid, e)
             return
         replies.append(("batch", len(batch), time.perf_counter() - started, waits, audio))
-        self.send(replies)
+        try:
+            self.send(replies)
+        except Exception as e:  # noqa: BLE001 - a reply that does not pickle: each waiter told
+            log.exception("the replies of a batch could not be sent")
+            for item in batch:
+                self._reply_error(item.rid, e)
 
     def _settle(self, item: _Work, stepped: bool) -> list[tuple]:
         """A stream's reply after its step: settled here (greedy), or in a decoder thread
@@ -722,11 +748,9 @@ class _Host:
 
     def _settle_beside(self, item: _Work) -> None:
         try:
-            stepped = item.payload.settle()
+            self.send([("stepped", item.rid, item.payload.settle(), _status(item.payload))])
         except Exception as e:  # noqa: BLE001 - raised where it was asked for
             self._reply_error(item.rid, e)
-            return
-        self.send([("stepped", item.rid, stepped, _status(item.payload))])
 
     def close(self) -> None:
         self._decoders.shutdown(wait=False, cancel_futures=True)

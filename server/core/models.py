@@ -423,6 +423,9 @@ class ModelRegistry:
     ) -> LoadedModel:
         """`_load` with the engine in a process of its own (`--engine process`)."""
         cfg = self._config
+        if cfg.max_wait_ms:
+            log.warning("--max-wait-ms applies to --engine thread; an engine process runs "
+                        "whatever is queued the moment a lane is free")  # fmt: skip
         spec = EngineSpec(
             path, tuple(cfg.providers), cfg.intra_op_threads, cfg.ort_spin_wait,
             cfg.device == "cuda", chunking, cfg.max_batch, cfg.lanes, DECODER_THREADS,
