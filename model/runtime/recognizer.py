@@ -146,6 +146,17 @@ class Recognizer:
         shipped = model_lm(self.engine.model_dir)  # lm.bin before lm.arpa
         return str(shipped) if shipped is not None else None
 
+    def with_decoder(
+        self, decoder: DecoderConfig, beam_decoders: Callable[..., Any] | None = None
+    ) -> Recognizer:
+        """A recognizer with another decoder, sharing this one's engine and chunking, its
+        decoder built now (a beam search's LM loaded: by a caller off the requests' path)."""
+        recognizer = Recognizer(
+            self.engine, decoder, chunking=self.chunking, beam_decoders=beam_decoders
+        )
+        recognizer.load_decoder()
+        return recognizer
+
     def load_decoder(self) -> None:
         """Build the decoder now (a beam search loads its LM) rather than at first use."""
         self._decoder  # noqa: B018 - the property builds it

@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,21 +193,9 @@ class Dispatcher:
                 return
 
     def _take_batch(self) -> list[_Work]:
-        """Up to max_batch live items of the kind at the head of the queue."""
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()  # its client went away
-        if not self._queue:
-            return []
-        kind = self._queue[0].kind
-        batch: list[_Work] = []
-        rest: deque[_Work] = deque()
-        while self._queue and len(batch) < self._max_batch:
-            work = self._queue.popleft()
-            if work.future.done():
-                continue
-            (batch if work.kind == kind else rest).append(work)
-        self._queue.extendleft(reversed(rest))
-        return batch
+        """Up to max_batch live items of the kind at the head of the queue (a gone client's
+        items dropped)."""
+        return take_batch(self._queue, self._max_batch, gone=lambda work: work.future.done())
 
     def _run_batch(self, batch: Sequence[_Work]) -> list[Any]:
         """In a worker thread: one batched model call for the whole batch, then every
@@ -220,13 +208,37 @@ class Dispatcher:
         return self._recognizer.log_probs([work.payload for work in batch])
 
     def _observe(self, batch: Sequence[_Work], compute: float) -> None:
-        m, labels = self._metrics, self._labels
-        m.batch_size.labels(*labels).observe(len(batch))
-        m.compute.labels(*labels).observe(compute)
         if batch[0].kind == "stream":
             audio = len(batch) * self._window_seconds
         else:
             rate = self._recognizer.sample_rate
             audio = sum(len(work.payload) for work in batch) / rate
-        if audio > 0:
-            m.real_time_factor.labels(*labels).observe(compute / audio)
+        observe_batch(self._metrics, self._labels, len(batch), compute, audio)
+
+
+def take_batch(queue: deque, max_batch: int, gone: Callable[[Any], bool] | None = None) -> list:
+    """Up to max_batch items (each with a `kind`) of the kind at the head of `queue`, taken
+    in order; the other kinds keep their places, and items `gone` says are gone are dropped.
+    The one batching rule of the thread engine (`Dispatcher`) and the engine process."""
+    batch: list = []
+    rest: deque = deque()
+    kind = None
+    while queue and len(batch) < max_batch:
+        item = queue.popleft()
+        if gone is not None and gone(item):
+            continue
+        kind = kind or item.kind
+        (batch if item.kind == kind else rest).append(item)
+    queue.extendleft(reversed(rest))
+    return batch
+
+
+def observe_batch(
+    metrics: Metrics, labels: tuple[str, str], size: int, compute: float, audio: float
+) -> None:
+    """One batch in the metrics: its size, its compute time (s) and, for `audio` s of audio
+    > 0, its real-time factor."""
+    metrics.batch_size.labels(*labels).observe(size)
+    metrics.compute.labels(*labels).observe(compute)
+    if audio > 0:
+        metrics.real_time_factor.labels(*labels).observe(compute / audio)

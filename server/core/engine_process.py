@@ -66,7 +66,7 @@ from echoic.model.runtime.card import ModelCard
 from echoic.model.runtime.chunking import ChunkConfig
 from echoic.model.runtime.engine import Engine, window_ready
 from echoic.model.runtime.recognizer import Recognizer, Stepped, Stream
-from echoic.server.core.dispatcher import DispatcherClosed
+from echoic.server.core.dispatcher import DispatcherClosed, observe_batch, take_batch
 from echoic.server.metrics import Metrics
 
 log = logging.getLogger("echoic.server")
@@ -420,13 +420,9 @@ class EngineProcess:
                 future.set_exception(reply[2])
 
     def _observe(self, size: int, compute: float, waits: list[float], audio: float) -> None:
-        m, labels = self._metrics, self.labels
-        m.batch_size.labels(*labels).observe(size)
-        m.compute.labels(*labels).observe(compute)
         for wait in waits:
-            m.queue_wait.labels(*labels).observe(wait)
-        if audio > 0:
-            m.real_time_factor.labels(*labels).observe(compute / audio)
+            self._metrics.queue_wait.labels(*self.labels).observe(wait)
+        observe_batch(self._metrics, self.labels, size, compute, audio)
 
     def _on_exit(self, generation: int) -> None:
         if generation != self.generation or self._closed:
@@ -580,7 +576,7 @@ class _Host:
                             self._reply_error(op[1], e)
             while work and free:
                 free -= 1
-                lanes.submit(self._lane, self._take_batch(work))
+                lanes.submit(self._lane, take_batch(work, self._spec.max_batch))
 
     def _lane(self, batch: list[_Work]) -> None:
         try:
@@ -678,11 +674,9 @@ class _Host:
                 if decoder.boost:
                     self._boosted.move_to_end(decoder)
                 return built
-        recognizer = Recognizer(
-            self.greedy.engine, decoder, chunking=self.greedy.chunking,
-            beam_decoders=self._beams.decoder if self._beams is not None else None,
-        )  # fmt: skip
-        recognizer.load_decoder()
+        recognizer = self.greedy.with_decoder(
+            decoder, self._beams.decoder if self._beams is not None else None
+        )
         with self._building:
             if decoder.boost:
                 self._boosted[decoder] = recognizer
@@ -691,17 +685,6 @@ class _Host:
             else:
                 recognizer = self._recognizers.setdefault(decoder, recognizer)
         return recognizer
-
-    def _take_batch(self, work: deque[_Work]) -> list[_Work]:
-        """Up to max_batch items of the kind at the head of the queue."""
-        kind = work[0].kind
-        batch: list[_Work] = []
-        rest: deque[_Work] = deque()
-        while work and len(batch) < self._spec.max_batch:
-            item = work.popleft()
-            (batch if item.kind == kind else rest).append(item)
-        work.extendleft(reversed(rest))
-        return batch
 
     def _run_batch(self, batch: list[_Work]) -> None:
         started = time.perf_counter()

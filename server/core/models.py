@@ -136,12 +136,8 @@ class LoadedModel:
         return await asyncio.to_thread(self._recognizer, decoder)
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
-        recognizer = Recognizer(
-            self.greedy.engine, decoder, chunking=self.greedy.chunking,
-            beam_decoders=self.beam_decoders,
-        )  # fmt: skip
-        recognizer.load_decoder()  # here, in a worker thread, not in a request's decoding
-        return recognizer
+        # here, in a worker thread, not in a request's decoding
+        return self.greedy.with_decoder(decoder, self.beam_decoders)
 
     async def recognizer(self, decoder: DecoderConfig | None) -> Recognizer | RemoteRecognizer:
         """The recognizer for a decoder config (sharing this version's engine), built once;
