@@ -228,6 +228,7 @@ class EngineProcess:
         self._closed = False
         self._broken = ""  # why no process can start; "" while one can
         self._restart: asyncio.Task | None = None
+        self._threads: list[threading.Thread] = []  # the pipe's reader and writer
         self._built: set[DecoderConfig] = set()  # decoders built, to rebuild after a restart
         self._loop: asyncio.AbstractEventLoop
 
@@ -277,13 +278,18 @@ class EngineProcess:
         self.generation += 1
         self._live = True
         self._sends = queue.SimpleQueue()
-        threading.Thread(
-            target=self._read, args=(pipe, self.generation), name="echoic-engine-read",
-            daemon=True,
-        ).start()  # fmt: skip
-        threading.Thread(
-            target=_write, args=(pipe, self._sends), name="echoic-engine-write", daemon=True
-        ).start()  # fmt: skip
+        self._threads = [
+            threading.Thread(
+                target=self._read, args=(pipe, self.generation), name="echoic-engine-read",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=_write, args=(pipe, self._sends), name="echoic-engine-write",
+                daemon=True,
+            ),
+        ]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
         self._flush()
 
     # ---- what a LoadedModel calls
@@ -344,6 +350,8 @@ class EngineProcess:
             except asyncio.TimeoutError:
                 process.kill()
                 await asyncio.to_thread(process.wait)
+        for thread in self._threads:  # a closed engine leaves no thread behind
+            await asyncio.to_thread(thread.join, STOP_SECONDS)
 
     # ---- messages
 
