@@ -273,6 +273,14 @@ class ServerConfig:
         "0 = never",
         Flag("max-connection-age", "S"),
     )
+    max_http_connections: int = setting(
+        0,
+        "open connections to the HTTP port, count, per worker process; one more closes the "
+        "oldest one with no request in progress (idle, or still sending its headers); 0 = "
+        "half the process's open-file limit, so that HTTP sockets never use up the "
+        "descriptors the gRPC port needs",
+        Flag(metavar="N"),
+    )
     max_upload_mb: float = setting(
         25.0,
         "largest file an HTTP transcription request may upload, MiB; a bigger one is refused "
@@ -369,6 +377,7 @@ class ServerConfig:
             (self.workers >= 1, "workers must be >= 1 (server processes; 1 = this one)"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "bad metrics_port"),
             (0 <= self.http_port <= 65535, "http_port must be in 0-65535 (0 = off)"),
+            (self.max_http_connections >= 0, "max_http_connections must be >= 0 (0 = auto)"),
             (self.max_upload_mb > 0, "max_upload_mb must be > 0"),
             (self.upload_timeout_seconds > 0, "upload_timeout_seconds must be > 0"),
             (self.min_upload_bytes_per_second >= 0, "min_upload_bytes_per_second must be >= 0"),

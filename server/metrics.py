@@ -190,7 +190,6 @@ class MetricsHttp:
         )
         self._thread.start()
         self._runner: Any = None
-        self._server: Any = None  # the CappedServer, once started
         try:
             started = asyncio.run_coroutine_threadsafe(self._start(host, port, idle_seconds),
                                                        self._loop)  # fmt: skip
@@ -202,7 +201,9 @@ class MetricsHttp:
     async def _start(self, host: str, port: int, idle_seconds: float) -> int:
         from aiohttp import web
 
-        server = self._server = _capped_server_class()(
+        from echoic.server.connections import capped_server
+
+        server = capped_server(
             self._answer, limit=MAX_CONNECTIONS, access_log=None, logger=_ScrapeLog(),
             keepalive_timeout=idle_seconds,
         )  # fmt: skip
@@ -225,14 +226,9 @@ class MetricsHttp:
             return web.Response(status=405, text="GET /metrics\n", headers={"Allow": "GET"})
         if request.path != "/metrics":
             return web.Response(status=404, text="not found: try /metrics\n")
-        busy = self._server.busy  # the connection is not idle while it is answered
-        busy.add(request.protocol)
-        try:
-            body, content_type = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._exposition, request.headers.get("Accept", "")
-            )
-        finally:
-            busy.discard(request.protocol)
+        body, content_type = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._exposition, request.headers.get("Accept", "")
+        )
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def stop(self) -> None:
@@ -247,39 +243,6 @@ class MetricsHttp:
         if not self._loop.is_running():
             self._loop.close()
         self._pool.shutdown()  # a scrape in progress ends first
-
-
-def _capped_server_class() -> type:
-    """`CappedServer`, defined when first served (aiohttp is the serve extra's)."""
-    from aiohttp import web
-
-    class CappedServer(web.Server):
-        """aiohttp's low-level server, with at most `limit` open connections: one more
-        closes the oldest connection that has no request being answered (idle, or still
-        sending its headers; the newest itself when every other is busy)."""
-
-        def __init__(self, handler: Any, *, limit: int, **kwargs: Any) -> None:
-            super().__init__(handler, **kwargs)
-            self.limit = limit
-            self.busy: set[Any] = set()  # connections whose request is being answered
-            # Open connections, oldest first; aiohttp's own list keeps one closed until its
-            # handler task ends, so a connection chosen to close would be chosen again.
-            self._open: dict[Any, None] = {}
-
-        def connection_made(self, handler: Any, transport: Any) -> None:
-            super().connection_made(handler, transport)
-            self._open[handler] = None
-            if len(self._open) > self.limit:
-                victim = next((h for h in self._open if h not in self.busy), handler)
-                del self._open[victim]
-                # after this call returns: the newest connection's handler is still starting
-                self._loop.call_soon(victim.force_close)
-
-        def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
-            self._open.pop(handler, None)
-            super().connection_lost(handler, exc)
-
-    return CappedServer
 
 
 def serve_http(

@@ -28,7 +28,9 @@ FOLDERS = {  # folder -> import name (pyproject's package-dir)
 }
 HEAVY = ("torch", "onnx", "onnxruntime", "grpc", "triton", "google", "aiohttp")  # google: protobuf
 
-SERVER_BASE = ("echoic.server.config", "echoic.server.metrics")  # beside every server layer
+SERVER_BASE = (  # beside every server layer
+    "echoic.server.config", "echoic.server.metrics", "echoic.server.connections"
+)  # fmt: skip
 
 # part -> (echoic parts it may import besides itself, heavy libraries it may import)
 RULES: dict[str, tuple[set[str], set[str]]] = {
@@ -44,10 +46,13 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     # --engines piper or hibari loads onnxruntime; `import echoic.training` does not)
     "echoic.training.neural_tts": (set(), {"onnx", "onnxruntime"}),
     # The server in layers, each a folder that imports only the ones below it:
-    # process -> doors -> core -> model.runtime, with config and metrics beside them all.
+    # process -> doors -> core -> model.runtime, with config, metrics and connections
+    # beside them all.
     "echoic.server": (set(), set()),  # its __init__: a docstring
     "echoic.server.config": (set(), set()),  # read by every layer, so it imports none
-    "echoic.server.metrics": (set(), {"aiohttp"}),  # aiohttp lazily: --metrics-port
+    # aiohttp lazily: --metrics-port, on a server with its connections capped
+    "echoic.server.metrics": ({"echoic.server.connections"}, {"aiohttp"}),
+    "echoic.server.connections": (set(), {"aiohttp"}),  # aiohttp lazily: when serving
     # the recognition core, below the doors: in no protocol's words, no door, nothing of
     # the process level (a door's messages are written from the core's `Result`s)
     "echoic.server.core": (

@@ -555,6 +555,46 @@ def test_idle_connections_to_the_metrics_port_take_no_threads_and_are_bounded() 
                 s.close()
 
 
+def test_past_max_http_connections_the_oldest_idle_one_is_closed_never_a_busy_one(
+    speech,
+) -> None:
+    """Past --max-http-connections the HTTP port closes its oldest connection with no
+    request in progress (idle, or still sending its headers) at once, not after the idle
+    timeout: idle sockets cannot use up the process's descriptors (1,100 of them once made
+    the gRPC port unreachable too). A realtime socket, older than all of them, is busy for
+    its whole life and stays; the newest stay; uploads are still answered."""
+    import socket
+
+    limit, many = 8, 24
+    with http_server(max_http_connections=limit, idle_timeout_seconds=3 * HUNG) as server:
+        address = ("127.0.0.1", server.server.http_port)
+
+        async def talk(ws) -> list:  # noqa: ANN001 - aiohttp's socket
+            socks = [socket.create_connection(address, timeout=HUNG) for _ in range(many)]
+            try:
+                for s in socks[::2]:
+                    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                closed: set[int] = set()
+
+                def cut() -> bool:
+                    closed.update(i for i, s in enumerate(socks) if _closed_by_the_server(s))
+                    return len(closed) >= many + 1 - limit
+
+                wait_until(cut, HUNG)
+                time.sleep(0.2)  # room for a wrong close to show
+                assert not cut() or len(closed) == many + 1 - limit, sorted(closed)
+                assert closed == set(range(len(closed))), sorted(closed)  # the oldest
+                await ws.send_json({"type": "transcription_session.update", "session": PCM16})
+                updated = await ws.receive_json(timeout=HUNG)
+                status, body = _transcribe(server, _encoded(speech, "WAV", "PCM_16"))
+                return [updated["type"], status, bool(body.get("text"))]
+            finally:
+                for s in socks:
+                    s.close()
+
+        assert _realtime(server, talk) == ["transcription_session.updated", 200, True]
+
+
 PREAMBLE_BYTES = 20 * 10**6  # junk before a form's first part, or inside its part's header
 JUNK_LINE = b"x" * 62 + b"\r\n"
 

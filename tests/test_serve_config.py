@@ -26,7 +26,7 @@ FLAGS = {
     "--chunk-ms", "--chunk-left-ms", "--chunk-right-ms",
     "--max-audio-seconds", "--idle-timeout-seconds", "--max-stream-seconds", "--max-beam-size",
     "--punctuation-model",
-    "--max-message-bytes", "--max-upload-mb", "--upload-timeout-seconds",
+    "--max-message-bytes", "--max-http-connections", "--max-upload-mb", "--upload-timeout-seconds",
     "--min-upload-bytes-per-second", "--decode-threads",
     "--decode-timeout-seconds",
     "--max-connection-age", "--grace-seconds", "--no-reflection", "--expose-paths",

@@ -48,6 +48,7 @@ from aiohttp import BodyPartReader, ClientError, StreamReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from echoic.server.config import ServerConfig
+from echoic.server.connections import capped_app_runner, descriptor_share
 from echoic.server.core.models import ModelRegistry
 from echoic.server.core.types import Options
 from echoic.server.doors.openai_api import (
@@ -118,7 +119,7 @@ class HttpDoor:
         self._service = service
         self._registry = registry
         self._metrics = metrics
-        self._runner: web.AppRunner | None = None
+        self._runner: web.BaseRunner | None = None
         self._warn = RateLimitedWarning(10.0)
         self.upload_limit = int(config.max_upload_mb * 2**20)  # bytes of the file
         self.max_uploads = UPLOADS_PER_STREAM * config.max_streams  # requests in progress
@@ -148,12 +149,14 @@ class HttpDoor:
     ) -> int:
         """Listen on host:port (TLS with `ssl_context`; SO_REUSEPORT with `reuse_port`, for
         a worker of `echoic serve --workers`); returns the port."""
-        runner = web.AppRunner(
-            self.application(), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS,
+        limit = self._config.max_http_connections or descriptor_share()
+        runner = capped_app_runner(
+            self.application(), limit=limit, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS,
             logger=_ProtocolLog(self._warn),
             # A connection with no request in progress (idle between requests, never sent
             # one, or still sending its headers) is closed after the idle timeout; aiohttp's
-            # default holds it an hour, and a thousand such sockets exhaust the descriptors.
+            # default holds it an hour, and a thousand such sockets exhaust the descriptors;
+            # past the limit the oldest of them is closed at once (server/connections.py).
             keepalive_timeout=self._config.idle_timeout_seconds,
         )  # fmt: skip
         await runner.setup()
