@@ -203,3 +203,50 @@ def test_an_engine_process_that_cannot_restart_is_retried_until_it_can(
             what="a restart once the model loads again",
         )  # fmt: skip
         assert recognize(stub, audio, linear16()).results == want
+
+
+def test_steps_queued_for_streams_closed_meanwhile_are_not_run(corpus_audio) -> None:
+    """A client that goes away while its step waits in the engine's queue: the stream is
+    closed, and its step is dropped rather than run for nobody (its batch never happens),
+    and a caller still waiting on it is told the stream was closed. Steps and closes sent in
+    one message: the engine reads both before it runs any batch, whatever the timing."""
+    import asyncio
+
+    from echoic.model.core.decoding import DecoderConfig
+    from echoic.server.core.dispatcher import DispatcherClosed
+    from echoic.server.core.engine_process import EngineSpec
+    from echoic.server.metrics import Metrics
+
+    audio = corpus_audio[0][1]
+    metrics = Metrics()
+    spec = EngineSpec(
+        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0
+    )  # fmt: skip
+
+    def batches() -> float:
+        return metrics.registry.get_sample_value("echoic_batch_size_count", {
+            "model": "m", "version": "1"}) or 0.0  # fmt: skip
+
+    async def run() -> tuple[float, list]:
+        engine = await EngineProcess.start(spec, metrics)
+        engine.labels = ("m", "1")
+        try:
+            recognizer = await engine.recognizer(DecoderConfig())
+            kept = recognizer.stream()
+            gone = [recognizer.stream() for _ in range(8)]
+            for s in [kept, *gone]:
+                s.accept_audio(audio)
+            steps = [asyncio.ensure_future(engine.step(s)) for s in gone]
+            await asyncio.sleep(0)  # the steps queued in this turn of the loop...
+            steps[0].cancel()  # ...one caller gone, the rest still waiting
+            for s in gone:
+                s.close()  # ...and the closes, all in one message
+            answers = await asyncio.gather(*steps[1:], return_exceptions=True)
+            await engine.step(kept)  # a batch after them: its reply comes after theirs
+            return batches(), answers
+        finally:
+            await engine.close()
+
+    ran, answers = asyncio.run(run())
+    assert ran == 1.0  # the kept stream's batch alone
+    assert all(isinstance(a, DispatcherClosed) for a in answers), answers

@@ -518,6 +518,7 @@ class _Work:
     rid: int
     payload: Any  # a Stream, or samples
     queued_at: float
+    sid: int = 0  # a stream's id
 
 
 class _Host:
@@ -543,6 +544,7 @@ class _Host:
         # sid -> its stream, or why it could not be opened (said at its first step)
         self._streams: dict[int, Stream | Exception] = {}
         self._inbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
+        self._dropped: list[int] = []  # rids of queued steps whose streams were closed
         self._decoders = ThreadPoolExecutor(spec.decoder_threads, thread_name_prefix="decode")
         chunk_frames = self.greedy.card.chunk_frames or 1
         self._window_seconds = chunk_frames * self.greedy.frame_seconds
@@ -583,8 +585,23 @@ class _Host:
                         elif op[0] != "close":
                             self._reply_error(op[1], e)
             while work and free:
-                free -= 1
-                lanes.submit(self._lane, take_batch(work, self._spec.max_batch))
+                batch = take_batch(work, self._spec.max_batch, self._gone)
+                if batch:
+                    free -= 1
+                    lanes.submit(self._lane, batch)
+            if self._dropped:
+                closed = DispatcherClosed("the stream was closed")
+                self.send([("error", rid, closed) for rid in self._dropped])
+                self._dropped.clear()
+
+    def _gone(self, item: _Work) -> bool:
+        """Whether a queued step's stream was closed meanwhile (its client went away, its
+        call ended): the step is dropped, not run for nobody; its caller, if still waiting,
+        is told the stream was closed."""
+        gone = item.kind == "stream" and self._streams.get(item.sid) is not item.payload
+        if gone:
+            self._dropped.append(item.rid)
+        return gone
 
     def _lane(self, batch: list[_Work]) -> None:
         try:
@@ -634,7 +651,7 @@ class _Host:
         if not isinstance(stream, Stream):
             self._reply_error(rid, stream or DispatcherClosed("the stream is not open here"))
             return
-        item = _Work("stream", rid, stream, time.perf_counter())
+        item = _Work("stream", rid, stream, time.perf_counter(), sid)
         if samples is not None:
             stream.accept_audio(samples)
         if finish and features_now:  # much audio: its features beside the batches
