@@ -28,7 +28,8 @@ The engine's side (`python -m echoic.server.core.engine_process FD`, `_Host`): a
 reads the pipe; the main thread takes whatever steps are queued the moment the batch
 before is done (up to `max_batch`), runs one `Recognizer.step` for them and settles
 the greedy ones there; beam searches settle in its decoder threads (or its own
-`--beam-processes`). Replies go back as one message per batch.
+`--beam-processes`), and decoders are built in a thread of their own. Replies go back as
+one message per batch. A step whose stream was closed while it waited is dropped.
 
 The messages are pickled lists of tuples of builtins, numpy arrays and
 `echoic.model` objects, one list per send each way: door -> engine `(op, ...)`
@@ -546,6 +547,10 @@ class _Host:
         self._inbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
         self._dropped: list[int] = []  # rids of queued steps whose streams were closed
         self._decoders = ThreadPoolExecutor(spec.decoder_threads, thread_name_prefix="decode")
+        # Decoders are built (a beam search's LM loaded, a request's boosted words spelled:
+        # tens to hundreds of ms) in a thread of their own, so that the beam settles and
+        # whole-file features queued in the decoder threads never wait behind a build.
+        self._builds = ThreadPoolExecutor(1, thread_name_prefix="build")
         chunk_frames = self.greedy.card.chunk_frames or 1
         self._window_seconds = chunk_frames * self.greedy.frame_seconds
 
@@ -638,7 +643,7 @@ class _Host:
             work.append(_Work("offline", op[1], op[2], time.perf_counter()))
         elif kind == "decoder":
             _, rid, decoder = op
-            self._beside(rid, lambda: self._recognizer(decoder) and None)
+            self._beside(rid, lambda: self._recognizer(decoder) and None, self._builds)
         elif kind == "decode":
             _, rid, decoder, log_probs, n_best = op
             self._beside(rid, lambda: self._recognizer(decoder).decode(log_probs, n_best))
@@ -670,8 +675,9 @@ class _Host:
             stream.finish()
         work.append(item)
 
-    def _beside(self, rid: int, call: Any) -> None:
-        """`call()` in a decoder thread; its value (or error) sent as rid's reply."""
+    def _beside(self, rid: int, call: Any, pool: ThreadPoolExecutor | None = None) -> None:
+        """`call()` in a decoder thread (or `pool`'s); its value (or error) sent as rid's
+        reply."""
 
         def run() -> None:
             try:
@@ -681,7 +687,7 @@ class _Host:
             else:
                 self.send([("value", rid, value)])
 
-        self._decoders.submit(run)
+        (pool or self._decoders).submit(run)
 
     def _reply_error(self, rid: int, error: Exception) -> None:
         try:  # the server must be able to load it, not only this process to dump it
@@ -762,6 +768,7 @@ class _Host:
 
     def close(self) -> None:
         self._decoders.shutdown(wait=False, cancel_futures=True)
+        self._builds.shutdown(wait=False, cancel_futures=True)
         if self._beams is not None:
             self._beams.close()
 
