@@ -68,6 +68,10 @@ def _greedy_streams(server, speech: bytes) -> dict[str, list]:
                 responses = stream(stub, speech, config, interim=True, chunk=chunk)
                 out[f"{name} {chunk}"] = [r.results for r in responses]
         out["whole"] = recognize(stub, speech, linear16(decoder=GREEDY, **words)).results
+        # a whole file of several 30 s windows, each window's features computed beside
+        # the batches (in the engine process: with the window's step)
+        long = speech * (1 + int(70 * 32000 / len(speech)))
+        out["whole long"] = recognize(stub, long, linear16(decoder=GREEDY, **words)).results
     return out
 
 

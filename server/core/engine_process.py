@@ -159,7 +159,7 @@ class RemoteStream:
 
     def finish(self, *, features_now: bool = False) -> None:
         self.finished = True
-        self._features_now = features_now
+        self._features_now |= features_now
 
     def is_ready(self) -> bool:
         if self.is_final:
@@ -182,7 +182,10 @@ class RemoteStream:
         return self._decoded_seconds
 
     def compute_features(self) -> None:
-        """Nothing here: the engine process computes them, off this process's lock."""
+        """The audio this stream holds (a whole file's window) has its features computed in
+        the engine process beside its batches, with the next step, rather than in the
+        batch that step joins (about 30 ms for 30 s of audio)."""
+        self._features_now = True
 
     def settle(self) -> Stepped:
         """Nothing: the engine settles a stream with its step, and gives its last utterance
@@ -202,7 +205,8 @@ class RemoteStream:
             samples = pending[0] if len(pending) == 1 else np.concatenate(pending)
         finish = self.finished and not self._finish_sent
         self._finish_sent |= finish
-        return samples, finish, self._features_now
+        features_now, self._features_now = self._features_now, False
+        return samples, finish, features_now
 
     def update(self, status: tuple[int, bool, bool, float, int]) -> None:
         (self._next_frame, self._engine_ready, self.is_final, self._decoded_seconds,
@@ -659,11 +663,14 @@ class _Host:
         item = _Work("stream", rid, stream, time.perf_counter(), sid)
         if samples is not None:
             stream.accept_audio(samples)
-        if finish and features_now:  # much audio: its features beside the batches
+        if features_now:  # much audio: its features beside the batches
 
             def features() -> None:
                 try:
-                    stream.finish(features_now=True)
+                    if finish:
+                        stream.finish(features_now=True)
+                    else:
+                        stream.compute_features()
                 except Exception as e:  # noqa: BLE001 - raised where it was asked for
                     self._reply_error(rid, e)
                 else:
