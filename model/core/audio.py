@@ -248,7 +248,10 @@ class MonoResampler:
     def __call__(self, block: np.ndarray, *, last: bool = False) -> np.ndarray:
         """The mono samples at the model's rate that `block` (N, C) completes; `last`
         flushes the resampler (the block may be empty then)."""
-        mono = np.asarray(block, dtype=np.float64).mean(axis=1).astype(np.float32)  # (N,)
+        if block.shape[1] == 1 and block.dtype == np.float32:
+            mono = block[:, 0]  # one channel's mean is itself, bit for bit: skip the copies
+        else:
+            mono = np.asarray(block, dtype=np.float64).mean(axis=1).astype(np.float32)  # (N,)
         if self._stream is not None:
             mono = self._stream.resample_chunk(mono, last=last).astype(np.float32, copy=False)
         # Float containers and resampling overshoot can leave [-1, 1]; the contract is [-1, 1].

@@ -373,7 +373,7 @@ class AudioInput:
         check_length(frames, self._rate, self.max_seconds, self.name, exact=False)
         samples = _pcm_to_float(raw, self._sample_format, self._channels)  # (N, C)
         self.source_samples = frames
-        if not np.isfinite(samples).all():
+        if self._sample_format in _FLOATS and not np.isfinite(samples).all():
             raise AudioError(f"{self.name}: the audio contains NaN or infinite samples")
         if self._to_model is None:
             self._to_model = MonoResampler(self._rate, self.target_rate)
@@ -408,6 +408,7 @@ class AudioInput:
 
 
 _EMPTY = np.zeros(0, dtype=np.float32)
+_FLOATS = ("float32", "float64")  # the PCM formats that can hold NaN or infinity
 _DECODER_BLOCK = 4096  # frames a FLAC or Ogg decoder hands over at a time, per channel
 _STALL = 120.0  # s a FLAC or Ogg decoder waits for bytes before giving up (a leaked stream)
 

@@ -471,17 +471,25 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         wall time (`closes_at`, time.monotonic()) runs out."""
         idle = self._config.idle_timeout_seconds
         timeout = idle if closes_at is None else min(idle, closes_at - time.monotonic())
-        read = asyncio.ensure_future(context.read())
-        done, _ = await asyncio.wait(
-            (read, ending), timeout=max(timeout, 0.0), return_when=asyncio.FIRST_COMPLETED
-        )
-        if read not in done:
-            read.cancel()
-        if read in done:
-            message = read.result()
-        elif ending in done:
+        if ending.done():
             return grpc.aio.EOF  # the server is stopping: end as if the audio had ended
-        else:  # neither within the timeout
+        # One timer per message, which `ending` moves to now: a read costs no task of its own
+        # (asyncio.wait on a read task and `ending` cost twice the time, per audio message).
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)) as deadline:
+
+                def now(_: asyncio.Future) -> None:
+                    deadline.reschedule(loop.time())
+
+                ending.add_done_callback(now)
+                try:
+                    message = await context.read()
+                finally:
+                    ending.remove_done_callback(now)
+        except TimeoutError:
+            if ending.done():
+                return grpc.aio.EOF
             if closes_at is not None and time.monotonic() >= closes_at:
                 raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
