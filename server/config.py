@@ -136,6 +136,13 @@ class ServerConfig:
         "port is an error",
         flag=None,
     )
+    engine_dir: str | None = setting(
+        None,
+        "a folder for the engine processes' sockets, shared by the workers of one --workers "
+        "supervisor (which makes it): each model version's engine process then serves every "
+        "worker; None: each server process starts its own",
+        flag=None,
+    )
     http_port: int = setting(
         8000,
         "HTTP port on --host, with the same TLS: the OpenAI-compatible API "

@@ -278,6 +278,74 @@ def test_a_killed_worker_comes_back_while_the_other_serves(wavs: list[Path]) -> 
         assert process.wait(timeout=60) == 0
 
 
+def engine_processes() -> dict[int, tuple[int, str]]:
+    """Every engine process serving at a shared socket: pid -> (its parent, the socket)."""
+    from echoic.server.core.engine_process import CHILD_MODULE
+
+    found: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            words = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if CHILD_MODULE in words and "--listen" in words:
+            found[int(entry)] = (parent, words[words.index("--listen") + 1])
+    return found
+
+
+def shared_engines(log: list[str], socket: str = "") -> set[int]:
+    """The engine processes the workers of this supervisor share: the ones a worker started,
+    and any at `socket` (one whose starter died lives on, reparented)."""
+    workers = set(worker_pids(log).values())
+    return {pid for pid, (parent, path) in engine_processes().items()
+            if parent in workers or path == socket}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_workers_share_one_engine_process_that_outlives_any_one_of_them(
+    wavs: list[Path],
+) -> None:
+    """With engine processes, the workers of one supervisor share one per model version
+    (its batches take every worker's streams): streams through both workers are served by
+    it; kill -9 of it, and the two workers go on with one new one; kill -9 of the worker
+    that started it, and it serves on for the other, which the restarted worker joins; it
+    ends with the server."""
+    with two_workers("--engine", "process", "--metrics-port", "0") as (process, port, log):
+        expected = transcript(port, wavs[0])
+        (engine,) = shared_engines(log)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: transcript(port, wavs[0]), range(STREAMS)))
+        assert got == [expected] * STREAMS
+        served = scrape(metrics_port(log), "echoic_requests_total", code="OK",
+                        method="StreamingRecognize")  # fmt: skip
+        assert set(served) == {"1", "2"}, served  # both workers' streams, one engine
+        assert shared_engines(log) == {engine}
+
+        os.kill(engine, signal.SIGKILL)
+        new = "a new engine process (pid"
+        wait_until(lambda: sum(new in line for line in log) == 2, timeout=60,
+                   what="both workers on a new engine process")  # fmt: skip
+        (engine,) = shared_engines(log)
+        assert [transcript(port, wavs[0]) for _ in range(4)] == [expected] * 4
+        starts_at = engine_processes()[engine][1]
+
+        starter = {pid: i for i, pid in worker_pids(log).items()}[
+            int(Path(f"/proc/{engine}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        ]
+        victim = worker_pids(log)[starter]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(log)[starter] != victim, timeout=60,
+                   what="the worker that started the engine, again")  # fmt: skip
+        assert shared_engines(log, starts_at) == {engine}  # the same process, both again
+        assert [transcript(port, wavs[0]) for _ in range(4)] == [expected] * 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    wait_until(lambda: not Path(f"/proc/{engine}").exists()
+               or "Z" in Path(f"/proc/{engine}/stat").read_text().rsplit(")", 1)[1][:3],
+               what="the engine process to end with the server")  # fmt: skip
+
+
 # ---------------------------------------------------------------- errors
 
 

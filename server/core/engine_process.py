@@ -31,6 +31,12 @@ the greedy ones there; beam searches settle in its decoder threads (or its own
 `--beam-processes`), and decoders are built in a thread of their own. Replies go back as
 one message per batch. A step whose stream was closed while it waited is dropped.
 
+With `--workers` (`EngineSpec.share`: a Unix socket's path) one engine process serves
+every worker: the first worker to load the version starts it with `--listen PATH`, the
+others connect there, each connection a `_Door` with its own streams; it ends when the
+last door leaves. The path's lock (PATH.lock, flock) is held while a door connects or
+starts one, and while an engine with no door left closes its socket.
+
 The messages are pickled lists of tuples of builtins, numpy arrays and
 `echoic.model` objects, one list per send each way: door -> engine `(op, ...)`
 with op one of open, close, step, decoder, offline, decode; engine -> door
@@ -41,6 +47,8 @@ and `("batch", size, compute_s, queue_waits, audio_s)` for the metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -53,6 +61,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -92,6 +101,9 @@ class EngineSpec:
     lanes: int  # batches run at once, count
     decoder_threads: int
     beam_processes: int
+    # A Unix socket's path: the engine serves every door process that connects there (the
+    # workers of `--workers`), the first of them starting it; "": this door process's own.
+    share: str = ""
 
 
 @dataclass(frozen=True)
@@ -247,37 +259,30 @@ class EngineProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        info = getattr(self, "info", None)  # the process that serves, or served last
+        return info.pid if info is not None else None
 
     async def _spawn(self) -> None:
-        mine, theirs = socket.socketpair()
-        with theirs:
-            process = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-            )
-        pipe = Connection(mine.detach())
+        """A process that serves this version: this door process's own, or (`spec.share`)
+        the one at the shared socket, started there first if none serves it."""
+        share = self.spec.share
+        lock = await _lock(share + ".lock") if share else None
         try:
-            pipe.send_bytes(pickle.dumps(self.spec))
-            ok, info = await asyncio.wait_for(
-                asyncio.to_thread(_receive, pipe), START_SECONDS
-            )  # fmt: skip
-        except BaseException as e:
-            process.kill()
-            await asyncio.to_thread(process.wait)
-            pipe.close()
-            if isinstance(e, (EOFError, OSError)):
-                raise RuntimeError(f"the engine process for {self.spec.path} exited") from None
-            if isinstance(e, asyncio.TimeoutError):
-                raise RuntimeError(
-                    f"the engine process for {self.spec.path} did not load it in "
-                    f"{START_SECONDS:g} s"
-                ) from None
-            raise
-        if not ok:
-            await asyncio.to_thread(process.wait)
-            pipe.close()
-            raise info
+            pipe = _dial(share) if share else None
+            process = None
+            if pipe is None:
+                mine, theirs = socket.socketpair()
+                listen = ["--listen", share] if share else []
+                with theirs:
+                    process = subprocess.Popen(
+                        [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno()), *listen],
+                        pass_fds=(theirs.fileno(),),
+                    )
+                pipe = Connection(mine.detach())
+            info = await self._handshake(pipe, process)
+        finally:
+            if lock is not None:
+                lock.close()  # and with it the lock
         self.info = info
         self._process, self._pipe = process, pipe
         self.generation += 1
@@ -296,6 +301,33 @@ class EngineProcess:
         for thread in self._threads:
             thread.start()
         self._flush()
+
+    async def _handshake(self, pipe: Connection, process: subprocess.Popen | None) -> _Info:
+        """The spec sent, the model's info back once it is loaded; the load's error."""
+        try:
+            pipe.send_bytes(pickle.dumps(self.spec))
+            ok, info = await asyncio.wait_for(
+                asyncio.to_thread(_receive, pipe), START_SECONDS
+            )  # fmt: skip
+        except BaseException as e:
+            if process is not None:
+                process.kill()
+                await asyncio.to_thread(process.wait)
+            pipe.close()
+            if isinstance(e, (EOFError, OSError)):
+                raise RuntimeError(f"the engine process for {self.spec.path} exited") from None
+            if isinstance(e, asyncio.TimeoutError):
+                raise RuntimeError(
+                    f"the engine process for {self.spec.path} did not load it in "
+                    f"{START_SECONDS:g} s"
+                ) from None
+            raise
+        if not ok:
+            if process is not None:
+                await asyncio.to_thread(process.wait)
+            pipe.close()
+            raise info
+        return info
 
     # ---- what a LoadedModel calls
 
@@ -349,7 +381,10 @@ class EngineProcess:
         self._fail(DispatcherClosed("the model version was unloaded"))
         self._stop_process()
         process = self._process
-        if process is not None:
+        if process is not None and self.spec.share:
+            # It ends once the last door process has left it: reaped whenever that is.
+            threading.Thread(target=process.wait, name="echoic-engine-reap", daemon=True).start()
+        elif process is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(process.wait), STOP_SECONDS)
             except asyncio.TimeoutError:
@@ -454,11 +489,12 @@ class EngineProcess:
                 process.kill()
                 await asyncio.to_thread(process.wait)
         how = (
-            "closed its pipe" if code is None
+            "ended" if process is None  # another door process started it
+            else "closed its pipe" if code is None
             else f"was killed by signal {-code}" if code < 0
             else f"exited with status {code}"
         )  # fmt: skip
-        pid = process.pid if process is not None else None
+        pid = self.info.pid
         why = f"the engine process of {self.labels[0]} version {self.labels[1]} (pid {pid}) {how}"
         log.error("%s; failing %d waiting request(s) and starting a new one", why,
                   len(self._waiting))  # fmt: skip
@@ -500,6 +536,45 @@ class EngineProcess:
         self._sends.put(None)
 
 
+async def _lock(path: str) -> Any:
+    """`path` opened and locked (flock; closing it unlocks), waited for without blocking the
+    event loop, and given up cleanly if the wait is cancelled."""
+    lock = open(path, "a")  # noqa: SIM115 - held until the caller closes it
+    try:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return lock
+            except BlockingIOError:
+                await asyncio.sleep(0.02)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _dial(path: str) -> Connection | None:
+    """A connection to the engine serving at `path`; None if none does."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    return Connection(sock.detach())
+
+
+@contextlib.contextmanager
+def _path_lock(path: str) -> Iterator[None]:
+    """An engine socket's lock (PATH.lock, flock): held while a door process connects to the
+    engine at `path` or starts one there, and while an engine with no door left closes it."""
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _receive(pipe: Connection) -> Any:
     return pickle.loads(pipe.recv_bytes())
 
@@ -517,22 +592,49 @@ def _write(pipe: Connection, sends: queue.SimpleQueue) -> None:
 # ------------------------------------------------------------------ the engine's side
 
 
+class _Door:
+    """One door process's connection to the engine: its pipe and the streams it opened
+    (sid -> its stream, or why it could not be opened, said at its first step)."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self.pipe = pipe
+        self.streams: dict[int, Stream | Exception] = {}
+        self._send_lock = threading.Lock()
+        self.gone = False
+
+    def send(self, replies: list[tuple] | tuple) -> None:
+        """Replies to this door (or its handshake); nothing once it has gone."""
+        data = pickle.dumps(replies, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            if self.gone:
+                return
+            try:
+                self.pipe.send_bytes(data)
+            except OSError:
+                self.gone = True  # its reader sees the end too, and drops its streams
+
+    def close(self) -> None:
+        with self._send_lock:
+            self.gone = True
+            self.pipe.close()
+
+
 @dataclass
 class _Work:
     kind: str  # "stream" or "offline"
     rid: int
     payload: Any  # a Stream, or samples
     queued_at: float
+    door: _Door
     sid: int = 0  # a stream's id
 
 
 class _Host:
-    """The engine process: one model version's streams and batches."""
+    """The engine process: one model version's streams and batches, for one door process
+    or, with `listen`, for every door process that connects (`--workers`)."""
 
     def __init__(self, pipe: Connection, spec: EngineSpec) -> None:
-        self._pipe = pipe
         self._spec = spec
-        self._send_lock = threading.Lock()
         self._beams = None
         if spec.beam_processes:
             from echoic.server.core.beam_processes import BeamProcesses
@@ -546,10 +648,12 @@ class _Host:
         self._recognizers: dict[DecoderConfig, Recognizer] = {DecoderConfig(): self.greedy}
         self._boosted: OrderedDict[DecoderConfig, Recognizer] = OrderedDict()
         self._building = threading.Lock()
-        # sid -> its stream, or why it could not be opened (said at its first step)
-        self._streams: dict[int, Stream | Exception] = {}
-        self._inbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
-        self._dropped: list[int] = []  # rids of queued steps whose streams were closed
+        self._first = _Door(pipe)
+        self._doors: set[_Door] = set()  # the connected ones, under _doors_lock
+        self._doors_lock = threading.Lock()
+        # (door, ops) as they come; (door, None) when a door has gone
+        self._inbox: queue.SimpleQueue[tuple[_Door, list[tuple] | None]] = queue.SimpleQueue()
+        self._dropped: list[tuple[_Door, int]] = []  # queued steps whose streams were closed
         self._decoders = ThreadPoolExecutor(spec.decoder_threads, thread_name_prefix="decode")
         # Decoders are built (a beam search's LM loaded, a request's boosted words spelled:
         # tens to hundreds of ms) in a thread of their own, so that the beam settles and
@@ -557,15 +661,68 @@ class _Host:
         self._builds = ThreadPoolExecutor(1, thread_name_prefix="build")
         chunk_frames = self.greedy.card.chunk_frames or 1
         self._window_seconds = chunk_frames * self.greedy.frame_seconds
+        self._listener: socket.socket | None = None
 
     def info(self) -> _Info:
         g = self.greedy
         return _Info(g.card, g.streamable, g.streams_exactly, g.chunking, os.getpid())
 
-    def run(self) -> None:
+    def _connect(self, door: _Door) -> None:
+        with self._doors_lock:
+            self._doors.add(door)
+        threading.Thread(target=self._read, args=(door,), name="read", daemon=True).start()
+
+    def listen(self, path: str) -> None:
+        """Take more door processes' connections at `path` (a Unix socket), each told the
+        model's info first, as the first door was."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # an engine's that died (the caller holds the path's lock)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(16)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), name="accept",
+                         daemon=True).start()  # fmt: skip
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed: the engine is ending
+            door = _Door(Connection(sock.detach()))
+            try:
+                _receive(door.pipe)  # the door's spec: the same, by the path's name
+            except (EOFError, OSError):
+                door.close()
+                continue
+            # Counted before it is answered: the door holds the path's lock until then, so
+            # an engine whose other doors leave meanwhile sees it and does not end.
+            self._connect(door)
+            door.send((True, self.info()))
+
+    def _last_door_gone(self, path: str | None) -> bool:
+        """Whether no door is left (the engine ends); with `path`, decided under the path's
+        lock, so that a door connecting meanwhile either is counted or finds no socket."""
+        with self._doors_lock:
+            if self._doors:
+                return False
+        if path is None or self._listener is None:
+            return True
+        with _path_lock(path):
+            with self._doors_lock:
+                if self._doors:
+                    return False
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return True
+
+    def run(self, listen: str | None = None) -> None:
         """Take the ops as they come; run the queued steps, up to max_batch at a time, the
-        moment a lane is free (each lane a thread and its own ONNX Runtime call)."""
-        threading.Thread(target=self._read, name="read", daemon=True).start()
+        moment a lane is free (each lane a thread and its own ONNX Runtime call). Ends
+        when the last door has gone (or said stop)."""
+        self._connect(self._first)
         work: deque[_Work] = deque()
         free = self._spec.lanes
         lanes = ThreadPoolExecutor(free, thread_name_prefix="batch")
@@ -576,23 +733,24 @@ class _Host:
                     messages.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            for ops in messages:
-                if ops is None:
-                    return
-                for op in ops:
-                    if op[0] == "stop":
+            for door, ops in messages:
+                if ops is None or any(op[0] == "stop" for op in ops):
+                    self._leave(door)
+                    if self._last_door_gone(listen):
                         return
+                    continue
+                for op in ops:
                     if op[0] == "free":
                         free += 1
                         continue
                     try:
-                        self._handle(op, work)
+                        self._handle(op, work, door)
                     except Exception as e:  # noqa: BLE001 - one op's fault, not the process's
                         log.exception("engine op %r failed", op[0])
                         if op[0] == "open":
-                            self._streams[op[1]] = e
+                            door.streams[op[1]] = e
                         elif op[0] != "close":
-                            self._reply_error(op[1], e)
+                            self._reply_error(door, op[1], e)
             while work and free:
                 batch = take_batch(work, self._spec.max_batch, self._gone)
                 if batch:
@@ -600,67 +758,70 @@ class _Host:
                     lanes.submit(self._lane, batch)
             if self._dropped:
                 closed = DispatcherClosed("the stream was closed")
-                self.send([("error", rid, closed) for rid in self._dropped])
+                for door, rid in self._dropped:
+                    door.send([("error", rid, closed)])
                 self._dropped.clear()
+
+    def _leave(self, door: _Door) -> None:
+        """A door process has gone (or closed its connection): its streams with it."""
+        with self._doors_lock:
+            self._doors.discard(door)
+        door.streams.clear()
+        door.close()
 
     def _gone(self, item: _Work) -> bool:
         """Whether a queued step's stream was closed meanwhile (its client went away, its
-        call ended): the step is dropped, not run for nobody; its caller, if still waiting,
-        is told the stream was closed."""
-        gone = item.kind == "stream" and self._streams.get(item.sid) is not item.payload
+        call ended, its door process gone): the step is dropped, not run for nobody; its
+        caller, if still waiting, is told the stream was closed."""
+        gone = item.kind == "stream" and item.door.streams.get(item.sid) is not item.payload
         if gone:
-            self._dropped.append(item.rid)
+            self._dropped.append((item.door, item.rid))
         return gone
 
     def _lane(self, batch: list[_Work]) -> None:
         try:
             self._run_batch(batch)
         finally:
-            self._inbox.put([("free",)])
+            self._inbox.put((self._first, [("free",)]))
 
-    def _read(self) -> None:
+    def _read(self, door: _Door) -> None:
         while True:
             try:
-                self._inbox.put(_receive(self._pipe))
+                self._inbox.put((door, _receive(door.pipe)))
             except (EOFError, OSError):
-                self._inbox.put(None)
+                self._inbox.put((door, None))
                 return
 
-    def send(self, replies: list[tuple]) -> None:
-        data = pickle.dumps(replies, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            self._pipe.send_bytes(data)
-
-    def _handle(self, op: tuple, work: deque[_Work]) -> None:
+    def _handle(self, op: tuple, work: deque[_Work], door: _Door) -> None:
         kind = op[0]
         if kind == "close":
-            self._streams.pop(op[1], None)
+            door.streams.pop(op[1], None)
         elif kind == "open":
             _, sid, decoder, endpointing, n_best = op
             recognizer = self._recognizer(decoder)
-            self._streams[sid] = recognizer.stream(endpointing=endpointing, n_best=n_best)
+            door.streams[sid] = recognizer.stream(endpointing=endpointing, n_best=n_best)
         elif kind == "step":
-            self._step(op, work)
+            self._step(op, work, door)
         elif kind == "queue":  # a step whose features were computed in a decoder thread
             work.append(op[1])
         elif kind == "offline":
-            work.append(_Work("offline", op[1], op[2], time.perf_counter()))
+            work.append(_Work("offline", op[1], op[2], time.perf_counter(), door))
         elif kind == "decoder":
             _, rid, decoder = op
-            self._beside(rid, lambda: self._recognizer(decoder) and None, self._builds)
+            self._beside(door, rid, lambda: self._recognizer(decoder) and None, self._builds)
         elif kind == "decode":
             _, rid, decoder, log_probs, n_best = op
-            self._beside(rid, lambda: self._recognizer(decoder).decode(log_probs, n_best))
+            self._beside(door, rid, lambda: self._recognizer(decoder).decode(log_probs, n_best))
         else:
             raise ValueError(f"unknown op {kind!r}")
 
-    def _step(self, op: tuple, work: deque[_Work]) -> None:
+    def _step(self, op: tuple, work: deque[_Work], door: _Door) -> None:
         _, rid, sid, samples, finish, features_now = op
-        stream = self._streams.get(sid)
+        stream = door.streams.get(sid)
         if not isinstance(stream, Stream):
-            self._reply_error(rid, stream or DispatcherClosed("the stream is not open here"))
+            self._reply_error(door, rid, stream or DispatcherClosed("the stream is not open here"))
             return
-        item = _Work("stream", rid, stream, time.perf_counter(), sid)
+        item = _Work("stream", rid, stream, time.perf_counter(), door, sid)
         if samples is not None:
             stream.accept_audio(samples)
         if features_now:  # much audio: its features beside the batches
@@ -672,9 +833,9 @@ class _Host:
                     else:
                         stream.compute_features()
                 except Exception as e:  # noqa: BLE001 - raised where it was asked for
-                    self._reply_error(rid, e)
+                    self._reply_error(door, rid, e)
                 else:
-                    self._inbox.put([("queue", item)])
+                    self._inbox.put((door, [("queue", item)]))
 
             self._decoders.submit(features)
             return
@@ -682,7 +843,9 @@ class _Host:
             stream.finish()
         work.append(item)
 
-    def _beside(self, rid: int, call: Any, pool: ThreadPoolExecutor | None = None) -> None:
+    def _beside(
+        self, door: _Door, rid: int, call: Any, pool: ThreadPoolExecutor | None = None
+    ) -> None:
         """`call()` in a decoder thread (or `pool`'s); its value (or error) sent as rid's
         reply."""
 
@@ -690,18 +853,18 @@ class _Host:
             try:
                 value = call()
             except Exception as e:  # noqa: BLE001 - raised where it was asked for
-                self._reply_error(rid, e)
+                self._reply_error(door, rid, e)
             else:
-                self.send([("value", rid, value)])
+                door.send([("value", rid, value)])
 
         (pool or self._decoders).submit(run)
 
-    def _reply_error(self, rid: int, error: Exception) -> None:
+    def _reply_error(self, door: _Door, rid: int, error: Exception) -> None:
         try:  # the server must be able to load it, not only this process to dump it
             pickle.loads(pickle.dumps(error))
         except Exception:  # noqa: BLE001 - an error that does not pickle both ways
             error = RuntimeError(f"{type(error).__name__}: {error}")
-        self.send([("error", rid, error)])
+        door.send([("error", rid, error)])
 
     def _recognizer(self, decoder: DecoderConfig) -> Recognizer:
         """The recognizer for a decoder config, built once (one with boosted words: kept
@@ -727,11 +890,13 @@ class _Host:
     def _run_batch(self, batch: list[_Work]) -> None:
         started = time.perf_counter()
         waits = [started - item.queued_at for item in batch]
-        replies: list[tuple] = []
+        replies: list[tuple[_Work, tuple]] = []  # (whose, reply)
         try:
             if batch[0].kind == "offline":
                 outs = self.greedy.log_probs([item.payload for item in batch])
-                replies += (("value", item.rid, out) for item, out in zip(batch, outs, strict=True))
+                replies += (
+                    (item, ("value", item.rid, out)) for item, out in zip(batch, outs, strict=True)
+                )
                 rate = self.greedy.sample_rate
                 audio = sum(len(item.payload) for item in batch) / rate
             else:
@@ -739,20 +904,29 @@ class _Host:
                 ready = [s.is_ready() for s in streams]
                 self.greedy.step(streams)
                 for item, stepped in zip(batch, ready, strict=True):
-                    replies += self._settle(item, stepped)
+                    replies += ((item, reply) for reply in self._settle(item, stepped))
                 audio = len(batch) * self._window_seconds
         except Exception as e:  # noqa: BLE001 - handed to every waiting stream
             log.exception("batched model call failed (%d items)", len(batch))
             for item in batch:
-                self._reply_error(item.rid, e)
+                self._reply_error(item.door, item.rid, e)
             return
-        replies.append(("batch", len(batch), time.perf_counter() - started, waits, audio))
-        try:
-            self.send(replies)
-        except Exception as e:  # noqa: BLE001 - a reply that does not pickle: each waiter told
-            log.exception("the replies of a batch could not be sent")
-            for item in batch:
-                self._reply_error(item.rid, e)
+        # Each door its own replies; the batch's metrics to one of them (the first item's),
+        # so that a scrape summing every worker counts each batch once.
+        by_door: dict[_Door, list[tuple]] = {}
+        for item, reply in replies:
+            by_door.setdefault(item.door, []).append(reply)
+        by_door.setdefault(batch[0].door, []).append(
+            ("batch", len(batch), time.perf_counter() - started, waits, audio)
+        )
+        for door, theirs in by_door.items():
+            try:
+                door.send(theirs)
+            except Exception as e:  # noqa: BLE001 - a reply that does not pickle: each told
+                log.exception("the replies of a batch could not be sent")
+                for item in batch:
+                    if item.door is door:
+                        self._reply_error(door, item.rid, e)
 
     def _settle(self, item: _Work, stepped: bool) -> list[tuple]:
         """A stream's reply after its step: settled here (greedy), or in a decoder thread
@@ -769,9 +943,9 @@ class _Host:
 
     def _settle_beside(self, item: _Work) -> None:
         try:
-            self.send([("stepped", item.rid, item.payload.settle(), _status(item.payload))])
+            item.door.send([("stepped", item.rid, item.payload.settle(), _status(item.payload))])
         except Exception as e:  # noqa: BLE001 - raised where it was asked for
-            self._reply_error(item.rid, e)
+            self._reply_error(item.door, item.rid, e)
 
     def close(self) -> None:
         self._decoders.shutdown(wait=False, cancel_futures=True)
@@ -799,21 +973,27 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     pipe = Connection(int(sys.argv[1]))
+    listen = sys.argv[3] if sys.argv[2:3] == ["--listen"] else None
     try:
         spec = _receive(pipe)
         try:
             host = _Host(pipe, spec)
+            if listen is not None:
+                host.listen(listen)
         except Exception as e:  # noqa: BLE001 - the server raises it as the load's error
             try:
-                pipe.send_bytes(pickle.dumps((False, e)))
+                error = pickle.dumps((False, e))
             except Exception:  # noqa: BLE001 - an error that does not pickle
-                pipe.send_bytes(pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}"))))
+                error = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+            pipe.send_bytes(error)
             return
         pipe.send_bytes(pickle.dumps((True, host.info())))
         try:
-            host.run()
+            host.run(listen)
         finally:
             host.close()
+    except (EOFError, OSError):
+        return  # the server that started it went away while it loaded: nobody to tell
     finally:
         pipe.close()
 

@@ -23,6 +23,7 @@ whole directory drains and unloads it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -427,6 +428,9 @@ class ModelRegistry:
             cfg.device == "cuda", chunking, cfg.max_batch, cfg.lanes, DECODER_THREADS,
             cfg.beam_processes,
         )  # fmt: skip
+        if cfg.engine_dir:  # the workers of one supervisor: one engine for them all
+            key = hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+            spec = replace(spec, share=str(Path(cfg.engine_dir) / f"engine-{key}.sock"))
         engine = await EngineProcess.start(spec, self._metrics)
         card = engine.info.card
         name, version = name or card.name, version or card.version

@@ -29,6 +29,9 @@ ServerConfig) on the same gRPC and HTTP ports:
   HTTP door's /metrics, /healthz and /readyz, gRPC health and --max-streams are per
   worker: the worker that took the connection answers.
 - A worker whose supervisor is gone (the pipe between them closes) drains and exits.
+- Engines. The workers share one engine process per model version (engine_process.py,
+  `EngineSpec.share`), through Unix sockets in a folder the supervisor makes and removes:
+  its batches take every worker's streams, and the model and LM are loaded once.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -184,6 +189,7 @@ class Supervisor:
         config = self.config
         port, held = hold_port(config.host, config.port, "cannot listen on", "--port")
         metrics: MetricsHttp | None = None
+        engines = ""
         try:
             http_port = 0
             if config.http_port:
@@ -198,10 +204,14 @@ class Supervisor:
                 f", {config.workers} workers" + (f", HTTP on :{http_port}" if http_port else "")
                 + (f", metrics on :{metrics.server_port}" if metrics else "")
             )  # fmt: skip
+            # One engine process per model version for all the workers (they connect to it
+            # through a socket in this folder): its batches gather every worker's streams.
+            engines = tempfile.mkdtemp(prefix="echoic-engines-")
             worker_config = replace(
                 config, workers=1, reuse_port=True, port=port, http_port=http_port,
                 metrics_host="127.0.0.1",
                 metrics_port=None if config.metrics_port is None else 0,  # private, any port
+                engine_dir=engines,
             )  # fmt: skip
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
@@ -219,6 +229,8 @@ class Supervisor:
                 metrics.stop()
             for sock in held:
                 sock.close()
+            if engines:  # its engine processes ended with the last worker each served
+                shutil.rmtree(engines, ignore_errors=True)
         if self._failure is not None:
             raise ServerError(self._failure)
         unclean = [f"worker {w.index} {_ended(w.exit_code)}" for w in self.workers
