@@ -744,6 +744,36 @@ sys.stderr.write("from Python\\n")  # one write, as a log line is (print makes t
     assert sorted(run.stderr.splitlines()) == ["a real message from C", "from Python"], run.stderr
 
 
+def test_c_stderr_held_past_exit_neither_aborts_nor_loses_a_last_line() -> None:
+    """A native library that kept C's `stderr` (the relay's pipe) and writes to it while
+    the process ends, after the relay's own exit handler: the process still exits 0 (a
+    FILE closed at exit made glibc abort it: "invalid stdio handle", seen at the end of a
+    beam-search `echoic transcribe`), and a last line with no end, written before the
+    handler, still reaches fd 2."""
+    import sys
+
+    script = """
+import atexit, ctypes
+libc = ctypes.CDLL(None)
+libc.fputs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+libc.fflush.argtypes = [ctypes.c_void_p]
+held = []
+def late():  # registered first, so it runs after the relay's handler
+    libc.fputs(b"Note: after the end\\n", held[0])
+    libc.fflush(held[0])
+atexit.register(late)
+from echoic.model.core.native import drop_stdio_chatter
+assert drop_stdio_chatter()
+held.append(ctypes.c_void_p.in_dll(libc, "stderr").value)
+libc.fputs(b"a real message\\n", held[0])
+libc.fputs(b"a last line with no end", held[0])
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=HUNG)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines() == ["a real message", "a last line with no end"], run.stderr
+
+
 def test_a_long_whole_file_is_featurized_a_window_at_a_time(speech, monkeypatch) -> None:
     """A 100 s upload's features (and their STFT, 16 bytes a bin) are computed at most
     WHOLE_WINDOW_SECONDS at a time, not for the whole file at once (a 12.6-minute WAV

@@ -109,13 +109,26 @@ def drop_stdio_chatter(chatter: re.Pattern[str] = MPG123_CHATTER) -> bool:
     return True
 
 
+# What `_drain` writes through C's `stderr` at exit: once the relay has read it, it has
+# passed on everything written before (a pipe keeps order). Not a line any library prints.
+_END = b"\x1eechoic: end of stderr\x1e\n"
+_ended = threading.Event()  # the relay has read _END
+
+
 def _pass_on(read: int, chatter: re.Pattern[str]) -> None:
-    """The pipe's lines to fd 2, but chatter, until the pipe closes."""
+    """The pipe's lines to fd 2, but chatter, for the life of the process (or until the
+    pipe closes)."""
     pending = b""
     while chunk := os.read(read, 65536):
         *lines, pending = (pending + chunk).split(b"\n")
-        kept = [line + b"\n" for line in lines
-                if not chatter.fullmatch(line.decode(errors="replace").strip())]  # fmt: skip
+        kept = []
+        for line in lines:
+            end = line.endswith(_END[:-1])
+            if end:  # and before it, a last line with no end of its own, if any
+                line = line[: 1 - len(_END)]
+                _ended.set()
+            if (line or not end) and not chatter.fullmatch(line.decode(errors="replace").strip()):
+                kept.append(line if end else line + b"\n")
         if kept:
             os.write(2, b"".join(kept))
     if pending and not chatter.fullmatch(pending.decode(errors="replace").strip()):
@@ -125,9 +138,12 @@ def _pass_on(read: int, chatter: re.Pattern[str]) -> None:
 
 def _drain(libc: ctypes.CDLL, c_stderr: ctypes.c_void_p, previous: int, stream: int) -> None:
     """At exit: C's `stderr` as it was, and what is still in the pipe passed on to fd 2
-    before the process ends (closing the pipe's one writer ends the thread)."""
+    before the process ends (the relay says when it reaches _END). The pipe's FILE stays
+    open: a native library may still hold it (one that cached `stderr`, a thread mid-write,
+    a destructor that runs after this), and glibc aborts the process ("invalid stdio
+    handle") on a write to a FILE that was closed."""
     c_stderr.value = previous
-    libc.fclose.argtypes = [ctypes.c_void_p]
-    libc.fclose(stream)
-    if _relay is not None:
-        _relay.join(timeout=1.0)
+    libc.fwrite.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+    libc.fwrite(_END, 1, len(_END), stream)
+    libc.fflush(stream)
+    _ended.wait(timeout=1.0)
