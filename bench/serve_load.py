@@ -582,7 +582,7 @@ def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[U
                     rows.setdefault(row, []).append(level)
                 print(f"  {name}: {n} streams done", file=sys.stderr, flush=True)
             return rows
-        except (RuntimeError, ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RuntimeError, ClientError) as e:
             log.flush()
             print(f"server log (tail):\n{log_path.read_text()[-2000:]}", file=sys.stderr)
             raise SystemExit(f"serve_load: {name}: {e or type(e).__name__}") from e

@@ -218,7 +218,7 @@ async def http_good(http: aiohttp.ClientSession, url: str, utt: Utterance, want:
                 rec.good_failure(str(response.status), str(body))
                 return
         rec.good_answer(time.monotonic() - start, body["text"], want)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         rec.good_failure(type(e).__name__, str(e))
 
 
@@ -241,7 +241,7 @@ async def raw_post(url: str, head: dict[str, str], body: bytes, pace: float = 0.
             writer.write(body)
         status_line = await asyncio.wait_for(answer, TIMEOUT)
         return status_line.split()[1].decode() if status_line else "closed"
-    except (ConnectionError, asyncio.TimeoutError) as e:
+    except (TimeoutError, ConnectionError) as e:
         return type(e).__name__
     finally:
         writer.close()
@@ -298,7 +298,7 @@ async def realtime_good(http: aiohttp.ClientSession, url: str, utt: Utterance, w
                 rec.good_failure(event["error"]["code"], event["error"]["message"])
                 return
         rec.good_answer(time.monotonic() - sent_at[-1], " ".join(finals), want)
-    except (aiohttp.ClientError, asyncio.TimeoutError, TypeError) as e:
+    except (TimeoutError, aiohttp.ClientError, TypeError) as e:
         rec.good_failure(type(e).__name__, str(e))  # TypeError: a close where JSON was due
 
 
@@ -334,7 +334,7 @@ async def realtime_hostile(http: aiohttp.ClientSession, url: str, kind: str,
                 event = json.loads(message.data)
                 if event["type"] == "error":
                     codes.append(event["error"]["code"])
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass  # the socket stayed open, quiet
     except aiohttp.ClientError as e:
         codes.append(type(e).__name__)

@@ -121,7 +121,7 @@ class AsyncClient(Connection):
         timeout = self.connect_timeout if timeout is None else timeout
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ClientError(
                 f"server {self.target} is unavailable (not reachable within {timeout:g} s)",
                 grpc.StatusCode.UNAVAILABLE,

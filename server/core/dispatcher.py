@@ -189,7 +189,7 @@ class Dispatcher:
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     def _take_batch(self) -> list[_Work]:

@@ -387,7 +387,7 @@ class EngineProcess:
         elif process is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(process.wait), STOP_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 process.kill()
                 await asyncio.to_thread(process.wait)
         for thread in self._threads:  # a closed engine leaves no thread behind
@@ -485,7 +485,7 @@ class EngineProcess:
         if process is not None:
             try:
                 code = await asyncio.wait_for(asyncio.to_thread(process.wait), STOP_SECONDS)
-            except asyncio.TimeoutError:  # it closed its pipe but lives on
+            except TimeoutError:  # it closed its pipe but lives on
                 process.kill()
                 await asyncio.to_thread(process.wait)
         how = (

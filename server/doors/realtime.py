@@ -252,7 +252,7 @@ class RealtimeSession:
                             self.peer,
                         ))  # fmt: skip
                         return
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 message = receive.result()
                 if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     return
@@ -274,7 +274,7 @@ class RealtimeSession:
                     await self.send(self._error_event(e))
         except ConnectionError:
             return  # the client went away
-        except asyncio.TimeoutError:
+        except TimeoutError:
             idle = config.idle_timeout_seconds
             await self._close_with(self.door.mistake(
                 "idle_timeout", f"nothing arrived for {idle:g} s: the socket is closed", self.peer

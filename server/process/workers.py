@@ -302,7 +302,7 @@ class Supervisor:
                 self._restarts.labels(str(worker.index)).inc()
             try:
                 await asyncio.wait_for(self._stop.wait(), backoff)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             backoff = min(2 * backoff, MAX_BACKOFF)
 
