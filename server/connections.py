@@ -16,9 +16,10 @@ aiohttp is imported when a server is made (it is the serve extra's).
 
 from __future__ import annotations
 
-import os
 import resource
 from typing import Any
+
+UNLIMITED = 1 << 20  # descriptors counted for a process whose limit is infinite (or huge)
 
 
 def descriptor_share(fraction: float = 0.5) -> int:
@@ -26,9 +27,9 @@ def descriptor_share(fraction: float = 0.5) -> int:
     cap of a port's connections, so that one port's sockets leave the rest for the other
     ports, the model files and the pipes."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = os.sysconf("SC_OPEN_MAX")
-    return max(1, int(soft * fraction))
+    if soft == resource.RLIM_INFINITY or soft <= 0:  # no limit: a generous one
+        soft = UNLIMITED
+    return max(1, int(min(soft, UNLIMITED) * fraction))
 
 
 def capped_server(handler: Any, *, limit: int, **kwargs: Any) -> Any:

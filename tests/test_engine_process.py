@@ -254,3 +254,79 @@ def test_steps_queued_for_streams_closed_meanwhile_are_not_run(corpus_audio) -> 
     ran, answers = asyncio.run(run())
     assert ran == 1.0  # the kept stream's batch alone
     assert all(isinstance(a, DispatcherClosed) for a in answers), answers
+
+
+def test_a_shared_engine_serves_every_door_and_ends_with_the_last(
+    corpus_audio, tmp_path: Path
+) -> None:
+    """Two door processes' engines at one socket (as `--workers` makes them): the first
+    starts the engine, the second joins it; their streams (the same ids in each) get the
+    same words; the first's close wakes its reader at once (the engine shuts the socket
+    down, which closing it would not) while the engine serves on for the second; it ends,
+    and its socket goes, with the last door."""
+    import asyncio
+
+    from echoic.model.core.decoding import DecoderConfig
+    from echoic.server.core.engine_process import EngineSpec
+    from echoic.server.metrics import Metrics
+
+    audio = corpus_audio[0][1]
+    socket_path = str(tmp_path / "engine.sock")
+    spec = EngineSpec(
+        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0,
+        share=socket_path,
+    )  # fmt: skip
+
+    async def words(engine: EngineProcess) -> list[str]:
+        stream = (await engine.recognizer(DecoderConfig())).stream()
+        stream.accept_audio(audio)
+        stream.finish()
+        finals = []
+        while stream.is_ready():
+            finals += (await engine.step(stream)).finals
+        return [u.transcript.text for u in finals]
+
+    async def run() -> tuple[int, list[list[str]], bool]:
+        first = await EngineProcess.start(spec, Metrics())
+        second = await EngineProcess.start(spec, Metrics())
+        try:
+            assert first.pid == second.pid and first._process is not None
+            assert second._process is None  # joined, not started
+            heard = [await words(first), await words(second)]
+            threads = first._threads
+            await first.close()
+            woken = not any(t.is_alive() for t in threads)
+            heard.append(await words(second))
+            return second.pid, heard, woken
+        finally:
+            await second.close()
+
+    pid, heard, woken = asyncio.run(run())
+    assert heard[0] and heard == [heard[0]] * 3
+    assert woken, "the first door's reader was left blocked on its socket"
+    wait_until(lambda: not _alive(pid), what="the engine to end with its last door")
+    assert not Path(socket_path).exists()
+
+
+def test_a_door_that_reads_nothing_holds_up_no_sender_and_is_dropped() -> None:
+    """The engine's replies to a door process that stops reading (stopped, swapping) are
+    queued for that door's own writer, never sent from a batch's thread: sending does not
+    block, and past MAX_BACKLOG unread replies the door is dropped (its socket shut down,
+    so the door process sees the end and starts over), not a batch lane frozen for every
+    worker."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from echoic.server.core.engine_process import MAX_BACKLOG, _Door
+
+    ours, theirs = socket.socketpair()
+    door = _Door(Connection(ours.detach()))
+    reply = [("value", 1, b"x" * 1024)]
+    for _ in range(2 * MAX_BACKLOG):  # a few hundred fill the socket; the rest queue
+        door.send(reply)
+    assert door.gone
+    theirs.settimeout(RPC_TIMEOUT)
+    while theirs.recv(1 << 16):  # what was sent, then the end
+        pass
+    theirs.close()
+    door.closed()  # as its reader does at the end: the writer ended, the pipe closed

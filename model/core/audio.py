@@ -249,7 +249,9 @@ class MonoResampler:
         """The mono samples at the model's rate that `block` (N, C) completes; `last`
         flushes the resampler (the block may be empty then)."""
         if block.shape[1] == 1 and block.dtype == np.float32:
-            mono = block[:, 0]  # one channel's mean is itself, bit for bit: skip the copies
+            # one channel's mean is itself, bit for bit (+0.0: as the mean turns -0.0 into
+            # 0.0), without the float64 copies
+            mono = block[:, 0] + np.float32(0.0)
         else:
             mono = np.asarray(block, dtype=np.float64).mean(axis=1).astype(np.float32)  # (N,)
         if self._stream is not None:

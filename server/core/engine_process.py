@@ -84,6 +84,7 @@ log = logging.getLogger("echoic.server")
 CHILD_MODULE = "echoic.server.core.engine_process"
 START_SECONDS = 300.0  # s a new engine process gets to load its model
 STOP_SECONDS = 10.0  # s it gets to exit once told, before it is killed
+MAX_BACKLOG = 1024  # replies a door process may leave unread before the engine drops it
 BOOSTED_KEPT = 64  # decoders with one request's boosted words an engine keeps built, count
 
 
@@ -268,21 +269,27 @@ class EngineProcess:
         share = self.spec.share
         lock = await _lock(share + ".lock") if share else None
         try:
-            pipe = _dial(share) if share else None
-            process = None
+            pipe, process, info = _dial(share) if share else None, None, None
+            if pipe is not None:
+                try:
+                    info = await self._handshake(pipe, None)
+                except RuntimeError:  # it ended as this door joined: start one
+                    pipe = None
             if pipe is None:
                 mine, theirs = socket.socketpair()
-                listen = ["--listen", share] if share else []
+                fds = (theirs.fileno(),) + ((lock.fileno(),) if lock is not None else ())
+                # a shared engine holds the path's lock too (inherited) until it answers
+                listen = ["--listen", share, str(lock.fileno())] if lock is not None else []
                 with theirs:
                     process = subprocess.Popen(
                         [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno()), *listen],
-                        pass_fds=(theirs.fileno(),),
+                        pass_fds=fds,
                     )
                 pipe = Connection(mine.detach())
-            info = await self._handshake(pipe, process)
+                info = await self._handshake(pipe, process)
         finally:
             if lock is not None:
-                lock.close()  # and with it the lock
+                lock.close()  # the lock goes with the last of this and the engine's copy
         self.info = info
         self._process, self._pipe = process, pipe
         self.generation += 1
@@ -553,11 +560,12 @@ async def _lock(path: str) -> Any:
 
 
 def _dial(path: str) -> Connection | None:
-    """A connection to the engine serving at `path`; None if none does."""
+    """A connection to the engine serving at `path`; None if none does (or the path cannot
+    be connected to: starting one there says why)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
+    except OSError:
         sock.close()
         return None
     return Connection(sock.detach())
@@ -593,30 +601,56 @@ def _write(pipe: Connection, sends: queue.SimpleQueue) -> None:
 
 
 class _Door:
-    """One door process's connection to the engine: its pipe and the streams it opened
-    (sid -> its stream, or why it could not be opened, said at its first step)."""
+    """One door process's connection to the engine: its pipe, the streams it opened (sid ->
+    its stream, or why it could not be opened, said at its first step), and a writer thread
+    of its own, so that a door process that stops reading (stopped, swapping) holds up no
+    batch and no other door: past MAX_BACKLOG unsent messages it is dropped."""
 
     def __init__(self, pipe: Connection) -> None:
         self.pipe = pipe
         self.streams: dict[int, Stream | Exception] = {}
-        self._send_lock = threading.Lock()
         self.gone = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="write", daemon=True)
+        self._writer.start()
 
     def send(self, replies: list[tuple] | tuple) -> None:
-        """Replies to this door (or its handshake); nothing once it has gone."""
-        data = pickle.dumps(replies, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._send_lock:
-            if self.gone:
-                return
+        """Replies to this door (or its handshake), pickled here, sent by its writer;
+        nothing once it has gone."""
+        if self.gone:
+            return
+        if self._outbox.qsize() >= MAX_BACKLOG:
+            log.error("a door process has read none of %d replies: dropping it", MAX_BACKLOG)
+            self.shut()
+            return
+        self._outbox.put(pickle.dumps(replies, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
             try:
                 self.pipe.send_bytes(data)
             except OSError:
-                self.gone = True  # its reader sees the end too, and drops its streams
+                self.shut()
+                return
 
-    def close(self) -> None:
-        with self._send_lock:
-            self.gone = True
-            self.pipe.close()
+    def shut(self) -> None:
+        """No more to or from this door: its socket shut down both ways, which wakes a
+        reader or writer blocked on it (closing the descriptor would not); the reader
+        closes it once both have ended (`closed`)."""
+        self.gone = True
+        self._outbox.put(None)
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(self.pipe.fileno()))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+
+    def closed(self) -> None:
+        """The reader has seen the end: the writer's end waited for, the pipe closed."""
+        self.shut()
+        self._writer.join(timeout=STOP_SECONDS)
+        self.pipe.close()
 
 
 @dataclass
@@ -662,6 +696,7 @@ class _Host:
         chunk_frames = self.greedy.card.chunk_frames or 1
         self._window_seconds = chunk_frames * self.greedy.frame_seconds
         self._listener: socket.socket | None = None
+        self._bound = 0  # the listening socket's inode, while it is at its path
 
     def info(self) -> _Info:
         g = self.greedy
@@ -674,13 +709,16 @@ class _Host:
 
     def listen(self, path: str) -> None:
         """Take more door processes' connections at `path` (a Unix socket), each told the
-        model's info first, as the first door was."""
+        model's info first, as the first door was. The path's lock is held meanwhile (this
+        process inherited it from the door that started it, and keeps it until the first
+        door has its answer, even if that door died), so the path is this engine's."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # an engine's that died (the caller holds the path's lock)
+            os.unlink(path)  # an engine's that died
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(16)
         self._listener = listener
+        self._bound = os.stat(path).st_ino
         threading.Thread(target=self._accept, args=(listener,), name="accept",
                          daemon=True).start()  # fmt: skip
 
@@ -690,12 +728,13 @@ class _Host:
                 sock, _ = listener.accept()
             except OSError:
                 return  # closed: the engine is ending
-            door = _Door(Connection(sock.detach()))
+            pipe = Connection(sock.detach())
             try:
-                _receive(door.pipe)  # the door's spec: the same, by the path's name
-            except (EOFError, OSError):
-                door.close()
+                _receive(pipe)  # the door's spec: the same, by the path's name
+            except Exception:  # noqa: BLE001 - a connection that is not a door: not served
+                pipe.close()
                 continue
+            door = _Door(pipe)
             # Counted before it is answered: the door holds the path's lock until then, so
             # an engine whose other doors leave meanwhile sees it and does not end.
             self._connect(door)
@@ -715,7 +754,8 @@ class _Host:
                     return False
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if os.stat(path).st_ino == self._bound:  # not another engine's since
+                    os.unlink(path)
         return True
 
     def run(self, listen: str | None = None) -> None:
@@ -763,17 +803,19 @@ class _Host:
                 self._dropped.clear()
 
     def _leave(self, door: _Door) -> None:
-        """A door process has gone (or closed its connection): its streams with it."""
+        """A door process has gone (or said stop): its streams with it."""
         with self._doors_lock:
             self._doors.discard(door)
         door.streams.clear()
-        door.close()
+        door.shut()
 
     def _gone(self, item: _Work) -> bool:
         """Whether a queued step's stream was closed meanwhile (its client went away, its
         call ended, its door process gone): the step is dropped, not run for nobody; its
         caller, if still waiting, is told the stream was closed."""
-        gone = item.kind == "stream" and item.door.streams.get(item.sid) is not item.payload
+        gone = item.door.gone or (
+            item.kind == "stream" and item.door.streams.get(item.sid) is not item.payload
+        )
         if gone:
             self._dropped.append((item.door, item.rid))
         return gone
@@ -790,6 +832,7 @@ class _Host:
                 self._inbox.put((door, _receive(door.pipe)))
             except (EOFError, OSError):
                 self._inbox.put((door, None))
+                door.closed()
                 return
 
     def _handle(self, op: tuple, work: deque[_Work], door: _Door) -> None:
@@ -911,12 +954,13 @@ class _Host:
             for item in batch:
                 self._reply_error(item.door, item.rid, e)
             return
-        # Each door its own replies; the batch's metrics to one of them (the first item's),
+        # Each door its own replies; the batch's metrics to one of them (one still there),
         # so that a scrape summing every worker counts each batch once.
         by_door: dict[_Door, list[tuple]] = {}
         for item, reply in replies:
             by_door.setdefault(item.door, []).append(reply)
-        by_door.setdefault(batch[0].door, []).append(
+        counted = next((item.door for item in batch if not item.door.gone), batch[0].door)
+        by_door.setdefault(counted, []).append(
             ("batch", len(batch), time.perf_counter() - started, waits, audio)
         )
         for door, theirs in by_door.items():
@@ -973,29 +1017,38 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     pipe = Connection(int(sys.argv[1]))
-    listen = sys.argv[3] if sys.argv[2:3] == ["--listen"] else None
+    # --listen PATH LOCK_FD: a shared engine; LOCK_FD is PATH's lock, held by the door that
+    # started it, kept here until the first door has its answer
+    listen, lock = (sys.argv[3], int(sys.argv[4])) if sys.argv[2:3] == ["--listen"] else (None, -1)
+    host = None
     try:
         spec = _receive(pipe)
         try:
             host = _Host(pipe, spec)
             if listen is not None:
                 host.listen(listen)
+            answer = pickle.dumps((True, host.info()))
         except Exception as e:  # noqa: BLE001 - the server raises it as the load's error
+            if host is not None:
+                host.close()
+                host = None
             try:
-                error = pickle.dumps((False, e))
+                answer = pickle.dumps((False, e))
             except Exception:  # noqa: BLE001 - an error that does not pickle
-                error = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
-            pipe.send_bytes(error)
-            return
-        pipe.send_bytes(pickle.dumps((True, host.info())))
-        try:
-            host.run(listen)
-        finally:
-            host.close()
+                answer = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
+        pipe.send_bytes(answer)
     except (EOFError, OSError):
         return  # the server that started it went away while it loaded: nobody to tell
     finally:
+        if lock >= 0:
+            os.close(lock)
+    if host is None:
         pipe.close()
+        return
+    try:
+        host.run(listen)
+    finally:
+        host.close()
 
 
 if __name__ == "__main__":

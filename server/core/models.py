@@ -429,7 +429,9 @@ class ModelRegistry:
             cfg.beam_processes,
         )  # fmt: skip
         if cfg.engine_dir:  # the workers of one supervisor: one engine for them all
-            key = hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+            # the files' signature too: a version folder made again at the same path while
+            # the old engine still drains in another worker gets an engine of its own
+            key = hashlib.sha256(repr((spec, _signature(path))).encode()).hexdigest()[:16]
             spec = replace(spec, share=str(Path(cfg.engine_dir) / f"engine-{key}.sock"))
         engine = await EngineProcess.start(spec, self._metrics)
         card = engine.info.card

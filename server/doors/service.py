@@ -12,6 +12,7 @@ saying what to change; anything else is INTERNAL and logged with its traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -480,7 +481,9 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             async with asyncio.timeout(max(timeout, 0.0)) as deadline:
 
                 def now(_: asyncio.Future) -> None:
-                    deadline.reschedule(loop.time())
+                    # already run when the read ended in the same turn: nothing to move
+                    with contextlib.suppress(RuntimeError):
+                        deadline.reschedule(loop.time())
 
                 ending.add_done_callback(now)
                 try:

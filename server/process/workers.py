@@ -37,6 +37,8 @@ ServerConfig) on the same gRPC and HTTP ports:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -44,11 +46,13 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echoic.server.config import ServerConfig, ServerError, busy_port_hint, probe_binds
@@ -63,6 +67,8 @@ FIRST_BACKOFF = 1.0  # s before a worker that died starts again
 MAX_BACKOFF = 30.0  # s, the longest wait between two starts of one worker
 STEADY_SECONDS = 60.0  # s a worker serves before its backoff starts over
 STOP_SLACK = 20.0  # s beyond its drain (grace + the last results) a worker gets to exit
+REAP_SECONDS = 5.0  # s between two reapings of orphaned engine processes
+PR_SET_CHILD_SUBREAPER = 36  # prctl's option (linux/prctl.h)
 SCRAPE_SECONDS = 5.0  # s a scrape waits for one worker's registry
 WORKER_MODULE = "echoic.server.process.workers"  # what a worker process runs (python -m)
 
@@ -155,6 +161,28 @@ class _Worker:
     exit_code: int | None = None  # how it ended once the supervisor stopped it
 
 
+def _adopt_orphans() -> None:
+    """Make this process the one that orphaned descendants are handed to, not init
+    (Linux's PR_SET_CHILD_SUBREAPER): a shared engine process whose starting worker died
+    lives on for the other workers, and this process reaps it, and stops it at the end if
+    it has not ended by itself. (In a container whose first process this is, nobody else
+    would reap it.)"""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children() -> list[int]:
+    """The pids of this process's children (/proc)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                    found.append(int(entry))
+    return found
+
+
 def _ended(code: int | None) -> str:
     if code is not None and code < 0:
         return f"was killed by {signal.Signals(-code).name}"
@@ -184,12 +212,14 @@ class Supervisor:
         self._served: set[int] = set()  # the workers that have served at least once
         self._where = ""  # what the supervisor listens on, for its log line
         self._restarts: Any = None  # the restarts Counter, with --metrics-port
+        self._started: set[int] = set()  # every worker process's pid
 
     async def run(self) -> None:
         config = self.config
         port, held = hold_port(config.host, config.port, "cannot listen on", "--port")
         metrics: MetricsHttp | None = None
         engines = ""
+        stack = contextlib.ExitStack()
         try:
             http_port = 0
             if config.http_port:
@@ -207,6 +237,9 @@ class Supervisor:
             # One engine process per model version for all the workers (they connect to it
             # through a socket in this folder): its batches gather every worker's streams.
             engines = tempfile.mkdtemp(prefix="echoic-engines-")
+            _adopt_orphans()
+            reaping = asyncio.create_task(self._reap_orphans())
+            stack.callback(reaping.cancel)
             worker_config = replace(
                 config, workers=1, reuse_port=True, port=port, http_port=http_port,
                 metrics_host="127.0.0.1",
@@ -224,7 +257,9 @@ class Supervisor:
                 )
             await self._stop.wait()
             await self._stop_all(tasks)
+            await asyncio.to_thread(self._end_orphans, STOP_SLACK)
         finally:
+            stack.close()
             if metrics is not None:
                 metrics.stop()
             for sock in held:
@@ -238,6 +273,36 @@ class Supervisor:
         if unclean:
             raise ServerError(f"not every worker drained cleanly: {'; '.join(unclean)}")
         log.info("stopped")
+
+    # ---- engine processes left by a worker that died
+
+    def _orphans(self) -> list[int]:
+        """This process's children that are not workers: engine processes whose worker
+        died (`_adopt_orphans` makes them this process's)."""
+        workers = self._started
+        return [pid for pid in _children() if pid not in workers]
+
+    async def _reap_orphans(self) -> None:
+        """Orphaned engines that have ended, reaped (no zombies) while the server runs."""
+        while True:
+            await asyncio.sleep(REAP_SECONDS)
+            for pid in self._orphans():
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+
+    def _end_orphans(self, timeout: float) -> None:
+        """Once every worker has stopped: the orphaned engines end by themselves (their
+        last door is gone); one still there after `timeout` s is killed. Each reaped."""
+        deadline = time.monotonic() + timeout
+        while orphans := self._orphans():
+            for pid in orphans:
+                if time.monotonic() > deadline:
+                    log.error("engine process %d did not end with the workers: killing it", pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)
 
     # ---- one worker's lives
 
@@ -253,6 +318,7 @@ class Supervisor:
                     str(self._log_level), pass_fds=(theirs.fileno(),),
                 )  # fmt: skip
             worker.process = process
+            self._started.add(process.pid)
             pipe = Connection(mine.detach())
             served, started = False, loop.time()
             try:
