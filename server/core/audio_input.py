@@ -165,13 +165,16 @@ class AudioInput:
         """All of a file's bytes at once: its samples (`whole_blocks`, joined)."""
         return np.concatenate(list(self.whole_blocks(data)))
 
-    def whole_blocks(self, data: bytes) -> Iterator[np.ndarray]:
+    def whole_blocks(
+        self, data: bytes, *, slice_bytes: int = _WHOLE_SLICE_BYTES
+    ) -> Iterator[np.ndarray]:
         """All of a file's bytes at once (Recognize, an HTTP upload): its samples a block
         at a time, as `feed(data)` then `finish()` give them, each block decoded when it
         is asked for; memory holds `data` and a block. FLAC, Ogg and MP3 are decoded from
         memory (`decode_blocks`): no thread and no pipe, and libsndfile never waits for
         bytes. The header's checks (and the length of raw bytes) come with the first block;
-        an error in the audio, with the block it is in."""
+        an error in the audio, with the block it is in. slice_bytes: of WAV or raw bytes
+        fed at a time."""
         if self.bytes_in:
             raise RuntimeError("whole_blocks takes all the bytes: this input was fed already")
         self._whole = True
@@ -179,8 +182,8 @@ class AudioInput:
         if self._mode == "raw":  # the length is known from the size, before any decoding
             frames = len(view) // (self._sample_bytes * self._channels)
             check_length(frames, self._rate, self.max_seconds, self.name, exact=True)
-        for start in range(0, len(view), _WHOLE_SLICE_BYTES):
-            samples = self.feed(view[start : start + _WHOLE_SLICE_BYTES])
+        for start in range(0, len(view), slice_bytes):
+            samples = self.feed(view[start : start + slice_bytes])
             if self._mode == "buffer":
                 break  # a container for libsndfile: decoded from `data`, not fed
             if len(samples):
