@@ -238,7 +238,8 @@ def test_a_long_whole_file_holds_a_window_of_samples_not_the_file(speech, tmp_pa
     """A 12-minute 48 kHz Ogg/Opus (0.5 MB; 138 MB as float32 at 48 kHz, 46 MB at the
     model's 16 kHz) over HTTP: the peak memory of the process the server's doors run in
     (this one; the model runs in its engine process) grows by far less than the file's
-    samples at the model's rate (8 MB measured; 100 MB and more when they were whole)."""
+    samples at the model's rate (8 MB measured; at least twice 46 MB when they were
+    whole: the blocks and their join)."""
     ogg = _long_ogg(speech, 12 * 60.0, tmp_path / "long.ogg")
     with http_server() as server:
         assert _transcribe(server, _long_ogg(speech, 2.0, tmp_path / "short.ogg"))[0] == 200
