@@ -1,25 +1,32 @@
 """Peak memory of one `echoic serve` recognizing a long whole file, over HTTP or gRPC.
 
-    python bench/whole_file_memory.py [--minutes 3 12.6] [--door http grpc] [--model DIR]
+    python bench/whole_file_memory.py [--case pcm16:12.6 mulaw:52 opus:59.8]
+        [--door http grpc] [--model DIR]
 
-For each door and length, a fresh `echoic serve` (greedy, one ONNX thread) gets one
-request: a PCM16 16 kHz mono WAV of the fixtures' real clip (and 0.5 s of silence) repeated
-to that length (12.6
-minutes is 23 MiB, inside the default --max-upload-mb 25). Prints the server's resident
-memory (VmRSS) once it serves, its peak (VmHWM, the kernel's high-water mark) over the
-request, the growth, the upload's size, and the words recognized (the same on every
-door and every run of one length).
+For each case (a kind of file and its length, minutes) and door, a fresh `echoic serve`
+(greedy, one ONNX thread) gets one request: the fixtures' real clip (and 0.5 s of silence)
+repeated to that length, as
+- pcm16: a PCM16 16 kHz mono WAV (12.6 minutes is 23 MiB, inside the default
+  --max-upload-mb 25);
+- mulaw: a G.711 mu-law 8 kHz WAV (52 minutes is 24 MiB);
+- opus: an Ogg/Opus at 48 kHz and Opus's lowest bitrate (59.8 minutes, 3,590 s, inside the
+  default --max-audio-seconds 3600, is some 2.5 MB; 690 MB as float32 at 48 kHz).
+Prints the server's resident memory (VmRSS) once it serves, its peak (VmHWM, the kernel's
+high-water mark) over the request, the growth, the upload's size, and the words
+recognized (the same on every door and every run of one case). The server's process is
+the one that receives and decodes the file (with the default engine process, the model
+runs in a child of it). Encoded files are kept in the temporary directory between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import io
 import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,16 +49,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _speech(minutes: float) -> bytes:
-    from echoic.model.core.audio import decode_audio
+# kind: (libsndfile format, subtype, sample rate in Hz, extra arguments)
+KINDS = {
+    "pcm16": ("WAV", "PCM_16", 16000, {}),
+    "mulaw": ("WAV", "ULAW", 8000, {}),
+    "opus": ("OGG", "OPUS", 48000, {"compression_level": 1.0}),
+}
 
+
+def _speech(kind: str, minutes: float) -> bytes:
+    """The clip and its pause repeated to `minutes`, encoded as `kind`, written a clip at
+    a time (a 60-minute 48 kHz file is never whole in memory here either)."""
+    from echoic.model.core.audio import MonoResampler, decode_audio
+
+    fmt, subtype, rate, extra = KINDS[kind]
+    kept = Path(tempfile.gettempdir()) / f"echoic-bench-{kind}-{minutes:g}min.{fmt.lower()}"
+    if kept.exists():
+        return kept.read_bytes()
     clip = ROOT / "tests" / "fixtures" / "nemo" / "clip.flac"  # espeak-ng's "the quick brown fox"
     one = np.concatenate([decode_audio(clip.read_bytes(), 16000), np.zeros(8000, np.float32)])
-    n = int(minutes * 60 * 16000)
-    audio = np.resize(one, n)
-    out = io.BytesIO()
-    sf.write(out, audio, 16000, format="WAV", subtype="PCM_16")
-    return out.getvalue()
+    to_rate = MonoResampler(16000, rate)
+    one = np.concatenate([to_rate(one[:, None]), to_rate(one[:0, None], last=True)])
+    left = int(minutes * 60 * rate)
+    part = kept.with_suffix(".part")
+    with sf.SoundFile(part, "w", rate, 1, subtype, format=fmt, **extra) as f:
+        while left > 0:
+            f.write(one[:left])
+            left -= len(one)
+    part.rename(kept)
+    return kept.read_bytes()
 
 
 def _request(door: str, http_port: int, grpc_port: int, wav: bytes) -> int:
@@ -82,8 +108,8 @@ def _request(door: str, http_port: int, grpc_port: int, wav: bytes) -> int:
     return sum(len(x.alternatives[0].transcript.split()) for x in r.results)
 
 
-def measure(door: str, minutes: float, model: str) -> dict:
-    wav = _speech(minutes)
+def measure(door: str, kind: str, minutes: float, model: str) -> dict:
+    wav = _speech(kind, minutes)
     http_port, grpc_port = _free_port(), _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "echoic.cli.main", "serve", "--model", model, "--port",
@@ -106,26 +132,32 @@ def measure(door: str, minutes: float, model: str) -> dict:
     finally:
         server.terminate()
         server.communicate(timeout=60)
-    return dict(door=door, minutes=minutes, upload_mib=len(wav) / 2**20, rss_mb=before / 1024,
-                peak_mb=peak / 1024, growth_mb=(peak - before) / 1024, after_mb=after / 1024,
-                seconds=seconds, words=words)  # fmt: skip
+    return dict(door=door, kind=kind, minutes=minutes, upload_mib=len(wav) / 2**20,
+                rss_mb=before / 1024, peak_mb=peak / 1024, growth_mb=(peak - before) / 1024,
+                after_mb=after / 1024, seconds=seconds, words=words)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, nargs="+", default=[3.0, 12.6])
+    parser.add_argument("--case", nargs="+", default=["pcm16:12.6", "mulaw:52", "opus:59.8"],
+                        help="KIND:MINUTES, KIND one of " + ", ".join(KINDS))  # fmt: skip
     parser.add_argument("--door", nargs="+", choices=("http", "grpc"), default=["http", "grpc"])
     parser.add_argument("--model", default=str(ROOT / "model" / "default"))
     args = parser.parse_args()
+    cases = [(kind, float(minutes)) for kind, minutes in (c.split(":") for c in args.case)]
+    for kind, _ in cases:
+        if kind not in KINDS:
+            parser.error(f"unknown kind {kind!r} in --case (known: {', '.join(KINDS)})")
     print(
-        "| door | audio, min | upload, MiB | RSS serving, MB | peak, MB | growth, MB "
+        "| door | file | audio, min | upload, MiB | RSS serving, MB | peak, MB | growth, MB "
         "| RSS after, MB | request, s | words |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for minutes in args.minutes:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kind, minutes in cases:
         for door in args.door:
-            r = measure(door, minutes, args.model)
-            print(f"| {r['door']} | {r['minutes']:g} | {r['upload_mib']:.1f} | {r['rss_mb']:.0f} "
+            r = measure(door, kind, minutes, args.model)
+            print(f"| {r['door']} | {kind} | {r['minutes']:g} | {r['upload_mib']:.1f} "
+                  f"| {r['rss_mb']:.0f} "
                   f"| {r['peak_mb']:.0f} | {r['growth_mb']:.0f} | {r['after_mb']:.0f} "
                   f"| {r['seconds']:.1f} | {r['words']} |", flush=True)  # fmt: skip
 

@@ -125,28 +125,6 @@ _BLOCK_FRAMES = 1 << 16  # frames a container is decoded by at a time, per chann
 _UNKNOWN_FRAMES = 1 << 62  # libsndfile's frame count for a stream of unknown length is more
 
 
-def _decode_container(
-    data: bytes,
-    encoding: str,
-    sample_rate: int | None,
-    target_rate: int,
-    max_seconds: float,
-    name: str,
-    time_limit: float = 0.0,
-) -> np.ndarray:
-    """A container's audio as float32 mono at `target_rate`, decoded a block at a time
-    (memory bounded by the output, whatever the source rate and channels), after its
-    header is checked: rate, channels, and a length over `max_seconds` (when known).
-    It reads from memory with every byte present, so libsndfile never waits for more."""
-    try:
-        f = sf.SoundFile(io.BytesIO(data))
-    except (sf.SoundFileError, RuntimeError) as e:
-        raise _undecodable(e, encoding, name) from e
-    blocks = _container_blocks(f, encoding, sample_rate, target_rate, max_seconds, name,
-                               time_limit)  # fmt: skip
-    return np.concatenate(list(blocks))
-
-
 def _container_blocks(
     f: sf.SoundFile,
     encoding: str,
@@ -157,11 +135,13 @@ def _container_blocks(
     time_limit: float = 0.0,
 ) -> Iterator[np.ndarray]:
     """An open container's audio as float32 mono blocks at `target_rate` (closed at the
-    end): the same blocks, so the same samples, whether they are joined or used one by
-    one. DecodeTooSlow once decoding has taken `time_limit` s (0 = no limit), checked
-    between blocks: a block that is being decoded is finished first, so this bounds the
-    blocks decoded after the limit (none), not the time to the millisecond."""
-    stop_at = time.monotonic() + time_limit if time_limit else None
+    end, or when the generator is closed): the same blocks, so the same samples, whether
+    they are joined or used one by one. DecodeTooSlow once decoding has taken `time_limit`
+    s (0 = no limit): the time spent in here, not the time a consumer spends between two
+    blocks (a server recognizes each window before it decodes the next), checked after
+    each block's read: this bounds the blocks decoded after the limit (none), not the
+    time to the millisecond."""
+    spent = 0.0  # s spent decoding so far
     with f:
         allowed = _CONTAINER_FORMATS.get(encoding)
         if allowed is not None and f.format not in allowed:
@@ -179,19 +159,22 @@ def _container_blocks(
         to_model = MonoResampler(rate, target_rate)
         frames = 0
         while True:
+            started = time.monotonic()
             try:
                 block = f.read(_BLOCK_FRAMES, dtype="float32", always_2d=True)  # (b, C)
             except (sf.SoundFileError, RuntimeError) as e:
                 raise _undecodable(e, encoding, name) from e
             if not len(block):
                 break
-            if stop_at is not None and time.monotonic() > stop_at:
+            if time_limit and spent + time.monotonic() - started > time_limit:
                 raise DecodeTooSlow(name, time_limit)
             frames += len(block)
             check_length(frames, rate, max_seconds, name, exact=False)
             if not np.isfinite(block).all():
                 raise AudioError(f"{name}: the audio contains NaN or infinite samples")
-            yield to_model(block)
+            samples = to_model(block)
+            spent += time.monotonic() - started
+            yield samples
     if frames == 0:
         raise AudioError(f"{name}: the audio has no samples (0 s long)")
     yield to_model(np.zeros((0, 1), np.float32), last=True)
@@ -263,14 +246,17 @@ class MonoResampler:
 _RAW_NAMES = {"linear16": "raw PCM16 (linear16)", "mulaw": "raw mu-law", "alaw": "raw A-law"}
 
 
-def _read_raw(
+def _raw_blocks(
     data: bytes,
     encoding: str,
     sample_rate: int | None,
+    target_rate: int,
     channels: int,
     max_seconds: float,
     name: str,
-) -> tuple[np.ndarray, int]:
+) -> Iterator[np.ndarray]:
+    """Raw bytes' audio as float32 mono blocks at `target_rate`, each block converted from
+    a slice of `data` (a view, not a copy), after the length is checked from the size."""
     what = _RAW_NAMES[encoding]
     if sample_rate is None:
         raise AudioError(f"{name}: {what} has no header; give its sample rate")
@@ -282,7 +268,12 @@ def _read_raw(
             f"bytes, got {len(data)} (truncated, or another encoding)"
         )
     check_length(len(data) // frame_bytes, sample_rate, max_seconds, name, exact=True)
-    return raw_to_float(data, encoding).reshape(-1, channels), sample_rate  # (N, C)
+    to_model = MonoResampler(sample_rate, target_rate)
+    view, step = memoryview(data), _BLOCK_FRAMES * frame_bytes
+    for start in range(0, len(data), step):
+        block = raw_to_float(view[start : start + step], encoding).reshape(-1, channels)
+        yield to_model(block)  # (b, C) in
+    yield to_model(np.zeros((0, channels), np.float32), last=True)
 
 
 def raw_to_float(data: bytes, encoding: str) -> np.ndarray:
@@ -304,7 +295,8 @@ def decode_audio(
     max_seconds: float = 0.0,
     time_limit: float = 0.0,
 ) -> np.ndarray:
-    """Decode `data` to float32 mono in [-1, 1] at `target_rate` Hz.
+    """Decode `data` to float32 mono in [-1, 1] at `target_rate` Hz: `decode_blocks`'
+    blocks, joined.
 
     encoding: "auto" (container detected from its header), "wav", "flac", "ogg" (the
     header must say so), or a raw encoding that needs `sample_rate` and is interleaved
@@ -315,6 +307,27 @@ def decode_audio(
     from the header, or once that much has been decoded; a container that takes more than
     `time_limit` s (0 = no limit) to decode raises DecodeTooSlow.
     """
+    blocks = decode_blocks(data, target_rate, encoding=encoding, sample_rate=sample_rate,
+                           channels=channels, name=name, max_seconds=max_seconds,
+                           time_limit=time_limit)  # fmt: skip
+    return np.concatenate(list(blocks))
+
+
+def decode_blocks(
+    data: bytes,
+    target_rate: int,
+    *,
+    encoding: str = "auto",
+    sample_rate: int | None = None,
+    channels: int = 1,
+    name: str = "<bytes>",
+    max_seconds: float = 0.0,
+    time_limit: float = 0.0,
+) -> Iterator[np.ndarray]:
+    """`decode_audio(data, ...)` a block at a time (its arguments, its errors, raised when
+    the block they concern is reached): memory holds `data` and one block, some 65536
+    frames of the source, whatever the audio's length. Joined, the blocks are exactly
+    `decode_audio`'s samples. Pass `bytes` (another buffer is copied once)."""
     if encoding not in ENCODINGS:
         raise AudioError(
             f"{name}: unsupported encoding {encoding!r} (supported: {', '.join(ENCODINGS)})"
@@ -325,16 +338,18 @@ def decode_audio(
     data = bytes(data)
     if not data:
         raise AudioError(f"{name}: no audio data (0 bytes)")
-
-    if encoding not in RAW_ENCODINGS:
-        return _decode_container(
-            data, encoding, sample_rate, target_rate, max_seconds, name, time_limit
-        )
-    samples, rate = _read_raw(data, encoding, sample_rate, channels, max_seconds, name)
-    if samples.shape[0] == 0:
-        raise AudioError(f"{name}: the audio has no samples (0 s long)")
-    to_model = MonoResampler(rate, target_rate)
-    return np.concatenate([to_model(samples), to_model(samples[:0], last=True)])
+    if encoding in RAW_ENCODINGS:
+        yield from _raw_blocks(data, encoding, sample_rate, target_rate, channels,
+                               max_seconds, name)  # fmt: skip
+        return
+    # From memory, every byte present: libsndfile's open never waits for more, so the
+    # lock python-soundfile holds around every open is held only for this one's work.
+    try:
+        f = sf.SoundFile(io.BytesIO(data))
+    except (sf.SoundFileError, RuntimeError) as e:
+        raise _undecodable(e, encoding, name) from e
+    yield from _container_blocks(f, encoding, sample_rate, target_rate, max_seconds, name,
+                                 time_limit)  # fmt: skip
 
 
 def load_audio(

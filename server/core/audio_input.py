@@ -10,7 +10,7 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
   split across two messages is carried over.
 - WAV: the RIFF header is parsed once it has arrived; integer (8, 16, 24, 32 bit),
   float (32, 64 bit) and G.711 (mu-law, A-law) samples then stream. Other WAV
-  codecs (ADPCM, ...) are buffered and decoded by `decode_audio` at the end.
+  codecs (ADPCM, ...) are buffered and decoded by `decode_blocks` at the end.
 - FLAC and OGG (Opus or Vorbis): decoded as they arrive by libsndfile in a thread of
   its own (`_StreamDecoder`), reading from a pipe that `feed` fills, so their streams
   get interim results like PCM; memory holds the bytes not yet decoded, not the stream.
@@ -20,7 +20,7 @@ by 2**(bits-1), channels averaged in float64, soxr HQ resampling, clipping to
   does not have yet; on a pipe it reads page by page). The Ogg page framing is followed
   as the bytes pass (`_OggPages`), so a stream cut inside a page, or bytes that are not
   Ogg pages, are refused by name (libsndfile decodes what it can of both, silently).
-- MP3 (ENCODING_UNSPECIFIED detects it): buffered, decoded by `decode_audio` when the
+- MP3 (ENCODING_UNSPECIFIED detects it): buffered, decoded by `decode_blocks` when the
   audio ends.
 
 `max_seconds` holds for every encoding, as early as the audio allows: from the
@@ -29,9 +29,13 @@ for buffered audio while it is decoded (a block at a time, stopping at the limit
 `AudioTooLong`, before the rest is decoded.
 
 A whole file (Recognize, an HTTP upload) goes through the same class, all its bytes at
-once (`decode_whole`), with the same header checks; its FLAC or Ogg is decoded from
-memory by `decode_audio` rather than through a pipe, so nothing waits for bytes that will
-not come (a truncated upload ends at its last byte, and no thread is left reading).
+once (`whole_blocks`), with the same header checks, and comes out a block at a time, so
+that a request holds its bytes and a block of samples, never the whole file's samples
+(a 60-minute 48 kHz Ogg is 1.9 MB, and 690 MB of float32 at its own rate): WAV and raw
+bytes are fed `_WHOLE_SLICE_BYTES` at a time; FLAC, Ogg and MP3 are decoded from memory by
+`echoic.model.core.audio.decode_blocks` rather than through a pipe, so nothing waits for
+bytes that will not come (a truncated upload ends at its last byte, and no thread is left
+reading).
 Errors are `AudioError`. `close()` frees what an input holds (a FLAC or Ogg decoder's
 threads and pipe) when a call ends early; an error from `feed` or `finish` closes it too.
 """
@@ -46,6 +50,7 @@ import struct
 import sys
 import termios
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import soundfile as sf
@@ -59,7 +64,7 @@ from echoic.model.core.audio import (
     check_header_rate,
     check_length,
     check_rate,
-    decode_audio,
+    decode_blocks,
     raw_to_float,
     unknown_length,
 )
@@ -68,6 +73,9 @@ _WAVE_PCM, _WAVE_FLOAT, _WAVE_ALAW, _WAVE_MULAW = 0x0001, 0x0003, 0x0006, 0x0007
 _WAVE_EXTENSIBLE = 0xFFFE
 _PLACEHOLDER_SIZE = 0x7FFF0000  # a WAV data size from here on means "unknown", bytes
 _MAX_HEADER_BYTES = 1 << 20  # a WAV whose samples have not begun after this is not streamable
+# bytes of a whole WAV or raw file decoded at a time (`whole_blocks`): 8 s of 16 kHz PCM16,
+# 33 s of 8 kHz mu-law (66 s of samples at 16 kHz, 4 MB of float32)
+_WHOLE_SLICE_BYTES = 1 << 18
 
 
 def check_format(encoding: str, sample_rate: int | None, channels: int) -> None:
@@ -118,7 +126,7 @@ class AudioInput:
         # bytes not yet turned into samples (or the whole buffered file): a bytearray, which
         # grows in place, so a file buffered a message at a time is not copied per message
         self._pending = bytearray()
-        self._whole = False  # all the bytes come in one `feed` (decode_whole)
+        self._whole = False  # all the bytes are here at once (whole_blocks)
         # s decoding a buffered container (a whole file, MP3) may take, from memory, before
         # DecodeTooSlow; 0 = no limit
         self.time_limit = time_limit
@@ -154,14 +162,53 @@ class AudioInput:
         return self._decoder.backlog if self._decoder is not None else 0
 
     def decode_whole(self, data: bytes) -> np.ndarray:
-        """All of a file's bytes at once (Recognize, an HTTP upload): its samples, as
-        `feed(data)` then `finish()` give them, except that FLAC and Ogg are decoded from
-        memory (`decode_audio`): no thread and no pipe, and libsndfile never waits for
-        bytes."""
+        """All of a file's bytes at once: its samples (`whole_blocks`, joined)."""
+        return np.concatenate(list(self.whole_blocks(data)))
+
+    def whole_blocks(
+        self, data: bytes, *, slice_bytes: int = _WHOLE_SLICE_BYTES
+    ) -> Iterator[np.ndarray]:
+        """All of a file's bytes at once (Recognize, an HTTP upload): its samples a block
+        at a time, as `feed(data)` then `finish()` give them, each block decoded when it
+        is asked for; memory holds `data` and a block. FLAC, Ogg and MP3 are decoded from
+        memory (`decode_blocks`): no thread and no pipe, and libsndfile never waits for
+        bytes. The header's checks (and the length of raw bytes) come with the first block;
+        an error in the audio, with the block it is in. slice_bytes: of WAV or raw bytes
+        fed at a time."""
         if self.bytes_in:
-            raise RuntimeError("decode_whole takes all the bytes: this input was fed already")
+            raise RuntimeError("whole_blocks takes all the bytes: this input was fed already")
         self._whole = True
-        return np.concatenate([self.feed(data), self.finish()])
+        view = memoryview(data)
+        if self._mode == "raw":  # the length is known from the size, before any decoding
+            frames = len(view) // (self._sample_bytes * self._channels)
+            check_length(frames, self._rate, self.max_seconds, self.name, exact=True)
+        for start in range(0, len(view), slice_bytes):
+            samples = self.feed(view[start : start + slice_bytes])
+            if self._mode == "buffer":
+                break  # a container for libsndfile: decoded from `data`, not fed
+            if len(samples):
+                yield samples
+        if self._mode in ("raw", "wav"):
+            yield self.finish()
+            return
+        self._pending, self.bytes_in = bytearray(), len(view)
+        yield from self._buffered_blocks(data)
+
+    def _buffered_blocks(self, data: bytes) -> Iterator[np.ndarray]:
+        """A buffered container's samples (FLAC, Ogg, MP3 or a WAV codec that does not
+        stream), decoded from `data` in memory a block at a time; also what says what is
+        wrong with bytes too short to tell their format."""
+        if self._ogg_pages is not None:  # a whole Ogg file: its page framing first
+            self._ogg_pages.feed(data)
+            self._ogg_pages.end()
+        self._rate = self.target_rate  # source_samples counts the decoded samples
+        blocks = decode_blocks(data, self.target_rate, encoding=self.encoding,
+                               sample_rate=self._declared_rate, name=self.name,
+                               max_seconds=self.max_seconds,
+                               time_limit=self.time_limit)  # fmt: skip
+        for samples in blocks:
+            self.source_samples += len(samples)
+            yield samples
 
     def feed(self, data: bytes) -> np.ndarray:
         """Take the next bytes; return the samples they complete (possibly none)."""
@@ -212,24 +259,10 @@ class AudioInput:
             self._decoder.finish()
             return self._from_decoder(last=True)
         if self._mode in ("sniff", "wav-header", "flac-header"):
-            self._mode = "buffer"  # too short to tell: let decode_audio say what is wrong
+            self._mode = "buffer"  # too short to tell: let decode_blocks say what is wrong
         if self._mode == "buffer":
-            if self._ogg_pages is not None:  # a whole Ogg file, decoded from memory
-                self._ogg_pages.feed(self._pending)
-                self._ogg_pages.end()
-            samples = decode_audio(
-                self._pending,
-                self.target_rate,
-                encoding=self.encoding,
-                sample_rate=self._declared_rate,
-                name=self.name,
-                max_seconds=self.max_seconds,
-                time_limit=self.time_limit,
-            )
-            self._pending = bytearray()
-            self.source_samples = len(samples)
-            self._rate = self.target_rate
-            return samples
+            data, self._pending = bytes(self._pending), bytearray()
+            return np.concatenate(list(self._buffered_blocks(data)))
         if self._pending:
             raise AudioError(
                 f"{self.name}: the audio ends inside a sample ({len(self._pending)} stray "
@@ -281,7 +314,7 @@ class AudioInput:
             return
         self._mode = "buffer"
         if self._pending[4] & 0x7F != 0 or self._pending[5:8] != b"\x00\x00\x22":
-            return  # not a STREAMINFO block: decode_audio says what is wrong at the end
+            return  # not a STREAMINFO block: decode_blocks says what is wrong at the end
         rate = (info[10] << 12) | (info[11] << 4) | (info[12] >> 4)
         if rate == 0:
             return  # not a valid header either

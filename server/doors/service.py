@@ -45,6 +45,7 @@ T = TypeVar("T")
 # and their STFT take about 0.7 MB a second of audio, so 30 s is some 20 MB a request,
 # and 120 awaits an hour
 WHOLE_WINDOW_SECONDS = 30.0
+_EMPTY = np.zeros(0, np.float32)
 _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
 
 
@@ -276,26 +277,46 @@ class TranscriberService(pb_grpc.TranscriberServicer):
             return Whole(results, session.seconds, session.model)
 
     async def _recognize_windows(self, session: Session, audio: bytes) -> list[Result]:
-        """A whole file through its stream WHOLE_WINDOW_SECONDS at a time, each window's
-        features computed in the audio pool and its steps run before the next is fed; the
-        stream finished. So the features (and the STFT's complex intermediates, 16 bytes a
-        bin) are a window's, not the file's: a 12.6-minute WAV took the server from 138 MB
-        to 997 MB at once (bench/whole_file_memory.py). The stream and its results are the
-        same as the file fed at once."""
-        samples = await self.off_loop(self._decode_all, session, audio)
+        """A whole file through its stream WHOLE_WINDOW_SECONDS at a time, each window
+        decoded and its features computed in the audio pool, and its steps run, before the
+        next is decoded. So the samples, the features (and the STFT's complex intermediates,
+        16 bytes a bin) are a window's, not the file's: a 12.6-minute WAV took the server
+        from 138 MB to 997 MB when they were the file's, a 60-minute Ogg to 4.2 GB
+        (bench/whole_file_memory.py). The stream and its results are the same as the file
+        fed at once."""
         window = int(WHOLE_WINDOW_SECONDS * session.model.card.sample_rate)
+        windows = self._windows(session, audio, window)
         results: list[Result] = []
-        for start in range(0, len(samples), window):
-            await self.off_loop(self._accept_window, session, samples[start : start + window])
+        while await self.off_loop(self._accept_window, session, windows):
             results += await session.advance()
         await self.off_loop(partial(session.finish, features_now=True))
         return results
 
-    def _accept_window(self, session: Session, samples: np.ndarray) -> None:
-        """In the audio pool: a window of a whole file, with its features, so that the
-        batch it joins is not held up by them."""
+    def _accept_window(self, session: Session, windows: Iterator[np.ndarray]) -> bool:
+        """In the audio pool: a whole file's next window decoded and accepted, with its
+        features, so that the batch it joins is not held up by them; False at the end."""
+        samples = next(windows, None)
+        if samples is None:
+            return False
         self._accept(session, samples)
         session.stream.compute_features()
+        return True
+
+    def _windows(self, session: Session, audio: bytes, window: int) -> Iterator[np.ndarray]:
+        """A whole file's samples `window` at a time (the last one shorter), each decoded
+        when it is asked for (`AudioInput.whole_blocks`), with Recognize's refusals. Each
+        window's decoding may run in another thread of the audio pool, one after another.
+        A request that ends early drops the generator, which closes its decoder: not
+        closed here, since a cancelled request's last window may still be decoding."""
+        with _whole_audio_refusals():
+            held = _EMPTY
+            for block in session.audio.whole_blocks(audio):
+                held = np.concatenate([held, block])
+                while len(held) >= window:
+                    yield held[:window]
+                    held = held[window:]
+            if len(held):
+                yield held
 
     async def recognize_paced(
         self,
@@ -307,43 +328,41 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         step_seconds: float = 0.5,
     ) -> AsyncIterator[list[Result]]:
         """All of `audio` (a file's bytes) as a live stream, for a door that shows results
-        as they firm up: decoded at once, then fed `step_seconds` at a time through the
-        batched streaming path; yields each step's results (interim ones as `opts` asks),
-        the last with the final result. The finals are Recognize's (the same stream). A
-        model that streams only by overlapped chunks (an imported one) runs the file whole,
-        as Recognize does: no interim results, and the final one is Recognize's."""
+        as they firm up: decoded a window at a time (in the audio pool, as Recognize's),
+        each window fed `step_seconds` at a time through the batched streaming path; yields
+        each step's results (interim ones as `opts` asks), the last with the final result.
+        The finals are Recognize's (the same stream). A model that streams only by
+        overlapped chunks (an imported one) runs the file whole, as Recognize does: no
+        interim results, and the final one is Recognize's."""
         async with open_session(
             self._registry, opts, self._config, name=name, whole=None
         ) as session:
-            samples = await self.off_loop(self._decode_all, session, audio)
-            if not session.model.streams_exactly:  # run whole
-                self._accept(session, samples)
-                samples = samples[:0]
             step = max(1, int(step_seconds * session.model.card.sample_rate))
-            for start in range(0, len(samples), step):
-                self._accept(session, samples[start : start + step])
-                yield await session.advance()
+            if session.model.streams_exactly:
+                # whole steps to a window, so the steps are those of the samples fed at once
+                window = step * max(1, round(WHOLE_WINDOW_SECONDS / step_seconds))
+                windows = self._windows(session, audio, window)
+            else:  # run whole
+                self._accept(session, await self.off_loop(self._decode_all, session, audio))
+                windows = iter(())
+            while (samples := await self.off_loop(next, windows, None)) is not None:
+                for start in range(0, len(samples), step):
+                    self._accept(session, samples[start : start + step])
+                    yield await session.advance()
             session.finish()
             ended = time.perf_counter()
             yield await session.advance()
             self._metrics.final_latency.labels(method).observe(time.perf_counter() - ended)
 
     def _decode_whole(self, session: Session, data: bytes) -> None:
-        """In a worker thread: decode all the audio, feed it and finish the stream."""
+        """In a worker thread: decode all the audio, feed it and finish the stream (a model
+        that cannot stream: the utterance's samples are all needed at once)."""
         self._accept(session, self._decode_all(session, data))
         session.finish(features_now=True)  # here, in this worker thread, not in the batch
 
     def _decode_all(self, session: Session, data: bytes) -> np.ndarray:
-        try:
+        with _whole_audio_refusals():
             return session.audio.decode_whole(data)
-        except AudioTooLong as e:
-            raise invalid(
-                f"the audio is {e.length} but this server accepts at most {e.limit:g} s per "
-                "request",
-                remedy=Remedy.SPLIT_AUDIO,
-            ) from None
-        except DecodeTooSlow as e:
-            raise _too_slow(e) from None
 
     async def off_loop(self, call: Callable[..., T], *args: Any) -> T:
         """`call(*args)` on a client's bytes (decoding, parsing), in the audio pool."""
@@ -577,6 +596,21 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         finally:
             self.active -= 1
             self._metrics.active_streams.labels(method).dec()
+
+
+@contextmanager
+def _whole_audio_refusals() -> Iterator[None]:
+    """A whole file's audio errors in Recognize's words: too long is INVALID_ARGUMENT (split
+    it, or stream it), too slow to decode DEADLINE_EXCEEDED."""
+    try:
+        yield
+    except AudioTooLong as e:
+        raise invalid(
+            f"the audio is {e.length} but this server accepts at most {e.limit:g} s per request",
+            remedy=Remedy.SPLIT_AUDIO,
+        ) from None
+    except DecodeTooSlow as e:
+        raise _too_slow(e) from None
 
 
 def _too_slow(e: DecodeTooSlow) -> Refusal:
