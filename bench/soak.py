@@ -434,18 +434,22 @@ def soak(server: Server, http: str, manifest: Path, wants: Path, args) -> tuple[
                    "--good", str(good), "--hostile-clients", str(bad),
                    "--start-at", repr(start_at), "--seconds", str(60 * args.minutes),
                    "--seed", str(i)]  # fmt: skip
-            processes.append((door, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)))
+            # its record to a file, not a pipe: a 10-minute record outgrows a pipe's 64 KiB,
+            # and a client blocked writing it would never exit
+            out = tempfile.TemporaryFile("w+")
+            processes.append((door, subprocess.Popen(cmd, stdout=out, text=True), out))
     samples = []  # (s since start, RSS MB, threads, descriptors)
-    while any(p.poll() is None for _, p in processes):
+    while any(p.poll() is None for _, p, _ in processes):
         samples.append((time.time() - start_at, *server_stats(server)))
         time.sleep(1.0)
     samples.append((time.time() - start_at, *server_stats(server)))
     records = {door: Record(start_at) for door in DOORS}
-    for door, process in processes:
-        out, _ = process.communicate()
-        if process.returncode != 0:
+    for door, process, out in processes:
+        if process.wait() != 0:
             raise RuntimeError(f"{door} clients exited with status {process.returncode}")
-        records[door].add(json.loads(out))
+        with out:
+            out.seek(0)
+            records[door].add(json.loads(out.read()))
     return records, samples
 
 
