@@ -8,7 +8,12 @@ Data recipe (deterministic: same files, same seed, same split):
   attributions cut off and verse skipped (`training/corpus.py:fortune_records`);
 - the GNU manuals (/usr/share/info/*.info*.gz): paragraphs of running text (lines
   indented as body text, ending in a sentence end), examples and tables skipped;
-- WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet).
+- WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet);
+- the prose packages `scripts/fetch_prose.sh` unpacks (`--prose DIR`, default data/prose;
+  `PROSE_SOURCES`: WordNet's examples, anarchist quotes (fortunes), the Anarchist FAQ, Debian's FAQ,
+  handbook and reference): those present are read, a package missing is skipped. HTML
+  becomes its paragraphs of running text (`html_paragraphs`); the handbooks are capped in
+  words so that technical prose does not drown the rest (the server punctuates speech).
 
 Each paragraph becomes its words with tags (`model/core/punctuation.py:tags_of_prose`).
 Paragraphs are split into train and held-out by a hash of their text, so the held-out
@@ -30,7 +35,10 @@ import re
 import time
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +54,12 @@ from echoic.model.core.punctuation import (
     end_sentence,
     tags_of_prose,
 )
-from echoic.model.nn.punctuation import Tagger, TaggerConfig, export_tagger
+from echoic.model.nn.punctuation import Tagger, TaggerConfig, export_tagger, exported_tagger
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
 
 INFO_DIR = Path("/usr/share/info")
 WORDNET_DIR = Path("/usr/share/wordnet")
+PROSE_DIR = Path("data/prose")  # scripts/fetch_prose.sh's default
 _PROSE = re.compile(r"[A-Za-z0-9 ,.;:!?'\"()$%/-]+")
 
 
@@ -90,27 +99,168 @@ def wordnet_paragraphs(directory: Path = WORDNET_DIR) -> Iterator[str]:
                         yield example
 
 
-def corpus(held_out_percent: int = 5) -> tuple[list[list[Tagged]], list[list[Tagged]], dict]:
-    """(train paragraphs, held-out paragraphs, counts per source), as tagged words."""
+class _Paragraphs(HTMLParser):
+    """The text of an HTML page's paragraphs (<p>, DocBook's <div class="para">); code,
+    preformatted blocks, tables, navigation and scripts are never read, and a paragraph
+    with code inline (a command, a file name) is dropped whole: speech has none."""
+
+    SKIP = frozenset("pre table nav script style head".split())
+    CODE = frozenset("code kbd tt samp var".split())
+    BLOCKS = frozenset("p div h1 h2 h3 h4 h5 h6 li ul ol dl dt dd blockquote pre table".split())
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.paragraphs: list[str] = []
+        self.skip = 0  # depth inside SKIP elements
+        self.text: list[str] | None = None  # the open paragraph's text
+        self.has_code = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self.BLOCKS:
+            self.flush()  # a block starts: the paragraph before it has ended
+        if tag in self.SKIP:
+            self.skip += 1
+        elif tag in self.CODE:
+            self.has_code = True
+        elif tag == "p" or (tag == "div" and ("class", "para") in attrs):
+            self.text, self.has_code = [], False
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.SKIP:
+            self.skip = max(self.skip - 1, 0)
+        if tag in self.BLOCKS:
+            self.flush()
+
+    def handle_data(self, data: str) -> None:
+        if self.text is not None and not self.skip:
+            self.text.append(data)
+
+    def flush(self) -> None:
+        if self.text is not None and not self.has_code:
+            self.paragraphs.append("".join(self.text))
+        self.text = None
+
+
+def running_text(paragraph: str) -> str | None:
+    """A paragraph as plain sentences, or None when it is not sentence-like: whitespace
+    collapsed, dashes as commas, citations ("[Title, p. 16]") cut; it must end in a
+    sentence end, hold six words or more and plain characters only (no ellipses)."""
+    text = _plain(paragraph).replace("\u2014", " -- ").replace("\u2013", " -- ")
+    text = re.sub(r"\[(\w)\](?=\w)", r"\1", text)  # "[i]n" -> "in"
+    text = re.sub(r"\s*\[[^\]]*\d[^\]]*\]", "", text)  # citations carry a page or year
+    text = re.sub(r"[\[\]]", "", text)  # an editor's words stand in the sentence
+    text = re.sub(r"\s*--\s*", ", ", re.sub(r"\s+", " ", text)).strip()
+    if not text or text.rstrip("\"')")[-1:] not in (".", "?", "!") or len(text.split()) < 6:
+        return None
+    if not _PROSE.fullmatch(text) or ". ." in text or ".." in text or ",," in text:
+        return None
+    return text
+
+
+def html_paragraphs(directory: Path, pattern: str = "*.html") -> Iterator[str]:
+    """Running-text paragraphs (`running_text`) of the HTML pages in a directory."""
+    for path in sorted(directory.glob(pattern)):
+        page = _Paragraphs()
+        page.feed(path.read_text(encoding="utf-8", errors="replace"))
+        page.close()
+        page.flush()
+        for paragraph in page.paragraphs:
+            text = running_text(paragraph)
+            if text:
+                yield text
+
+
+@dataclass(frozen=True)
+class ProseSource:
+    """One package of `scripts/fetch_prose.sh`: where its prose lies once unpacked, how to
+    read it, and at most how many words to take (in file order, so the cut is the same
+    each run)."""
+
+    name: str
+    package: str
+    where: str  # inside the unpacked package
+    read: Callable[[Path], Iterator[str]]
+    max_words: int | None = None
+
+
+# Conversational prose first; the Debian handbooks are technical, so they are capped.
+PROSE_SOURCES = (
+    ProseSource("wordnet", "wordnet-base", "usr/share/wordnet", wordnet_paragraphs),
+    ProseSource("anarchism-quotes", "fortune-anarchism", "usr/share/games/fortunes",
+                fortune_paragraphs),
+    ProseSource("anarchist-faq", "anarchism", "usr/share/doc/anarchism/html",
+                html_paragraphs, 1_500_000),
+    ProseSource("debian-faq", "debian-faq", "usr/share/doc/debian/FAQ",
+                partial(html_paragraphs, pattern="*.en.html"), 100_000),
+    ProseSource("debian-handbook", "debian-handbook",
+                "usr/share/doc/debian-handbook/html/en-US", html_paragraphs, 100_000),
+    ProseSource("debian-reference", "debian-reference-en", "usr/share/debian-reference",
+                partial(html_paragraphs, pattern="*.en.html"), 100_000),
+)  # fmt: skip
+
+
+def _capped(paragraphs: Iterator[str], max_words: int | None) -> Iterator[str]:
+    words = 0
+    for paragraph in paragraphs:
+        if max_words is not None and words >= max_words:
+            return
+        words += len(paragraph.split())
+        yield paragraph
+
+
+def prose_sources(prose_dir: Path) -> dict[str, Iterator[str]]:
+    """The paragraphs of each `PROSE_SOURCES` package unpacked under `prose_dir`; one that
+    is not there (or no `prose_dir` at all) is skipped."""
+    out: dict[str, Iterator[str]] = {}
+    for source in PROSE_SOURCES:
+        where = prose_dir / source.package / source.where
+        if where.is_dir():
+            out[source.name] = _capped(source.read(where), source.max_words)
+    return out
+
+
+@dataclass
+class Corpus:
+    """Tagged paragraphs: training ones, and held-out ones per source."""
+
+    train: list[list[Tagged]] = field(default_factory=list)
+    held: dict[str, list[list[Tagged]]] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # paragraphs per source
+    words: dict[str, int] = field(default_factory=dict)  # words per source
+
+    def held_out(self, names: Sequence[str] | None = None) -> list[list[Tagged]]:
+        """The held-out paragraphs of the named sources (all when None)."""
+        return [p for name, ps in self.held.items() if names is None or name in names for p in ps]
+
+
+# The sources of the first tagger (fortunes and the GNU manuals): their held-out set is the
+# same whatever else is read, since sources are read in order and split by a hash of the text.
+FIRST_SOURCES = ("fortunes", "info")
+
+
+def corpus(prose_dir: Path | None = PROSE_DIR, held_out_percent: int = 5) -> Corpus:
+    """The tagged corpus: the fortunes, the GNU manuals, WordNet where installed, and the
+    prose packages under `prose_dir`; a paragraph seen before (any source) is not read again."""
     sources = {"fortunes": fortune_paragraphs(), "info": info_paragraphs()}
     if WORDNET_DIR.is_dir():
         sources["wordnet"] = wordnet_paragraphs()
-    train: list[list[Tagged]] = []
-    held: list[list[Tagged]] = []
-    counts: dict[str, int] = {}
+    for name, paragraphs in (prose_sources(prose_dir) if prose_dir else {}).items():
+        sources.setdefault(name, paragraphs)
+    out = Corpus()
     seen: set[int] = set()
     for name, paragraphs in sources.items():
-        n = 0
+        held = out.held.setdefault(name, [])
+        n = words = 0
         for paragraph in paragraphs:
             key = zlib.crc32(paragraph.lower().encode())
             tagged = tags_of_prose(paragraph)
             if key in seen or len(tagged) < 3:
                 continue
             seen.add(key)
-            n += 1
-            (held if key % 100 < held_out_percent else train).append(tagged)
-        counts[name] = n
-    return train, held, counts
+            n, words = n + 1, words + len(tagged)
+            (held if key % 100 < held_out_percent else out.train).append(tagged)
+        out.counts[name], out.words[name] = n, words
+    return out
 
 
 def word_list(paragraphs: Sequence[list[Tagged]], size: int) -> WordList:
@@ -153,25 +303,35 @@ def held_out_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[li
     return [p[i : i + window] for p in paragraphs for i in range(0, len(p), window)]
 
 
-def score(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) -> dict:
+Tag = Callable[[Sequence[str]], tuple[list[int], list[int]]]  # tokens -> (marks, cases)
+
+
+def torch_tagger(model: Tagger, words: WordList) -> Tag:
+    """`model` tagging as the server's runtime does (`Punctuator.tag`), in torch."""
+
+    def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
+        w, c = encode(tokens, words)
+        with torch.no_grad():
+            ml, cl = model(torch.from_numpy(w)[None], torch.from_numpy(c)[None])
+        return end_sentence(ml[0].numpy()), cl[0].argmax(-1).tolist()
+
+    return tag
+
+
+def score(tag: Tag, pieces: Sequence[list[Tagged]]) -> dict:
     """F1 per mark and the share of words cased right, as the server tags a final result."""
-    model.eval()
     tp, fp, fn = Counter(), Counter(), Counter()
     right = total = 0
-    with torch.no_grad():
-        for piece in pieces:
-            w, c = encode([x.token for x in piece], words)
-            ml, cl = model(torch.from_numpy(w)[None], torch.from_numpy(c)[None])
-            marks = end_sentence(ml[0].numpy())
-            cases = cl[0].argmax(-1).tolist()
-            for x, m, k in zip(piece, marks, cases, strict=True):
-                if x.case >= 0:
-                    right += x.case == k
-                    total += 1
-                for mark in (1, 2, 3):
-                    tp[mark] += x.mark == mark and m == mark
-                    fp[mark] += x.mark != mark and m == mark
-                    fn[mark] += x.mark == mark and m != mark
+    for piece in pieces:
+        marks, cases = tag([x.token for x in piece])
+        for x, m, k in zip(piece, marks, cases, strict=True):
+            if x.case >= 0:
+                right += x.case == k
+                total += 1
+            for mark in (1, 2, 3):
+                tp[mark] += x.mark == mark and m == mark
+                fp[mark] += x.mark != mark and m == mark
+                fn[mark] += x.mark == mark and m != mark
     out: dict = {}
     for mark in (1, 2, 3):
         p = tp[mark] / max(tp[mark] + fp[mark], 1)
@@ -182,39 +342,92 @@ def score(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) -> dic
     out["case_accuracy"] = round(right / max(total, 1), 4)
     out["words"] = sum(len(p) for p in pieces)
     out["cased_words"] = total
-    model.train()
     return out
+
+
+def score_model(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) -> dict:
+    model.eval()
+    try:
+        return score(torch_tagger(model, words), pieces)
+    finally:
+        model.train()
+
+
+def held_out_sets(data: Corpus) -> dict[str, list[list[Tagged]]]:
+    """The held-out windows: all sources, and the first tagger's sources alone (`FIRST_SOURCES`:
+    the set its documented scores were on, so taggers trained on more can be compared)."""
+    return {"all": held_out_windows(data.held_out(), 60),
+            "first": held_out_windows(data.held_out(FIRST_SOURCES), 60)}  # fmt: skip
+
+
+def _selection(scores: dict) -> float:
+    return sum(scores[m]["f1"] for m in ",.?") / 3 + scores["case_accuracy"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
-    ap.add_argument("--minutes", type=float, default=20.0, help="training time budget")
+    ap.add_argument("--minutes", type=float, default=20.0,
+                    help="training budget in CPU minutes (time the process is paused or "
+                    "waits for a shared CPU does not count)")  # fmt: skip
+    ap.add_argument("--eval-minutes", type=float, default=5.0,
+                    help="score the held-out set this often (CPU minutes) and at each "
+                    "epoch's end; the best scoring weights are kept")  # fmt: skip
     ap.add_argument("--window", type=int, default=48, help="most words per training window")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prose", type=Path, default=PROSE_DIR,
+                    help="where scripts/fetch_prose.sh unpacked its packages (those "
+                    "missing are skipped)")  # fmt: skip
+    ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
+                    help="train nothing: score these exported taggers on the held-out "
+                    "sets")  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    train, held, counts = corpus()
+    data = corpus(args.prose)
+    n_train = sum(len(p) for p in data.train)
+    n_held = sum(len(p) for p in data.held_out())
+    print(f"paragraphs per source {data.counts}; words per source {data.words}; "
+          f"words: train {n_train}, held out {n_held}", flush=True)  # fmt: skip
+    sets = held_out_sets(data)
+    if args.score_only:
+        for path in args.score_only:
+            tag = exported_tagger(path)
+            report = {name: score(tag, pieces) for name, pieces in sets.items()}
+            print(f"{path}: {json.dumps(report)}", flush=True)
+        return
     cfg = TaggerConfig()
-    words = word_list(train, cfg.words)
-    n_train = sum(len(p) for p in train)
-    n_held = sum(len(p) for p in held)
-    print(f"paragraphs per source {counts}; words: train {n_train}, held out {n_held}")
+    words = word_list(data.train, cfg.words)
     model = Tagger(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+    lr = 3e-3
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
     # Rare marks matter as much as the common "no mark": weigh them up a little.
     mark_loss = nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([1.0, 2.0, 2.0, 3.0]))
-    pieces = held_out_windows(held, 60)
-    deadline = time.monotonic() + 60 * args.minutes
-    best, best_state, epoch = -1.0, None, 0
-    while time.monotonic() < deadline:
+    budget, start = 60 * args.minutes, time.process_time()
+    best, best_state, epoch, next_eval = -1.0, None, 0, 60 * args.eval_minutes
+
+    def evaluate(label: str, loss: float) -> None:
+        nonlocal best, best_state
+        scores = score_model(model, sets["all"], words)
+        print(f"{label} loss {loss:.4f} {json.dumps(scores)}", flush=True)
+        if _selection(scores) > best:
+            best, best_state = (
+                _selection(scores),
+                {k: v.clone() for k, v in model.state_dict().items()},
+            )
+
+    while (spent := time.process_time() - start) < budget:
         epoch += 1
         total = n = 0
-        for w, c, marks, cases in batches(train, words, args.window, args.batch, rng):
+        for w, c, marks, cases in batches(data.train, words, args.window, args.batch, rng):
+            # The rate falls from lr to nothing over the budget (cosine): the last, quieter
+            # steps settle the weights a fixed budget ends on.
+            spent = time.process_time() - start
+            for group in opt.param_groups:
+                group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * min(spent / budget, 1.0)))
             ml, cl = model(w, c)
             loss = mark_loss(ml.reshape(-1, len(MARKS)), marks.reshape(-1)) + loss_fn(
                 cl.reshape(-1, len(CASES)), cases.reshape(-1)
@@ -224,16 +437,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             total, n = total + loss.item(), n + 1
-            if time.monotonic() > deadline:
+            if spent > budget:
                 break
-        scores = score(model, pieces, words)
-        mean_f1 = sum(scores[m]["f1"] for m in ",.?") / 3 + scores["case_accuracy"]
-        print(f"epoch {epoch} loss {total / max(n, 1):.4f} {json.dumps(scores)}", flush=True)
-        if mean_f1 > best:
-            best, best_state = mean_f1, {k: v.clone() for k, v in model.state_dict().items()}
+            if spent > next_eval:
+                next_eval += 60 * args.eval_minutes
+                evaluate(f"epoch {epoch} ({spent / 60:.1f} min)", total / n)
+        evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min)",
+                 total / max(n, 1))  # fmt: skip
     model.load_state_dict(best_state)
-    scores = score(model, pieces, words)
-    scores["data"] = {"paragraphs": counts, "train_words": n_train, "held_out_words": n_held}
+    scores = score_model(model, sets["all"], words)
+    scores["first_sources"] = score_model(model, sets["first"], words)
+    scores["data"] = {"paragraphs": data.counts, "words": data.words, "train_words": n_train,
+                      "held_out_words": n_held, "cpu_minutes": args.minutes}  # fmt: skip
     print("held-out scores", json.dumps(scores))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     export_tagger(model, words, scores, args.out)

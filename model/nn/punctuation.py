@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -107,3 +108,11 @@ def export_tagger(model: Tagger, words: WordList, scores: dict, out: Path) -> No
             if diff > 1e-4:
                 raise RuntimeError(f"ONNX Runtime differs from torch by {diff} at {length} tokens")
     write_durably(out, data)
+
+
+def exported_tagger(path: Path) -> Callable[[Sequence[str]], tuple[list[int], list[int]]]:
+    """An exported tagger's `tag` as the server runs it (ONNX Runtime), to score it in
+    training beside a new one."""
+    from echoic.model.runtime.formatting import Punctuator
+
+    return Punctuator(path).tag

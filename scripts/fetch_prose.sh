@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# English prose that Debian ships (main, DFSG-free), for the punctuation tagger's data
+# recipe (training/punctuation.py --prose DIR; docs/formatting.md, "The tagger").
+# Downloads each pinned package's .deb with apt-get download (no install, no root) and
+# unpacks it with dpkg -x into DIR/PACKAGE; a package already unpacked is kept.
+#   bash scripts/fetch_prose.sh [DIR]      (default data/prose)
+set -euo pipefail
+dir=${1:-data/prose}
+# Everyday prose first (quotes, WordNet's example sentences, an FAQ written as argument);
+# the recipe caps the Debian handbooks so that technical prose cannot drown the rest.
+# (fortunes-mario is Portuguese; fortunes-debian-hints and jargon are commands and markup.)
+packages=(
+  wordnet-base            # /usr/share/wordnet/data.*: example sentences
+  fortune-anarchism       # /usr/share/games/fortunes/anarchism: quotes
+  anarchism               # /usr/share/doc/anarchism/html: the Anarchist FAQ (HTML)
+  debian-faq              # /usr/share/doc/debian/FAQ: HTML
+  debian-handbook         # /usr/share/doc/debian-handbook/html/en-US: HTML
+  debian-reference-en     # /usr/share/debian-reference: HTML
+)
+mkdir -p "$dir/.debs"
+dir=$(cd "$dir" && pwd)
+for p in "${packages[@]}"; do
+  if [ -f "$dir/$p/.unpacked" ]; then
+    echo "$p: already in $dir/$p"
+    continue
+  fi
+  (cd "$dir/.debs" && ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download -q "$p" 2>&1 >/dev/null |
+    grep -v "unsandboxed as root" >&2 || true)
+  deb=$(ls "$dir/.debs/${p}"_*.deb | head -1)
+  rm -rf "${dir:?}/$p"
+  dpkg -x "$deb" "$dir/$p"
+  touch "$dir/$p/.unpacked"
+  echo "$p: $(basename "$deb") -> $dir/$p ($(du -sh "$dir/$p" | cut -f1))"
+done

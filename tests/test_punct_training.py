@@ -1,0 +1,109 @@
+"""The punctuation tagger's data recipe (training/punctuation.py): the readers of the prose
+packages scripts/fetch_prose.sh unpacks, on small pages written here, and the scoring of
+an exported tagger beside the torch one it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the training recipe needs the train extra")
+pytest.importorskip("onnxruntime", reason="an exported tagger runs on ONNX Runtime")
+
+from echoic.model.core.punctuation import WordList, tags_of_prose  # noqa: E402
+from echoic.model.nn.punctuation import (  # noqa: E402
+    Tagger,
+    TaggerConfig,
+    export_tagger,
+    exported_tagger,
+)
+from echoic.training import punctuation  # noqa: E402
+from echoic.training.punctuation import (  # noqa: E402
+    PROSE_SOURCES,
+    held_out_windows,
+    html_paragraphs,
+    prose_sources,
+    running_text,
+    score,
+    torch_tagger,
+)
+
+PAGE = """<html><head><title>Not a paragraph.</title></head><body>
+<div class="navheader"><a href="x.html">Prev</a> Next chapter, on the way out.</div>
+<p>Anarchism is a political theory, <i>"the absence of a master."</i> [P-J Proudhon,
+<b>What is Property</b>, p. 264] In other words, it aims at a free society.
+<p>Is this the second paragraph? It is, though the first was never closed.</p>
+<div class="para">DocBook writes its paragraphs as divisions; this one reads well enough.</div>
+<div class="para">Run <code class="command">apt-get update</code> before you install it.</div>
+<pre>This preformatted block is code, not prose, and it is skipped.</pre>
+<table><tr><td><p>A paragraph inside a table cell is never running text.</p></td></tr></table>
+<p>Too short to count.</p>
+<p>"[i]n common with all socialists," they said, and went home early that day.</p>
+<p>An ellipsis . . . cuts a quote, so the sentence is not whole any more.</p>
+</body></html>"""
+
+
+def test_html_pages_give_their_running_text_paragraphs(tmp_path: Path) -> None:
+    (tmp_path / "page.html").write_text(PAGE, encoding="utf-8")
+    (tmp_path / "notes.txt").write_text("Not an HTML page, so it is never read at all.")
+    assert list(html_paragraphs(tmp_path)) == [
+        'Anarchism is a political theory, "the absence of a master." In other words, '
+        "it aims at a free society.",
+        "Is this the second paragraph? It is, though the first was never closed.",
+        "DocBook writes its paragraphs as divisions; this one reads well enough.",
+        '"in common with all socialists," they said, and went home early that day.',
+    ]
+
+
+@pytest.mark.parametrize(
+    ("paragraph", "text"),
+    [
+        pytest.param("It works \u2014 mostly \u2014 as   you\nwould hope.",
+                     "It works, mostly, as you would hope.", id="dashes-as-commas"),
+        pytest.param("It costs \u20ac5, which is a lot for one cup.", None, id="odd-characters"),
+        pytest.param("A heading with no sentence end at all here", None, id="no-sentence-end"),
+        pytest.param("It ends (as it should) in a closing bracket here.)",
+                     "It ends (as it should) in a closing bracket here.)", id="closing-bracket"),
+    ],
+)  # fmt: skip
+def test_running_text_keeps_only_sentence_like_paragraphs(paragraph: str, text: str | None):
+    assert running_text(paragraph) == text
+
+
+def test_prose_packages_are_read_where_unpacked_and_skipped_when_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert prose_sources(tmp_path / "never-fetched") == {}
+    faq = next(s for s in PROSE_SOURCES if s.name == "debian-faq")
+    where = tmp_path / faq.package / faq.where
+    where.mkdir(parents=True)
+    sentence = "<p>This answer has exactly seven words here.</p>"
+    (where / "basic.en.html").write_text(sentence * 3)
+    (where / "basic.fr.html").write_text("<p>Cette page est en français, pas en anglais.</p>")
+    wordnet = next(s for s in PROSE_SOURCES if s.name == "wordnet")
+    (tmp_path / wordnet.package / wordnet.where).mkdir(parents=True)
+    (tmp_path / wordnet.package / wordnet.where / "data.verb").write_text(
+        '00001 29 v 01 go 0 | move; "Did he go home?"; "she went"\n'
+    )
+    read = {name: list(paragraphs) for name, paragraphs in prose_sources(tmp_path).items()}
+    assert read == {"wordnet": ["Did he go home?"],
+                    "debian-faq": ["This answer has exactly seven words here."] * 3}  # fmt: skip
+    # The cap: whole paragraphs, in file order, until it is reached.
+    monkeypatch.setattr(punctuation, "PROSE_SOURCES", (dataclasses.replace(faq, max_words=10),))
+    assert len(list(prose_sources(tmp_path)["debian-faq"])) == 2
+
+
+def test_an_exported_tagger_scores_as_the_torch_one_it_came_from(tmp_path: Path) -> None:
+    """--score-only scores a tagger file with ONNX Runtime as the server runs it; its scores
+    on a held-out set are the ones training printed for the same weights in torch."""
+    words = WordList(("the", "a", "is", "it", "of"))
+    model = Tagger(TaggerConfig(words=5, word_dim=4, char_dim=4, char_filters=4, hidden=4)).eval()
+    path = tmp_path / "tagger.onnx"
+    export_tagger(model, words, {}, path)
+    prose = "Is it the end? It is, of course. The cat sat on a mat, and it slept."
+    pieces = held_out_windows([tags_of_prose(prose)] * 3, 7)
+    scores = score(exported_tagger(path), pieces)
+    assert scores == score(torch_tagger(model, words), pieces)
+    assert scores["words"] == 3 * len(prose.split()) and scores["."]["support"] == 6
