@@ -236,7 +236,6 @@ class EngineProcess:
         self.info: _Info
         self.generation = 0  # counts the processes started
         self._process: subprocess.Popen | None = None
-        self._pipe: Connection | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[asyncio.Future, RemoteStream | None]] = {}
         self._outbox: list[tuple] = []
@@ -291,7 +290,7 @@ class EngineProcess:
             if lock is not None:
                 lock.close()  # the lock goes with the last of this and the engine's copy
         self.info = info
-        self._process, self._pipe = process, pipe
+        self._process = process
         self.generation += 1
         self._live = True
         self._sends = queue.SimpleQueue()

@@ -45,7 +45,6 @@ T = TypeVar("T")
 # and their STFT take about 0.7 MB a second of audio, so 30 s is some 20 MB a request,
 # and 120 awaits an hour
 WHOLE_WINDOW_SECONDS = 30.0
-_EMPTY = np.zeros(0, np.float32)
 _STATES = {"loaded": pb.ModelInfo.LOADED, "draining": pb.ModelInfo.DRAINING}
 
 
@@ -309,14 +308,19 @@ class TranscriberService(pb_grpc.TranscriberServicer):
         A request that ends early drops the generator, which closes its decoder: not
         closed here, since a cancelled request's last window may still be decoding."""
         with _whole_audio_refusals():
-            held = _EMPTY
+            parts: list[np.ndarray] = []  # blocks not yet in a window, joined once one is full
+            held = 0
             for block in session.audio.whole_blocks(audio):
-                held = np.concatenate([held, block])
-                while len(held) >= window:
-                    yield held[:window]
-                    held = held[window:]
-            if len(held):
-                yield held
+                parts.append(block)
+                held += len(block)
+                if held >= window:
+                    joined = np.concatenate(parts)
+                    full = len(joined) // window * window
+                    for start in range(0, full, window):
+                        yield joined[start : start + window]
+                    parts, held = [joined[full:]], len(joined) - full
+            if held:
+                yield np.concatenate(parts)
 
     async def recognize_paced(
         self,
