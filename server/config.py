@@ -178,11 +178,12 @@ class ServerConfig:
         Flag(metavar="N"),
     )
     beam_processes: int = setting(
-        0,
+        -1,
         "beam searches run in this many decoder processes of their own, count, each "
         "stream's in one of them (flashlight's decoder holds the interpreter lock while it "
-        "decodes, which stalls the server's other threads); 0 = in the server's own "
-        "decoder threads",
+        "decodes, which stalls the server's other threads); -1 = one per core (with "
+        "--engine thread and --workers, the cores shared among the workers); 0 = in the "
+        "server's own decoder threads",
         Flag(metavar="N"),
     )
     # auto by measurement (docs/serving.md, "Choosing the decoder"): on the bundled model, beam
@@ -369,6 +370,14 @@ class ServerConfig:
         """Batches an engine process runs at once (`batch_lanes`; 0 = one per core)."""
         return self.batch_lanes or _cores()
 
+    @property
+    def beam_decoder_processes(self) -> int:
+        """Beam-search decoder processes (`beam_processes`; -1 = one per core): an engine
+        process's own, or, with --engine thread, each worker's share of the cores."""
+        if self.beam_processes >= 0:
+            return self.beam_processes
+        return _cores() if self.engine_process else max(1, _cores() // self.workers)
+
     def __post_init__(self) -> None:
         checks = [
             (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}"),
@@ -390,7 +399,10 @@ class ServerConfig:
             (self.min_upload_bytes_per_second >= 0, "min_upload_bytes_per_second must be >= 0"),
             (self.max_batch >= 1, "max_batch must be >= 1"),
             (self.max_wait_ms >= 0, "max_wait_ms must be >= 0"),
-            (self.beam_processes >= 0, "beam_processes must be >= 0 (0 = decoder threads)"),
+            (
+                self.beam_processes >= -1,
+                "beam_processes must be >= -1 (-1 = one per core, 0 = decoder threads)",
+            ),
             (self.batch_lanes >= 0, "batch_lanes must be >= 0 (0 = one per core)"),
             (
                 self.engine in ENGINES,

@@ -93,7 +93,7 @@ def test_decoder_processes_give_the_in_process_results_bit_for_bit(speech) -> No
     model = default_model_dir()
     # The server's own decoder processes, beside a thread engine (an engine process
     # starts its own: server/core/engine_process.py).
-    with running(model, engine="thread") as server:
+    with running(model, engine="thread", beam_processes=0) as server:
         assert server.server.beam_processes is None
         want = _everything(server, speech)
     with running(model, beam_processes=2, engine="thread") as server:
@@ -190,13 +190,33 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize(
     ("processes", "error"),
-    [pytest.param(-1, "beam_processes must be >= 0", id="negative")],
+    [pytest.param(-2, "beam_processes must be >= -1", id="negative")],
 )
 def test_a_bad_process_count_is_refused(processes: int, error: str) -> None:
     from echoic.server.config import ServerConfig
 
     with pytest.raises(ServerError, match=error):
         ServerConfig(beam_processes=processes)
+
+
+def test_by_default_there_is_a_decoder_process_per_core(monkeypatch) -> None:
+    """-1, the default: one per core for an engine process (it serves every worker) and
+    for one server process with its engine in a thread; with --engine thread and
+    --workers, each worker gets its share of the cores."""
+    from echoic.server import config
+    from echoic.server.config import ServerConfig
+
+    monkeypatch.setattr(config, "_cores", lambda: 4)
+    assert ServerConfig().beam_processes == -1
+    assert ServerConfig().beam_decoder_processes == 4
+    assert ServerConfig(engine="thread").beam_decoder_processes == 4
+    assert ServerConfig(engine="thread", workers=2).beam_decoder_processes == 2
+    assert ServerConfig(engine="thread", workers=8).beam_decoder_processes == 1
+    assert ServerConfig(engine="process", workers=2).beam_decoder_processes == 4
+    assert ServerConfig(beam_processes=0).beam_decoder_processes == 0
+    assert ServerConfig(beam_processes=3, workers=2).beam_decoder_processes == 3
+    with running(default_model_dir(), engine="thread") as server:
+        assert len(server.server.beam_processes.pids) == 4
 
 
 def test_a_decoder_config_the_model_cannot_spell_is_refused_before_any_process() -> None:

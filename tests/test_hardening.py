@@ -564,8 +564,12 @@ def test_beam_search_runs_beside_the_batch_not_in_it(tiny_model_dir, monkeypatch
         monkeypatch.setattr(cls, "_accept", spy)
     tone = _container(3, 16000, 1, "WAV", tone=True)
     beam = Config(decoder=pb.DecoderConfig(kind=pb.DecoderConfig.BEAM, beam_size=8))
-    # The threads of this process: an engine process's are its own (the same split there).
-    with running(tiny_model_dir, engine="thread") as server, channel_to(server) as channel:
+    # The threads of this process, the searches in them (no decoder processes): an engine
+    # process's are its own (the same split there).
+    with (
+        running(tiny_model_dir, engine="thread", beam_processes=0) as server,
+        channel_to(server) as channel,
+    ):
         stub = pb_grpc.TranscriberStub(channel)
         got = recognize(stub, tone, beam).results[0].alternatives[0].transcript
         list(stub.StreamingRecognize(_messages(tone, Config.WAV, beam), timeout=30))

@@ -687,7 +687,9 @@ class _Host:
         # (door, ops) as they come; (door, None) when a door has gone
         self._inbox: queue.SimpleQueue[tuple[_Door, list[tuple] | None]] = queue.SimpleQueue()
         self._dropped: list[tuple[_Door, int]] = []  # queued steps whose streams were closed
-        self._decoders = ThreadPoolExecutor(spec.decoder_threads, thread_name_prefix="decode")
+        # with decoder processes, a thread waits on each at once
+        threads = max(spec.decoder_threads, spec.beam_processes)
+        self._decoders = ThreadPoolExecutor(threads, thread_name_prefix="decode")
         # Decoders are built (a beam search's LM loaded, a request's boosted words spelled:
         # tens to hundreds of ms) in a thread of their own, so that the beam settles and
         # whole-file features queued in the decoder threads never wait behind a build.

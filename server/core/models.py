@@ -426,7 +426,7 @@ class ModelRegistry:
         spec = EngineSpec(
             path, tuple(cfg.providers), cfg.intra_op_threads, cfg.ort_spin_wait,
             cfg.device == "cuda", chunking, cfg.max_batch, cfg.lanes, DECODER_THREADS,
-            cfg.beam_processes,
+            cfg.beam_decoder_processes,
         )  # fmt: skip
         if cfg.engine_dir:  # the workers of one supervisor: one engine for them all
             # the files' signature too: a version folder made again at the same path while

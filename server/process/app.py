@@ -267,17 +267,16 @@ async def create_server(config: ServerConfig) -> tuple[Server, int]:
     # Model calls run here, one at a time per model version; a few versions can overlap.
     executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="echoic-engine")
     # Beam searches run here, bounded, beside the batches rather than inside them; with
-    # --beam-processes these threads only wait on the decoder processes, one each.
-    decoders = ThreadPoolExecutor(
-        max_workers=max(DECODER_THREADS, config.beam_processes), thread_name_prefix="echoic-decode"
-    )
+    # decoder processes (--beam-processes) these threads only wait on them, one each.
+    threads = max(DECODER_THREADS, config.beam_decoder_processes)
+    decoders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="echoic-decode")
     # Whole files and buffered streams are decoded here: see TranscriberService.
     audio = ThreadPoolExecutor(max_workers=config.decode_threads, thread_name_prefix="echoic-audio")
     executors = (executor, decoders, audio)
     beams = registry = None
     try:
-        if config.beam_processes and not config.engine_process:  # else the engines' own
-            beams = await asyncio.to_thread(BeamProcesses, config.beam_processes)
+        if config.beam_decoder_processes and not config.engine_process:  # else the engines'
+            beams = await asyncio.to_thread(BeamProcesses, config.beam_decoder_processes)
         registry = ModelRegistry(config, metrics, executor, decoders, beams)
         await registry.start()
     except BaseException:
