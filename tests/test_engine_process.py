@@ -256,6 +256,80 @@ def test_steps_queued_for_streams_closed_meanwhile_are_not_run(corpus_audio) -> 
     assert all(isinstance(a, DispatcherClosed) for a in answers), answers
 
 
+@pytest.mark.parametrize(
+    "decoder",
+    [pytest.param("greedy", id="greedy"), pytest.param("beam", id="beam-in-decoder-threads")],
+)
+def test_a_finished_stream_with_two_windows_left_is_answered_once(corpus_audio, decoder) -> None:
+    """A stream that ends with more audio than one window holds: its last two windows run
+    back to back in the engine (two batches) and the door gets one reply, after both,
+    with the results the same stream gives in this process step by step."""
+    import asyncio
+
+    from echoic.model.core.decoding import DecoderConfig
+    from echoic.model.runtime.recognizer import Recognizer
+    from echoic.server.core.engine_process import EngineSpec
+    from echoic.server.metrics import Metrics
+
+    config = DecoderConfig() if decoder == "greedy" else DecoderConfig(kind="beam", beam_size=8)
+    local = Recognizer(default_model_dir(), config)
+
+    def pieces(audio: np.ndarray) -> list[np.ndarray]:
+        return [audio[i : i + 1600] for i in range(0, len(audio), 1600)]
+
+    def here(audio: np.ndarray) -> tuple[list, int]:
+        """The stream's finals in this process, and its steps after the audio ended."""
+        s, finals, after = local.stream(endpointing=None), [], 0
+        for piece in [*pieces(audio), None]:
+            if piece is None:
+                s.finish()
+            else:
+                s.accept_audio(piece)
+            while s.is_ready():
+                local.step([s])
+                finals += s.settle().finals
+                after += piece is None
+        return finals, after
+
+    # the corpus utterance cut so that its end leaves two windows
+    full = corpus_audio[0][1]
+    audio = next(full[:n] for n in range(len(full), len(full) // 2, -800) if here(full[:n])[1] == 2)
+    want, _ = here(audio)
+    metrics = Metrics()
+    spec = EngineSpec(
+        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0
+    )  # fmt: skip
+
+    def batches() -> float:
+        return metrics.registry.get_sample_value("echoic_batch_size_count", {
+            "model": "m", "version": "1"}) or 0.0  # fmt: skip
+
+    async def run() -> tuple[list, int, float]:
+        engine = await EngineProcess.start(spec, metrics)
+        engine.labels = ("m", "1")
+        try:
+            s = (await engine.recognizer(config)).stream()
+            finals: list = []
+            for piece in pieces(audio):
+                s.accept_audio(piece)
+                while s.is_ready():
+                    finals += (await engine.step(s)).finals
+            before = batches()
+            s.finish()
+            replies = 0
+            while s.is_ready():
+                finals += (await engine.step(s)).finals
+                replies += 1
+            assert s.is_final
+            return finals, replies, batches() - before
+        finally:
+            await engine.close()
+
+    got, replies, ran = asyncio.run(run())
+    assert (replies, ran) == (1, 2.0)
+    assert got == want and got[-1].transcript.text
+
+
 def test_a_shared_engine_serves_every_door_and_ends_with_the_last(
     corpus_audio, tmp_path: Path
 ) -> None:

@@ -383,6 +383,16 @@ class Stepped:
     endpoint: bool  # an endpoint cut the stream at this step
     decoded_seconds: float  # audio the model has given rows for, s
 
+    def then(self, later: Stepped) -> Stepped:
+        """This step and a later one of the same stream as one (a finished stream's last
+        windows run back to back): both steps' finals, the later partial."""
+        return Stepped(
+            self.finals + later.finals,
+            later.partial,
+            self.endpoint or later.endpoint,
+            later.decoded_seconds,
+        )
+
 
 class Stream:
     """One live audio stream: audio in, utterances with partial and final transcripts out.

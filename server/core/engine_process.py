@@ -29,7 +29,11 @@ reads the pipe; the main thread takes whatever steps are queued the moment the b
 before is done (up to `max_batch`), runs one `Recognizer.step` for them and settles
 the greedy ones there; beam searches settle in its decoder threads (or its own
 `--beam-processes`), and decoders are built in a thread of their own. Replies go back as
-one message per batch. A step whose stream was closed while it waited is dropped.
+one message per batch. A step whose stream was closed while it waited is dropped. A
+finished stream with windows left (up to two: the audio after its last window when it
+ended) goes back to the head of the queue after each step and is answered once, after
+its last, with every step's results: its final result waits for one round trip to the
+door, not one per window.
 
 With `--workers` (`EngineSpec.share`: a Unix socket's path) one engine process serves
 every worker: the first worker to load the version starts it with `--listen PATH`, the
@@ -660,6 +664,7 @@ class _Work:
     queued_at: float
     door: _Door
     sid: int = 0  # a stream's id
+    carried: Stepped | None = None  # a finished stream's earlier steps, not yet answered
 
 
 class _Host:
@@ -848,6 +853,8 @@ class _Host:
             self._step(op, work, door)
         elif kind == "queue":  # a step whose features were computed in a decoder thread
             work.append(op[1])
+        elif kind == "again":  # a finished stream's next window: ahead of the others
+            work.appendleft(op[1])
         elif kind == "offline":
             work.append(_Work("offline", op[1], op[2], time.perf_counter(), door))
         elif kind == "decoder":
@@ -979,18 +986,33 @@ class _Host:
         it stands (a final stream its last utterance)."""
         stream = item.payload
         if not stepped and not stream.is_final:
-            nothing = Stepped((), None, False, stream.decoded_seconds)
-            return [("stepped", item.rid, nothing, _status(stream))]
+            return self._answer(item, Stepped((), None, False, stream.decoded_seconds))
         if stream.deferred:
             self._decoders.submit(self._settle_beside, item)
             return []
-        return [("stepped", item.rid, stream.settle(), _status(stream))]
+        return self._answer(item, stream.settle())
 
     def _settle_beside(self, item: _Work) -> None:
         try:
-            item.door.send([("stepped", item.rid, item.payload.settle(), _status(item.payload))])
+            replies = self._answer(item, item.payload.settle())
         except Exception as e:  # noqa: BLE001 - raised where it was asked for
             self._reply_error(item.door, item.rid, e)
+        else:
+            if replies:
+                item.door.send(replies)
+
+    def _answer(self, item: _Work, stepped: Stepped) -> list[tuple]:
+        """The reply to a step, with the results of the steps carried before it; none yet
+        for a finished stream with another window: that step goes back to the head of the
+        queue, carrying these results (the door would only ask for it at once)."""
+        stream = item.payload
+        if item.carried is not None:
+            stepped = item.carried.then(stepped)
+        if stream.finished and not stream.is_final and stream.is_ready():
+            item.carried, item.queued_at = stepped, time.perf_counter()
+            self._inbox.put((item.door, [("again", item)]))
+            return []
+        return [("stepped", item.rid, stepped, _status(stream))]
 
     def close(self) -> None:
         self._decoders.shutdown(wait=False, cancel_futures=True)
