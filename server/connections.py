@@ -9,7 +9,10 @@ meanwhile. `capped_server` and `CappedAppRunner` add the cap: one connection pas
 closes the oldest connection that has no request being answered (idle between requests,
 or still sending its headers), and only when every other one is busy the newest itself.
 A connection is busy while its request's handler runs: an upload being read, a
-transcription, a realtime WebSocket for its whole life.
+transcription, a realtime WebSocket for its whole life. A response that aiohttp writes
+after its handler has returned is already in the connection's buffer, and a close
+flushes that buffer first: the cap may end such a connection, but its client still
+gets the whole response.
 
 aiohttp is imported when a server is made (it is the serve extra's).
 """

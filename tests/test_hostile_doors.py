@@ -595,6 +595,58 @@ def test_past_max_http_connections_the_oldest_idle_one_is_closed_never_a_busy_on
         assert _realtime(server, talk) == ["transcription_session.updated", 200, True]
 
 
+def test_a_response_still_being_written_when_its_connection_is_capped_arrives_whole() -> None:
+    """A connection whose handler has returned while its response is still being written
+    (a body larger than the sockets' buffers, to a client that reads slowly) counts as
+    idle to the cap and may be the one it closes: the body is in the connection's buffer
+    by then, and a close flushes that buffer first, so the client still gets all of it."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    from echoic.server.connections import capped_server
+
+    body = b"x" * (32 << 20)
+
+    async def handler(request: web.BaseRequest) -> web.Response:
+        return web.Response(body=body)
+
+    def client(port: int) -> tuple[list[bool], bytes]:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", port))
+        slow.settimeout(HUNG)
+        slow.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_until(lambda: slow.recv(1, socket.MSG_PEEK), HUNG)  # its response has begun
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=HUNG) for _ in range(3)]
+        try:
+            time.sleep(0.3)  # room for a wrong close to show
+            closed = [_closed_by_the_server(s) for s in idle]
+            received = bytearray()
+            while chunk := slow.recv(1 << 20):
+                received += chunk
+            return closed, bytes(received)
+        finally:
+            for s in [slow, *idle]:
+                s.close()
+
+    async def main() -> tuple[list[bool], bytes]:
+        runner = web.ServerRunner(capped_server(handler, limit=3))
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            return await asyncio.to_thread(client, runner.addresses[0][1])
+        finally:
+            await runner.cleanup()
+
+    closed, received = asyncio.run(main())
+    assert closed == [False, False, False]  # the cap closed the slow one, the oldest idle
+    head, _, got = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and got == body
+
+
 PREAMBLE_BYTES = 20 * 10**6  # junk before a form's first part, or inside its part's header
 JUNK_LINE = b"x" * 62 + b"\r\n"
 
