@@ -31,9 +31,12 @@ the greedy ones there; beam searches settle in its decoder threads (or its own
 `--beam-processes`), and decoders are built in a thread of their own. Replies go back as
 one message per batch. A step whose stream was closed while it waited is dropped. A
 finished stream with windows left (up to two: the audio after its last window when it
-ended) goes back to the head of the queue after each step and is answered once, after
-its last, with every step's results: its final result waits for one round trip to the
-door, not one per window.
+ended) is answered once, after its last, with every step's results: its final result
+waits for one round trip to the door, not one per window. A greedy stream's next window
+runs at once in the same lane, in a round of its own with the batch's other finished
+streams that have one (about a third of a full batch's time, where queued again it
+would join a full batch); a beam search's goes back to the head of the queue once its
+decoder thread has settled it.
 
 With `--workers` (`EngineSpec.share`: a Unix socket's path) one engine process serves
 every worker: the first worker to load the version starts it with `--listen PATH`, the
@@ -939,9 +942,17 @@ class _Host:
         return recognizer
 
     def _run_batch(self, batch: list[_Work]) -> None:
+        """The batch, then at once in this lane the next window of each of its finished
+        greedy streams that has one (their last: a round of a few streams, where queued
+        again they would join a full batch), its replies sent after each round."""
+        while batch:
+            batch = self._run_round(batch)
+
+    def _run_round(self, batch: list[_Work]) -> list[_Work]:
         started = time.perf_counter()
         waits = [started - item.queued_at for item in batch]
         replies: list[tuple[_Work, tuple]] = []  # (whose, reply)
+        again: list[_Work] = []
         try:
             if batch[0].kind == "offline":
                 outs = self.greedy.log_probs([item.payload for item in batch])
@@ -955,13 +966,13 @@ class _Host:
                 ready = [s.is_ready() for s in streams]
                 self.greedy.step(streams)
                 for item, stepped in zip(batch, ready, strict=True):
-                    replies += ((item, reply) for reply in self._settle(item, stepped))
+                    replies += ((item, reply) for reply in self._settle(item, stepped, again))
                 audio = len(batch) * self._window_seconds
         except Exception as e:  # noqa: BLE001 - handed to every waiting stream
             log.exception("batched model call failed (%d items)", len(batch))
             for item in batch:
                 self._reply_error(item.door, item.rid, e)
-            return
+            return []
         # Each door its own replies; the batch's metrics to one of them (one still there),
         # so that a scrape summing every worker counts each batch once.
         by_door: dict[_Door, list[tuple]] = {}
@@ -979,18 +990,19 @@ class _Host:
                 for item in batch:
                     if item.door is door:
                         self._reply_error(door, item.rid, e)
+        return again
 
-    def _settle(self, item: _Work, stepped: bool) -> list[tuple]:
+    def _settle(self, item: _Work, stepped: bool, again: list[_Work]) -> list[tuple]:
         """A stream's reply after its step: settled here (greedy), or in a decoder thread
         (a beam search: replied from there). A stream that had no window only says where
         it stands (a final stream its last utterance)."""
         stream = item.payload
         if not stepped and not stream.is_final:
-            return self._answer(item, Stepped((), None, False, stream.decoded_seconds))
+            return self._answer(item, Stepped((), None, False, stream.decoded_seconds), again)
         if stream.deferred:
             self._decoders.submit(self._settle_beside, item)
             return []
-        return self._answer(item, stream.settle())
+        return self._answer(item, stream.settle(), again)
 
     def _settle_beside(self, item: _Work) -> None:
         try:
@@ -1001,16 +1013,22 @@ class _Host:
             if replies:
                 item.door.send(replies)
 
-    def _answer(self, item: _Work, stepped: Stepped) -> list[tuple]:
+    def _answer(
+        self, item: _Work, stepped: Stepped, again: list[_Work] | None = None
+    ) -> list[tuple]:
         """The reply to a step, with the results of the steps carried before it; none yet
-        for a finished stream with another window: that step goes back to the head of the
-        queue, carrying these results (the door would only ask for it at once)."""
+        for a finished stream with another window (the door would only ask for it at
+        once): that step, carrying these results, goes into `again` (the lane's next
+        round), or without one back to the head of the queue."""
         stream = item.payload
         if item.carried is not None:
             stepped = item.carried.then(stepped)
         if stream.finished and not stream.is_final and stream.is_ready():
             item.carried, item.queued_at = stepped, time.perf_counter()
-            self._inbox.put((item.door, [("again", item)]))
+            if again is not None:
+                again.append(item)
+            else:
+                self._inbox.put((item.door, [("again", item)]))
             return []
         return [("stepped", item.rid, stepped, _status(stream))]
 
