@@ -7,6 +7,7 @@ fields (echoic.cli.serve), so a default, a type or a help text is written here o
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Iterator
@@ -73,10 +74,35 @@ DECODERS = ("auto", "greedy", "beam")  # ServerConfig.decoder
 ENGINES = ("auto", "thread", "process")  # ServerConfig.engine
 
 
+CGROUP = Path("/sys/fs/cgroup")  # where this process's cgroup (a container's own) is mounted
+
+
 def _cores() -> int:
-    """The cores this process may run on (a container's or `taskset`'s share, not the
-    host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use: those it may run on (`taskset`, a cpuset), and no
+    more than its cgroup's CPU quota, rounded up (a container's CPU limit: on a 64-core
+    node a pod limited to 2 CPUs gets 2 lanes and 2 decoder processes, not 64)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _quota_cores(CGROUP)
+    return max(1, min(cores or 1, quota or cores or 1))
+
+
+def _quota_cores(root: Path) -> int | None:
+    """The CPU quota of the cgroup mounted at `root` in cores, rounded up; None without one
+    (cgroup v2's cpu.max "QUOTA PERIOD" or "max PERIOD"; v1's cpu.cfs_quota_us, -1 for
+    none, and cpu.cfs_period_us)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:  # "max": no quota
+        return None
+    return math.ceil(q / p) if q > 0 and p > 0 else None
 
 
 DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches

@@ -219,6 +219,44 @@ def test_by_default_there_is_a_decoder_process_per_core(monkeypatch) -> None:
         assert len(server.server.beam_processes.pids) == 4
 
 
+@pytest.mark.parametrize(
+    ("files", "cores"),
+    [
+        pytest.param({"cpu.max": "200000 100000\n"}, 2, id="v2-two-cpus"),
+        pytest.param({"cpu.max": "150000 100000\n"}, 2, id="v2-one-and-a-half"),
+        pytest.param({"cpu.max": "50000 100000\n"}, 1, id="v2-half-a-cpu"),
+        pytest.param({"cpu.max": "max 100000\n"}, 64, id="v2-no-limit"),
+        pytest.param(
+            {"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"},
+            3,
+            id="v1-three-cpus",
+        ),
+        pytest.param(
+            {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+            64,
+            id="v1-no-limit",
+        ),
+        pytest.param({}, 64, id="no-cgroup-files"),
+    ],
+)
+def test_the_cores_counted_are_no_more_than_the_containers_cpu_limit(
+    tmp_path, monkeypatch, files: dict[str, str], cores: int
+) -> None:
+    """A pod limited to 2 CPUs on a 64-core node gets 2 batch lanes and 2 decoder
+    processes (each holding the LM: 64 of them would not fit its memory), not 64."""
+    from echoic.server import config
+    from echoic.server.config import ServerConfig
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(config, "CGROUP", tmp_path)
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert config._cores() == cores
+    assert ServerConfig().lanes == cores
+    assert ServerConfig().beam_decoder_processes == cores
+
+
 def test_a_decoder_config_the_model_cannot_spell_is_refused_before_any_process() -> None:
     """A boosted word outside the vocabulary is refused as the in-process decoder refuses
     it (INVALID_ARGUMENT), not as a failure in a decoder process."""
