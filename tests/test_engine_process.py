@@ -257,17 +257,25 @@ def test_steps_queued_for_streams_closed_meanwhile_are_not_run(corpus_audio) -> 
 
 
 @pytest.mark.parametrize(
-    "decoder",
-    [pytest.param("greedy", id="greedy"), pytest.param("beam", id="beam-in-decoder-threads")],
+    ("engine", "decoder"),
+    [
+        pytest.param("process", "greedy", id="process-greedy"),
+        pytest.param("process", "beam", id="process-beam-in-decoder-threads"),
+        pytest.param("thread", "greedy", id="thread-greedy"),
+    ],
 )
-def test_a_finished_stream_with_two_windows_left_is_answered_once(corpus_audio, decoder) -> None:
+def test_a_finished_stream_with_two_windows_left_is_answered_once(
+    corpus_audio, engine: str, decoder: str
+) -> None:
     """A stream that ends with more audio than one window holds: its last two windows run
-    back to back in the engine (two batches) and the door gets one reply, after both,
-    with the results the same stream gives in this process step by step."""
+    back to back in the engine (two model calls) and the stream gets one answer, after
+    both, with the results the same stream gives in this process step by step."""
     import asyncio
+    from concurrent.futures import ThreadPoolExecutor
 
     from echoic.model.core.decoding import DecoderConfig
     from echoic.model.runtime.recognizer import Recognizer
+    from echoic.server.core.dispatcher import Dispatcher
     from echoic.server.core.engine_process import EngineSpec
     from echoic.server.metrics import Metrics
 
@@ -296,37 +304,50 @@ def test_a_finished_stream_with_two_windows_left_is_answered_once(corpus_audio, 
     audio = next(full[:n] for n in range(len(full), len(full) // 2, -800) if here(full[:n])[1] == 2)
     want, _ = here(audio)
     metrics = Metrics()
-    spec = EngineSpec(
-        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0
-    )  # fmt: skip
 
-    def batches() -> float:
-        return metrics.registry.get_sample_value("echoic_batch_size_count", {
-            "model": "m", "version": "1"}) or 0.0  # fmt: skip
+    steps = []  # the thread engine's model calls (its rounds are inside one batch)
+    local.step = lambda streams, step=local.step: steps.append(streams) or step(streams)
+
+    def calls() -> float:
+        if engine == "thread":
+            return len(steps)
+        return metrics.registry.get_sample_value(
+            "echoic_batch_size_count", {"model": "m", "version": "1"}) or 0.0  # fmt: skip
 
     async def run() -> tuple[list, int, float]:
-        engine = await EngineProcess.start(spec, metrics)
-        engine.labels = ("m", "1")
+        if engine == "process":
+            spec = EngineSpec(
+                default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0
+            )  # fmt: skip
+            dispatcher = await EngineProcess.start(spec, metrics)
+            dispatcher.labels = ("m", "1")
+            s = (await dispatcher.recognizer(config)).stream()
+        else:
+            pools = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+            dispatcher = Dispatcher(
+                local, max_batch=64, max_wait_ms=0, executor=pools[0], decoders=pools[1],
+                metrics=metrics, labels=("m", "1"),
+            )  # fmt: skip
+            s = local.stream(endpointing=None)
         try:
-            s = (await engine.recognizer(config)).stream()
             finals: list = []
             for piece in pieces(audio):
                 s.accept_audio(piece)
                 while s.is_ready():
-                    finals += (await engine.step(s)).finals
-            before = batches()
+                    finals += (await dispatcher.step(s)).finals
+            before = calls()
             s.finish()
-            replies = 0
+            answers = 0
             while s.is_ready():
-                finals += (await engine.step(s)).finals
-                replies += 1
+                finals += (await dispatcher.step(s)).finals
+                answers += 1
             assert s.is_final
-            return finals, replies, batches() - before
+            return finals, answers, calls() - before
         finally:
-            await engine.close()
+            await dispatcher.close()
 
-    got, replies, ran = asyncio.run(run())
-    assert (replies, ran) == (1, 2.0)
+    got, answers, ran = asyncio.run(run())
+    assert (answers, ran) == (1, 2)
     assert got == want and got[-1].transcript.text
 
 

@@ -406,6 +406,13 @@ class WindowFeeder:
         """Finished, and every window has been taken."""
         return self.finished and not self.ready()
 
+    @property
+    def windows_left(self) -> int | None:
+        """Windows still to take, once finished (None before)."""
+        if not self.finished:
+            return None
+        return max(0, -(-(self.total_output_frames - self.next_frame) // self.chunk))
+
     def next_window(self) -> tuple[np.ndarray, int]:
         """The next window (W, F) float32 and its valid output frames (`out_frames`).
 

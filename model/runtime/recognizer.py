@@ -491,6 +491,15 @@ class Stream:
         """finish() was called."""
         return self._ended
 
+    @property
+    def finishing(self) -> bool:
+        """Finished, with exactly one window still to run, its last (an engine runs it at
+        once, in a round of its own, rather than have its caller ask again). Not before:
+        audio that arrives all at the end (a whole file, FLAC decoded late) steps window by
+        window, batched with the others and with interim results between."""
+        feeder = self._feeder
+        return self._ended and isinstance(feeder, WindowFeeder) and feeder.windows_left == 1
+
     def is_ready(self) -> bool:
         with self._lock:
             if self._ended and not self._feeder.finished:

@@ -16,7 +16,10 @@ Either way a stream awaits once per step. Under light load a window waits for
 nobody; under heavy load batches grow instead of queues.
 
 A stream has at most one step in the queue (it awaits each), so a stream with
-several windows ready takes one per batch and cannot starve the others. Full
+several windows ready takes one per batch and cannot starve the others; only a
+finished greedy stream's last window runs at once after its batch, in a round of its
+own with the batch's other such windows, so that the final result waits for one
+hand-over, not a second turn in the queue. Full
 utterances of a model that cannot stream (no stream.onnx) go through the same
 queue as offline jobs: `Recognizer.log_probs` computes their features and runs
 them as one batch through model.onnx, and their transcripts are decoded in the
@@ -204,7 +207,17 @@ class Dispatcher:
         if batch[0].kind == "stream":
             streams: list[Stream] = [work.payload for work in batch]
             self._recognizer.step(streams)
-            return [None if s.deferred else s.settle() for s in streams]
+            results = [None if s.deferred else s.settle() for s in streams]
+            # A finished greedy stream's last window at once, in a round of its own with
+            # the others', its results joined to the step's: one hand-over, not a second
+            # wait in the queue (beam streams settle beside, and step again from there).
+            tails = [i for i, s in enumerate(streams) if not s.deferred and s.finishing]
+            while tails:
+                self._recognizer.step([streams[i] for i in tails])
+                for i in tails:
+                    results[i] = results[i].then(streams[i].settle())
+                tails = [i for i in tails if streams[i].finishing]
+            return results
         return self._recognizer.log_probs([work.payload for work in batch])
 
     def _observe(self, batch: Sequence[_Work], compute: float) -> None:

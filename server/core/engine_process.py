@@ -1023,7 +1023,7 @@ class _Host:
         stream = item.payload
         if item.carried is not None:
             stepped = item.carried.then(stepped)
-        if stream.finished and not stream.is_final and stream.is_ready():
+        if stream.finishing:
             item.carried, item.queued_at = stepped, time.perf_counter()
             if again is not None:
                 again.append(item)
