@@ -30,13 +30,13 @@ before is done (up to `max_batch`), runs one `Recognizer.step` for them and sett
 the greedy ones there; beam searches settle in its decoder threads (or its own
 `--beam-processes`), and decoders are built in a thread of their own. Replies go back as
 one message per batch. A step whose stream was closed while it waited is dropped. A
-finished stream with windows left (up to two: the audio after its last window when it
-ended) is answered once, after its last, with every step's results: its final result
-waits for one round trip to the door, not one per window. A greedy stream's next window
-runs at once in the same lane, in a round of its own with the batch's other finished
-streams that have one (about a third of a full batch's time, where queued again it
-would join a full batch); a beam search's goes back to the head of the queue once its
-decoder thread has settled it.
+finished stream left with one window, its last (a live stream's audio after its last
+window ends up in one or two), is answered once, after that window too, with both
+steps' results (`Stream.finishing`): its final result waits for one round trip to the
+door, not two. A greedy stream's last window runs at once in the same lane, in a round
+of its own with the batch's other such windows (about a third of a full batch's time,
+where queued again it would join a full batch); a beam search's goes back to the head
+of the queue once its decoder thread has settled it.
 
 With `--workers` (`EngineSpec.share`: a Unix socket's path) one engine process serves
 every worker: the first worker to load the version starts it with `--listen PATH`, the
