@@ -106,6 +106,9 @@ def _quota_cores(root: Path) -> int | None:
 
 
 DECODER_THREADS = 2  # beam searches at once, count: the machine's cores are for the batches
+# --beam-processes -1 starts one per core, but no more than this: each holds its own LM, and
+# each loaded model version (two during a hot reload) has its own set
+MAX_AUTO_BEAM_PROCESSES = 8
 
 CPU = ("CPUExecutionProvider",)
 CUDA_THEN_CPU = ("CUDAExecutionProvider", "CPUExecutionProvider")
@@ -207,8 +210,8 @@ class ServerConfig:
         -1,
         "beam searches run in this many decoder processes of their own, count, each "
         "stream's in one of them (flashlight's decoder holds the interpreter lock while it "
-        "decodes, which stalls the server's other threads); -1 = one per core (with "
-        "--engine thread and --workers, the cores shared among the workers); 0 = in the "
+        "decodes, which stalls the server's other threads); -1 = one per core, at most 8 "
+        "(with --engine thread and --workers, shared among the workers); 0 = in the "
         "server's own decoder threads",
         Flag(metavar="N"),
     )
@@ -402,7 +405,8 @@ class ServerConfig:
         process's own, or, with --engine thread, each worker's share of the cores."""
         if self.beam_processes >= 0:
             return self.beam_processes
-        return _cores() if self.engine_process else max(1, _cores() // self.workers)
+        cores = min(_cores(), MAX_AUTO_BEAM_PROCESSES)
+        return cores if self.engine_process else max(1, cores // self.workers)
 
     def __post_init__(self) -> None:
         checks = [

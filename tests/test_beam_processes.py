@@ -215,6 +215,15 @@ def test_by_default_there_is_a_decoder_process_per_core(monkeypatch) -> None:
     assert ServerConfig(engine="process", workers=2).beam_decoder_processes == 4
     assert ServerConfig(beam_processes=0).beam_decoder_processes == 0
     assert ServerConfig(beam_processes=3, workers=2).beam_decoder_processes == 3
+    # what each worker of a supervisor is given: the count made with --workers known
+    from echoic.server.process.workers import worker_settings
+
+    for engine, each in (("thread", 2), ("process", 4)):
+        worker = worker_settings(ServerConfig(engine=engine, workers=2), 50051, 0, "/tmp")
+        assert (worker.workers, worker.beam_decoder_processes) == (1, each)
+    monkeypatch.setattr(config, "_cores", lambda: 64)  # and at most 8 of them
+    assert ServerConfig().beam_decoder_processes == 8
+    monkeypatch.setattr(config, "_cores", lambda: 4)
     with running(default_model_dir(), engine="thread") as server:
         assert len(server.server.beam_processes.pids) == 4
 
@@ -254,7 +263,7 @@ def test_the_cores_counted_are_no_more_than_the_containers_cpu_limit(
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(64)))
     assert config._cores() == cores
     assert ServerConfig().lanes == cores
-    assert ServerConfig().beam_decoder_processes == cores
+    assert ServerConfig().beam_decoder_processes == min(cores, 8)
 
 
 def test_a_decoder_config_the_model_cannot_spell_is_refused_before_any_process() -> None:

@@ -160,7 +160,9 @@ class Dispatcher:
                 for work, result in zip(batch, results, strict=True):
                     if work.future.done():  # a cancelled client's window is dropped
                         continue
-                    if work.kind == "stream" and work.payload.deferred:
+                    if isinstance(result, Exception):  # its last window's round failed
+                        work.future.set_exception(result)
+                    elif work.kind == "stream" and work.payload.deferred:
                         self._settle_beside(work, loop)
                     else:
                         work.future.set_result(result)
@@ -213,9 +215,15 @@ class Dispatcher:
             # wait in the queue (beam streams settle beside, and step again from there).
             tails = [i for i, s in enumerate(streams) if not s.deferred and s.finishing]
             while tails:
-                self._recognizer.step([streams[i] for i in tails])
-                for i in tails:
-                    results[i] = results[i].then(streams[i].settle())
+                try:
+                    self._recognizer.step([streams[i] for i in tails])
+                    for i in tails:
+                        results[i] = results[i].then(streams[i].settle())
+                except Exception as e:  # noqa: BLE001 - theirs alone: the rest keep their steps
+                    log.exception("a finished stream's last window failed (%d streams)", len(tails))
+                    for i in tails:
+                        results[i] = e
+                    break
                 tails = [i for i in tails if streams[i].finishing]
             return results
         return self._recognizer.log_probs([work.payload for work in batch])

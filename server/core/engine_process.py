@@ -32,8 +32,9 @@ the greedy ones there; beam searches settle in its decoder threads (or its own
 one message per batch. A step whose stream was closed while it waited is dropped. A
 finished stream left with one window, its last (a live stream's audio after its last
 window ends up in one or two), is answered once, after that window too, with both
-steps' results (`Stream.finishing`): its final result waits for one round trip to the
-door, not two. A greedy stream's last window runs at once in the same lane, in a round
+steps' results (`Stream.finishing`; the partial of the window before is not sent: the
+audio has ended, and the final result follows): its final result waits for one round
+trip to the door, not two. A greedy stream's last window runs at once in the same lane, in a round
 of its own with the batch's other such windows (about a third of a full batch's time,
 where queued again it would join a full batch); a beam search's goes back to the head
 of the queue once its decoder thread has settled it.
@@ -952,7 +953,8 @@ class _Host:
         started = time.perf_counter()
         waits = [started - item.queued_at for item in batch]
         replies: list[tuple[_Work, tuple]] = []  # (whose, reply)
-        again: list[_Work] = []
+        again: list[_Work] = []  # finished greedy streams' last windows: the next round
+        beside: list[_Work] = []  # beam searches, settled once this round's replies are sent
         try:
             if batch[0].kind == "offline":
                 outs = self.greedy.log_probs([item.payload for item in batch])
@@ -966,7 +968,9 @@ class _Host:
                 ready = [s.is_ready() for s in streams]
                 self.greedy.step(streams)
                 for item, stepped in zip(batch, ready, strict=True):
-                    replies += ((item, reply) for reply in self._settle(item, stepped, again))
+                    replies += (
+                        (item, reply) for reply in self._settle(item, stepped, again, beside)
+                    )
                 audio = len(batch) * self._window_seconds
         except Exception as e:  # noqa: BLE001 - handed to every waiting stream
             log.exception("batched model call failed (%d items)", len(batch))
@@ -982,25 +986,33 @@ class _Host:
         by_door.setdefault(counted, []).append(
             ("batch", len(batch), time.perf_counter() - started, waits, audio)
         )
+        failed: set[_Door] = set()
         for door, theirs in by_door.items():
             try:
                 door.send(theirs)
             except Exception as e:  # noqa: BLE001 - a reply that does not pickle: each told
                 log.exception("the replies of a batch could not be sent")
+                failed.add(door)
                 for item in batch:
-                    if item.door is door:
+                    if item.door is door and item not in again:
                         self._reply_error(door, item.rid, e)
+        # after the round's metrics: a beam stream's answer never overtakes its batch's
+        for item in beside:
+            if item.door not in failed:
+                self._decoders.submit(self._settle_beside, item)
         return again
 
-    def _settle(self, item: _Work, stepped: bool, again: list[_Work]) -> list[tuple]:
+    def _settle(
+        self, item: _Work, stepped: bool, again: list[_Work], beside: list[_Work]
+    ) -> list[tuple]:
         """A stream's reply after its step: settled here (greedy), or in a decoder thread
-        (a beam search: replied from there). A stream that had no window only says where
-        it stands (a final stream its last utterance)."""
+        (a beam search, put in `beside`: replied from there). A stream that had no window
+        only says where it stands (a final stream its last utterance)."""
         stream = item.payload
         if not stepped and not stream.is_final:
             return self._answer(item, Stepped((), None, False, stream.decoded_seconds), again)
         if stream.deferred:
-            self._decoders.submit(self._settle_beside, item)
+            beside.append(item)
             return []
         return self._answer(item, stream.settle(), again)
 

@@ -152,6 +152,20 @@ def _supervisor_gone(loop: asyncio.AbstractEventLoop, pipe: Connection) -> None:
 # ------------------------------------------------------------------ the supervisor
 
 
+def worker_settings(config: ServerConfig, port: int, http_port: int, engines: str) -> ServerConfig:
+    """One worker's settings under a --workers supervisor: the supervisor's ports, shared
+    (SO_REUSEPORT); a private metrics port that the supervisor scrapes; the engines'
+    socket folder; and the beam decoder processes counted here, where --workers is known
+    (each worker's share of the cores with an engine thread; the shared engine's with
+    engine processes)."""
+    return replace(
+        config, workers=1, reuse_port=True, port=port, http_port=http_port,
+        metrics_host="127.0.0.1",
+        metrics_port=None if config.metrics_port is None else 0,  # private, any port
+        engine_dir=engines, beam_processes=config.beam_decoder_processes,
+    )  # fmt: skip
+
+
 @dataclass
 class _Worker:
     index: int  # 1..N, its `worker` label
@@ -240,12 +254,7 @@ class Supervisor:
             _adopt_orphans()
             reaping = asyncio.create_task(self._reap_orphans())
             stack.callback(reaping.cancel)
-            worker_config = replace(
-                config, workers=1, reuse_port=True, port=port, http_port=http_port,
-                metrics_host="127.0.0.1",
-                metrics_port=None if config.metrics_port is None else 0,  # private, any port
-                engine_dir=engines,
-            )  # fmt: skip
+            worker_config = worker_settings(config, port, http_port, engines)
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, self._on_stop, signum)
