@@ -36,7 +36,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from html.parser import HTMLParser
 from pathlib import Path
@@ -364,6 +364,17 @@ def _selection(scores: dict) -> float:
     return sum(scores[m]["f1"] for m in ",.?") / 3 + scores["case_accuracy"]
 
 
+TAGGER_FIELDS = {
+    "words": "word-list entries: the most frequent training words",
+    "word_dim": "word embedding size",
+    "char_dim": "character embedding size",
+    "char_filters": "character CNN channels",
+    "hidden": "GRU units per direction and layer",
+    "layers": "stacked bidirectional GRU layers",
+    "dropout": "in training only",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
@@ -382,6 +393,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
+    size = ap.add_argument_group("the tagger's size (TaggerConfig; the exported file says it)")
+    for f in fields(TaggerConfig):
+        size.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                          help=f"default: %(default)s ({TAGGER_FIELDS[f.name]})")  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -398,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             report = {name: score(tag, pieces) for name, pieces in sets.items()}
             print(f"{path}: {json.dumps(report)}", flush=True)
         return
-    cfg = TaggerConfig()
+    cfg = TaggerConfig(**{f.name: getattr(args, f.name) for f in fields(TaggerConfig)})
     words = word_list(data.train, cfg.words)
     model = Tagger(cfg)
     lr = 3e-3
