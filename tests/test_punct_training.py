@@ -31,6 +31,7 @@ from echoic.training.punctuation import (  # noqa: E402
     running_text,
     score,
     torch_tagger,
+    wordnet_paragraphs,
 )
 
 PAGE = """<html><head><title>Not a paragraph.</title></head><body>
@@ -96,6 +97,17 @@ def test_prose_packages_are_read_where_unpacked_and_skipped_when_missing(
     # The cap: whole paragraphs, in file order, until it is reached.
     monkeypatch.setattr(punctuation, "PROSE_SOURCES", (dataclasses.replace(faq, max_words=10),))
     assert len(list(prose_sources(tmp_path)["debian-faq"])) == 2
+
+
+def test_wordnet_examples_in_lower_case_are_kept_with_a_capital(tmp_path: Path) -> None:
+    """Half of WordNet's examples that end a sentence start in lower case, most of them
+    questions; they were once dropped. Phrases without a sentence end still are."""
+    (tmp_path / "data.adv").write_text(
+        '00002 02 r 01 how 0 | in what way; "how did your interview go?"; "how nice"; '
+        '"He came home." \n'
+        '  1 This line is the licence header, "not an example."\n'
+    )
+    assert list(wordnet_paragraphs(tmp_path)) == ["How did your interview go?", "He came home."]
 
 
 def test_an_exported_tagger_scores_as_the_torch_one_it_came_from(tmp_path: Path) -> None:

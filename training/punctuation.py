@@ -91,12 +91,16 @@ def fortune_paragraphs(directory: Path = DEFAULT_FORTUNES_DIR) -> Iterator[str]:
 
 
 def wordnet_paragraphs(directory: Path = WORDNET_DIR) -> Iterator[str]:
+    """WordNet's example sentences: those ending in a sentence end. Half of them start in
+    lower case ("how did your interview go?"), most of those questions: they get their
+    capital rather than being lost. Examples without a sentence end are mostly phrases
+    ("a long life") and are skipped."""
     for path in sorted(directory.glob("data.*")):
         for line in path.read_text(encoding="latin-1").splitlines():
             if "|" in line and not line.startswith("  "):
                 for example in re.findall(r'"([^"]+)"', line.split("|", 1)[1]):
-                    if example[:1].isupper() and example[-1] in ".?!":
-                        yield example
+                    if example[:1].isalpha() and example[-1] in ".?!":
+                        yield example[0].upper() + example[1:]
 
 
 class _Paragraphs(HTMLParser):
