@@ -8,7 +8,8 @@ Data recipe (deterministic: same files, same seed, same split):
   attributions cut off and verse skipped (`training/corpus.py:fortune_records`);
 - the GNU manuals (/usr/share/info/*.info*.gz): paragraphs of running text (lines
   indented as body text, ending in a sentence end), examples and tables skipped;
-- WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet);
+- WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet): those
+  ending in a sentence end, given a capital when they start in lower case;
 - the prose packages `scripts/fetch_prose.sh` unpacks (`--prose DIR`, default data/prose;
   `PROSE_SOURCES`: WordNet's examples, anarchist quotes (fortunes), the Anarchist FAQ, Debian's FAQ,
   handbook and reference): those present are read, a package missing is skipped. HTML
@@ -23,6 +24,8 @@ half anywhere; the held-out set is each held-out paragraph from its start, cut i
 windows, scored as the server uses the tagger (`end_sentence`: the last word's mark is
 always a sentence end). No recording or transcript of a person is used.
 
+The tagger's size is `TaggerConfig`'s, each field settable here (`--words`, `--hidden`,
+...); the exported file carries its config, so the server loads any size as it is.
 Torch gets one thread: the machine it was trained on is shared.
 """
 
