@@ -5,6 +5,7 @@ an exported tagger beside the torch one it came from."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("onnxruntime", reason="an exported tagger runs on ONNX Runti
 
 from echoic.model.core.punctuation import WordList, tags_of_prose  # noqa: E402
 from echoic.model.nn.punctuation import (  # noqa: E402
+    PUNCT_KEY,
     Tagger,
     TaggerConfig,
     export_tagger,
@@ -22,12 +24,14 @@ from echoic.model.nn.punctuation import (  # noqa: E402
 from echoic.training import punctuation  # noqa: E402
 from echoic.training.punctuation import (  # noqa: E402
     PROSE_SOURCES,
+    Corpus,
     held_out_windows,
     html_paragraphs,
     prose_sources,
     running_text,
     score,
     torch_tagger,
+    wordnet_paragraphs,
 )
 
 PAGE = """<html><head><title>Not a paragraph.</title></head><body>
@@ -95,6 +99,17 @@ def test_prose_packages_are_read_where_unpacked_and_skipped_when_missing(
     assert len(list(prose_sources(tmp_path)["debian-faq"])) == 2
 
 
+def test_wordnet_examples_in_lower_case_are_kept_with_a_capital(tmp_path: Path) -> None:
+    """Half of WordNet's examples that end a sentence start in lower case, most of them
+    questions; they were once dropped. Phrases without a sentence end still are."""
+    (tmp_path / "data.adv").write_text(
+        '00002 02 r 01 how 0 | in what way; "how did your interview go?"; "how nice"; '
+        '"He came home." \n'
+        '  1 This line is the licence header, "not an example."\n'
+    )
+    assert list(wordnet_paragraphs(tmp_path)) == ["How did your interview go?", "He came home."]
+
+
 def test_an_exported_tagger_scores_as_the_torch_one_it_came_from(tmp_path: Path) -> None:
     """--score-only scores a tagger file with ONNX Runtime as the server runs it; its scores
     on a held-out set are the ones training printed for the same weights in torch."""
@@ -107,3 +122,29 @@ def test_an_exported_tagger_scores_as_the_torch_one_it_came_from(tmp_path: Path)
     scores = score(exported_tagger(path), pieces)
     assert scores == score(torch_tagger(model, words), pieces)
     assert scores["words"] == 3 * len(prose.split()) and scores["."]["support"] == 6
+
+
+def test_the_tagger_size_set_on_the_command_line_is_the_exported_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--words, --hidden, ... size the tagger, and the file says its size: the server's
+    runtime loads a tagger of any size as it is (`Punctuator`)."""
+    from echoic.model.runtime.formatting import Punctuator
+
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    out = tmp_path / "tagger.onnx"
+    size = ["--words", "9", "--word-dim", "6", "--char-dim", "5", "--char-filters", "7",
+            "--hidden", "3", "--layers", "1", "--dropout", "0"]  # fmt: skip
+    punctuation.main(["--out", str(out), "--minutes", "0.001", *size])
+    assert f"wrote {out}" in capsys.readouterr().out
+    tagger = Punctuator(out)
+    meta = tagger.session.get_modelmeta().custom_metadata_map[PUNCT_KEY]
+    config = json.loads(meta)["config"]
+    assert config == {"words": 9, "word_dim": 6, "char_dim": 5, "char_filters": 7, "hidden": 3,
+                      "layers": 1, "dropout": 0.0}  # fmt: skip
+    assert len(tagger.words.words) == 9
+    marks, cases = tagger.tag(["is", "it", "the", "end"])
+    assert len(marks) == len(cases) == 4

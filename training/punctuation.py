@@ -8,7 +8,8 @@ Data recipe (deterministic: same files, same seed, same split):
   attributions cut off and verse skipped (`training/corpus.py:fortune_records`);
 - the GNU manuals (/usr/share/info/*.info*.gz): paragraphs of running text (lines
   indented as body text, ending in a sentence end), examples and tables skipped;
-- WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet);
+- WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet): those
+  ending in a sentence end, given a capital when they start in lower case;
 - the prose packages `scripts/fetch_prose.sh` unpacks (`--prose DIR`, default data/prose;
   `PROSE_SOURCES`: WordNet's examples, anarchist quotes (fortunes), the Anarchist FAQ, Debian's FAQ,
   handbook and reference): those present are read, a package missing is skipped. HTML
@@ -23,6 +24,8 @@ half anywhere; the held-out set is each held-out paragraph from its start, cut i
 windows, scored as the server uses the tagger (`end_sentence`: the last word's mark is
 always a sentence end). No recording or transcript of a person is used.
 
+The tagger's size is `TaggerConfig`'s, each field settable here (`--words`, `--hidden`,
+...); the exported file carries its config, so the server loads any size as it is.
 Torch gets one thread: the machine it was trained on is shared.
 """
 
@@ -36,7 +39,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from html.parser import HTMLParser
 from pathlib import Path
@@ -91,12 +94,16 @@ def fortune_paragraphs(directory: Path = DEFAULT_FORTUNES_DIR) -> Iterator[str]:
 
 
 def wordnet_paragraphs(directory: Path = WORDNET_DIR) -> Iterator[str]:
+    """WordNet's example sentences: those ending in a sentence end. Half of them start in
+    lower case ("how did your interview go?"), most of those questions: they get their
+    capital rather than being lost. Examples without a sentence end are mostly phrases
+    ("a long life") and are skipped."""
     for path in sorted(directory.glob("data.*")):
         for line in path.read_text(encoding="latin-1").splitlines():
             if "|" in line and not line.startswith("  "):
                 for example in re.findall(r'"([^"]+)"', line.split("|", 1)[1]):
-                    if example[:1].isupper() and example[-1] in ".?!":
-                        yield example
+                    if example[:1].isalpha() and example[-1] in ".?!":
+                        yield example[0].upper() + example[1:]
 
 
 class _Paragraphs(HTMLParser):
@@ -364,6 +371,17 @@ def _selection(scores: dict) -> float:
     return sum(scores[m]["f1"] for m in ",.?") / 3 + scores["case_accuracy"]
 
 
+TAGGER_FIELDS = {
+    "words": "word-list entries: the most frequent training words",
+    "word_dim": "word embedding size",
+    "char_dim": "character embedding size",
+    "char_filters": "character CNN channels",
+    "hidden": "GRU units per direction and layer",
+    "layers": "stacked bidirectional GRU layers",
+    "dropout": "in training only",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
@@ -382,6 +400,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
+    size = ap.add_argument_group("the tagger's size (TaggerConfig; the exported file says it)")
+    for f in fields(TaggerConfig):
+        size.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                          help=f"default: %(default)s ({TAGGER_FIELDS[f.name]})")  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -398,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             report = {name: score(tag, pieces) for name, pieces in sets.items()}
             print(f"{path}: {json.dumps(report)}", flush=True)
         return
-    cfg = TaggerConfig()
+    cfg = TaggerConfig(**{f.name: getattr(args, f.name) for f in fields(TaggerConfig)})
     words = word_list(data.train, cfg.words)
     model = Tagger(cfg)
     lr = 3e-3
