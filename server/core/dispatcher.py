@@ -145,8 +145,11 @@ class Dispatcher:
                 started = time.perf_counter()
                 for work in batch:
                     self._metrics.queue_wait.labels(*self._labels).observe(started - work.queued_at)
+                rounds: list[tuple[int, float]] = []  # its last-window rounds: (streams, s)
                 try:
-                    results = await loop.run_in_executor(self._executor, self._run_batch, batch)
+                    results = await loop.run_in_executor(
+                        self._executor, self._run_batch, batch, rounds
+                    )
                 except Exception as e:  # noqa: BLE001 - handed to every waiting stream
                     log.exception("batched model call failed (%d items)", len(batch))
                     for work in batch:
@@ -155,8 +158,11 @@ class Dispatcher:
                     continue
                 finally:
                     self._inflight = []
-                compute = time.perf_counter() - started
+                compute = time.perf_counter() - started - sum(t for _, t in rounds)
                 self._observe(batch, compute)
+                for size, seconds in rounds:  # each a model call: a batch of its own
+                    observe_batch(self._metrics, self._labels, size, seconds,
+                                  size * self._window_seconds)  # fmt: skip
                 for work, result in zip(batch, results, strict=True):
                     if work.future.done():  # a cancelled client's window is dropped
                         continue
@@ -202,10 +208,11 @@ class Dispatcher:
         items dropped)."""
         return take_batch(self._queue, self._max_batch, gone=lambda work: work.future.done())
 
-    def _run_batch(self, batch: Sequence[_Work]) -> list[Any]:
+    def _run_batch(self, batch: Sequence[_Work], rounds: list[tuple[int, float]]) -> list[Any]:
         """In a worker thread: one batched model call for the whole batch, then every
         stream settled that decodes in the batch (a greedy one), so its waiter gets what
-        its step gave in one hand-over."""
+        its step gave in one hand-over; the last-window rounds after it (their sizes and
+        times into `rounds`, for the metrics)."""
         if batch[0].kind == "stream":
             streams: list[Stream] = [work.payload for work in batch]
             self._recognizer.step(streams)
@@ -215,10 +222,12 @@ class Dispatcher:
             # wait in the queue (beam streams settle beside, and step again from there).
             tails = [i for i, s in enumerate(streams) if not s.deferred and s.finishing]
             while tails:
+                began = time.perf_counter()
                 try:
                     self._recognizer.step([streams[i] for i in tails])
                     for i in tails:
                         results[i] = results[i].then(streams[i].settle())
+                    rounds.append((len(tails), time.perf_counter() - began))
                 except Exception as e:  # noqa: BLE001 - theirs alone: the rest keep their steps
                     log.exception("a finished stream's last window failed (%d streams)", len(tails))
                     for i in tails:
