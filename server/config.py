@@ -81,9 +81,11 @@ def _cores() -> int:
     """The cores this process may use: those it may run on (`taskset`, a cpuset), and no
     more than its cgroup's CPU quota, rounded up (a container's CPU limit: on a 64-core
     node a pod limited to 2 CPUs gets 2 lanes and 2 decoder processes, not 64)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = _quota_cores(CGROUP)
-    return max(1, min(cores or 1, quota or cores or 1))
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None) or (
+        os.cpu_count() or 1
+    )
+    quota = _quota_cores(CGROUP)  # None, or at least 1
+    return min(cores, quota) if quota else cores
 
 
 def _quota_cores(root: Path) -> int | None:

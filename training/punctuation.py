@@ -371,17 +371,6 @@ def _selection(scores: dict) -> float:
     return sum(scores[m]["f1"] for m in ",.?") / 3 + scores["case_accuracy"]
 
 
-TAGGER_FIELDS = {
-    "words": "word-list entries: the most frequent training words",
-    "word_dim": "word embedding size",
-    "char_dim": "character embedding size",
-    "char_filters": "character CNN channels",
-    "hidden": "GRU units per direction and layer",
-    "layers": "stacked bidirectional GRU layers",
-    "dropout": "in training only",
-}
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
@@ -403,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     size = ap.add_argument_group("the tagger's size (TaggerConfig; the exported file says it)")
     for f in fields(TaggerConfig):
         size.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                          help=f"default: %(default)s ({TAGGER_FIELDS[f.name]})")  # fmt: skip
+                          help=f"default: %(default)s ({f.metadata['help']})")  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

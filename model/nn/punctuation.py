@@ -21,8 +21,9 @@ import io
 import json
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,15 +36,21 @@ PUNCT_KEY = "echoic.punct"  # ONNX metadata: JSON {"config": ..., "words": [...]
 PUNCT_FORMAT = 1
 
 
+def _size(default: int | float, meaning: str) -> Any:
+    """A TaggerConfig field: its default and meaning (the training command's help)."""
+    return field(default=default, metadata={"help": meaning})
+
+
 @dataclass(frozen=True)
 class TaggerConfig:
-    words: int = 2500  # word-list entries (ids 2.. ; 0 padding, 1 other words)
-    word_dim: int = 32  # word embedding size
-    char_dim: int = 16  # character embedding size
-    char_filters: int = 48  # character CNN channels (width 3, max-pooled over the word)
-    hidden: int = 64  # GRU units per direction and layer
-    layers: int = 2  # stacked bidirectional GRU layers
-    dropout: float = 0.25  # on the token vectors and between GRU layers, in training
+    words: int = _size(2500, "word-list entries: the most frequent training words (ids 2..; "
+                       "0 padding, 1 other words)")  # fmt: skip
+    word_dim: int = _size(32, "word embedding size")
+    char_dim: int = _size(16, "character embedding size")
+    char_filters: int = _size(48, "character CNN channels (width 3, max-pooled over the word)")
+    hidden: int = _size(64, "GRU units per direction and layer")
+    layers: int = _size(2, "stacked bidirectional GRU layers")
+    dropout: float = _size(0.25, "on the token vectors and between GRU layers, in training")
 
 
 class Tagger(nn.Module):
