@@ -19,7 +19,7 @@ from echoic.model.runtime.engine import ModelError  # noqa: E402
 from echoic.model.runtime.recognizer import default_model_dir  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
-from echoic.server.core.engine_process import EngineProcess  # noqa: E402
+from echoic.server.core.engine_process import EngineProcess, EngineSpec  # noqa: E402
 
 from .test_beam_processes import _alive, _everything, _reaped  # noqa: E402
 from .test_server import (  # noqa: E402
@@ -49,6 +49,19 @@ def _engines(server) -> list[EngineProcess]:
     engines = [m.dispatcher for m in server.server.registry.loaded]
     assert engines and all(isinstance(e, EngineProcess) for e in engines)
     return engines
+
+
+def _spec(**kw: str) -> EngineSpec:
+    """The bundled model's engine on one ONNX Runtime thread, one lane, up to 64 a batch."""
+    return EngineSpec(
+        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0, **kw
+    )  # fmt: skip
+
+
+def _batches(metrics) -> float:  # noqa: ANN001 - a Metrics
+    """Batches run so far for the model labelled ("m", "1"): model calls."""
+    labels = {"model": "m", "version": "1"}
+    return metrics.registry.get_sample_value("echoic_batch_size_count", labels) or 0.0
 
 
 def _greedy_streams(server, speech: bytes) -> dict[str, list]:
@@ -218,18 +231,11 @@ def test_steps_queued_for_streams_closed_meanwhile_are_not_run(corpus_audio) -> 
 
     from echoic.model.core.decoding import DecoderConfig
     from echoic.server.core.dispatcher import DispatcherClosed
-    from echoic.server.core.engine_process import EngineSpec
     from echoic.server.metrics import Metrics
 
     audio = corpus_audio[0][1]
     metrics = Metrics()
-    spec = EngineSpec(
-        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0
-    )  # fmt: skip
-
-    def batches() -> float:
-        return metrics.registry.get_sample_value("echoic_batch_size_count", {
-            "model": "m", "version": "1"}) or 0.0  # fmt: skip
+    spec = _spec()
 
     async def run() -> tuple[float, list]:
         engine = await EngineProcess.start(spec, metrics)
@@ -247,7 +253,7 @@ def test_steps_queued_for_streams_closed_meanwhile_are_not_run(corpus_audio) -> 
                 s.close()  # ...and the closes, all in one message
             answers = await asyncio.gather(*steps[1:], return_exceptions=True)
             await engine.step(kept)  # a batch after them: its reply comes after theirs
-            return batches(), answers
+            return _batches(metrics), answers
         finally:
             await engine.close()
 
@@ -276,7 +282,6 @@ def test_a_finished_stream_with_two_windows_left_is_answered_once(
     from echoic.model.core.decoding import DecoderConfig
     from echoic.model.runtime.recognizer import Recognizer
     from echoic.server.core.dispatcher import Dispatcher
-    from echoic.server.core.engine_process import EngineSpec
     from echoic.server.metrics import Metrics
 
     config = DecoderConfig() if decoder == "greedy" else DecoderConfig(kind="beam", beam_size=8)
@@ -305,16 +310,9 @@ def test_a_finished_stream_with_two_windows_left_is_answered_once(
     want, _ = here(audio)
     metrics = Metrics()
 
-    def calls() -> float:  # model calls, each a batch in the metrics (a round one too)
-        return metrics.registry.get_sample_value(
-            "echoic_batch_size_count", {"model": "m", "version": "1"}) or 0.0  # fmt: skip
-
     async def run() -> tuple[list, int, float]:
         if engine == "process":
-            spec = EngineSpec(
-                default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0
-            )  # fmt: skip
-            dispatcher = await EngineProcess.start(spec, metrics)
+            dispatcher = await EngineProcess.start(_spec(), metrics)
             dispatcher.labels = ("m", "1")
             s = (await dispatcher.recognizer(config)).stream()
         else:
@@ -330,14 +328,14 @@ def test_a_finished_stream_with_two_windows_left_is_answered_once(
                 s.accept_audio(piece)
                 while s.is_ready():
                     finals += (await dispatcher.step(s)).finals
-            before = calls()
+            before = _batches(metrics)
             s.finish()
             answers = 0
             while s.is_ready():
                 finals += (await dispatcher.step(s)).finals
                 answers += 1
             assert s.is_final
-            return finals, answers, calls() - before
+            return finals, answers, _batches(metrics) - before
         finally:
             await dispatcher.close()
 
@@ -357,15 +355,11 @@ def test_a_shared_engine_serves_every_door_and_ends_with_the_last(
     import asyncio
 
     from echoic.model.core.decoding import DecoderConfig
-    from echoic.server.core.engine_process import EngineSpec
     from echoic.server.metrics import Metrics
 
     audio = corpus_audio[0][1]
     socket_path = str(tmp_path / "engine.sock")
-    spec = EngineSpec(
-        default_model_dir(), ("CPUExecutionProvider",), 1, False, False, None, 64, 1, 1, 0,
-        share=socket_path,
-    )  # fmt: skip
+    spec = _spec(share=socket_path)
 
     async def words(engine: EngineProcess) -> list[str]:
         stream = (await engine.recognizer(DecoderConfig())).stream()
