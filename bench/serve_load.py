@@ -48,6 +48,10 @@ Per level it prints:
 --formatting both runs every level twice on each server, its streams' finals raw and
 then formatted (punctuation and written forms, docs/formatting.md), on rows of their own
 ("+formatting"): what formatting adds to the final latency; "on" runs formatted only.
+--formatting mixed runs every level once, every other stream of each client process
+formatted and the formatted ones counted on a row of their own ("+fmt"): raw and
+formatted finals measured at the same moments on the same machine, which a noisy
+machine's run-to-run spread (tens of ms at the p95) would otherwise swamp.
 
 --decoder beam makes every stream a beam search (beam 32 with the model's LM);
 --beam-streams K adds K beam-search streams to each level, from a client process of
@@ -323,11 +327,13 @@ async def one_stream(
         stats.behind += worst_lag > lag_limit
 
 
-async def client_level(args: argparse.Namespace) -> ClientStats:
+async def client_level(args: argparse.Namespace) -> list[ClientStats]:
     """One load-client process's share of a level: --client-streams streams from
-    --start-at (a time.time()) for --seconds."""
+    --start-at (a time.time()) for --seconds. Its stats, and with --formatting mixed
+    those of its formatted streams (every other one) apart."""
     utterances = load_utterances(Path(args.manifest), args.chunk_ms, args.utterances)
-    stats = ClientStats()
+    mixed = args.formatting == "mixed"
+    groups = [ClientStats(), ClientStats()] if mixed else [ClientStats()]
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(
@@ -343,18 +349,21 @@ async def client_level(args: argparse.Namespace) -> ClientStats:
         cpu0 = time.process_time()
         deadline = loop.time() + args.seconds
         rng = random.Random(args.seed)
+        formatted = [args.formatting == "on" or (mixed and i % 2 == 1)
+                     for i in range(args.client_streams)]  # fmt: skip
         tasks = [
             one_stream(clients[i % len(clients)], utterances, rng.randrange(len(utterances)),
-                       rng.random(), deadline, model.lookahead_seconds, args.lag_limit, stats,
-                       args.decoder, args.formatting == "on")
+                       rng.random(), deadline, model.lookahead_seconds, args.lag_limit,
+                       groups[mixed and formatted[i]], args.decoder, formatted[i])
             for i in range(args.client_streams)
         ]  # fmt: skip
         # Bounded: the longest utterance after the deadline, plus slack for a slow server.
         longest = max(sum(u.seconds) for u in utterances)
         await asyncio.wait_for(asyncio.gather(*tasks), args.seconds + 2 * longest + 30)
-        stats.cpu_seconds = time.process_time() - cpu0
-    stats.errors = sorted(set(stats.errors))[:5]
-    return stats
+        groups[0].cpu_seconds = time.process_time() - cpu0  # the process's, counted once
+    for stats in groups:
+        stats.errors = sorted(set(stats.errors))[:5]
+    return groups
 
 
 # ------------------------------------------------------------------ the levels
@@ -369,6 +378,7 @@ class Level:
     client_cpu: float  # % of one core, all client processes
     rss_mb: float
     beam: ClientStats | None = None  # --beam-streams' own client process, apart
+    formatted: ClientStats | None = None  # --formatting mixed: the formatted streams, apart
 
 
 def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
@@ -389,6 +399,8 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
                "--lag-limit", str(args.lag_limit), "--channels", str(args.channels),
                "--utterances", str(args.utterances), "--decoder", decoder,
                "--formatting", "on" if formatted else "off"]  # fmt: skip
+        if args.formatting == "mixed" and i < clients:  # not the --beam-streams process
+            cmd[-1] = "mixed"
         processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     time.sleep(max(0.0, start_at - time.time()))
     batch0, cpu0, wall0 = server.batch_histogram(), server.cpu_seconds(), time.monotonic()
@@ -396,20 +408,18 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
     if profile_dir is not None:
         time.sleep(max(0.0, (args.seconds - args.profile) / 2))
         profiler = start_profile(server, profile_dir / f"profile-{n}", args.profile)
-    total, beam = ClientStats(), None
+    total, beam, fmt = ClientStats(), None, None
     for i, process in enumerate(processes):
         out, _ = process.communicate()
         if process.returncode != 0:
             raise RuntimeError(f"a load client exited with status {process.returncode}")
-        part = ClientStats(**json.loads(out))
+        parts = [ClientStats(**part) for part in json.loads(out)]
         if i == clients:  # the --beam-streams process
-            beam = part
+            beam = parts[0]
             continue
-        for name in ("utterances", "behind", "failed", "cpu_seconds"):
-            setattr(total, name, getattr(total, name) + getattr(part, name))
-        total.interim += part.interim
-        total.final += part.final
-        total.errors = sorted(set(total.errors + part.errors))[:5]
+        add(total, parts[0])
+        if len(parts) > 1:  # --formatting mixed
+            fmt = add(fmt or ClientStats(), parts[1])
     wall = time.monotonic() - wall0
     if profiler is not None:
         profiler.wait()
@@ -420,7 +430,18 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
         streams=n, stats=total, batch=batch_summary(batch0, server.batch_histogram()),
         server_cpu=100 * (server.cpu_seconds() - cpu0) / wall,
         client_cpu=100 * total.cpu_seconds / wall, rss_mb=server.rss_mb(), beam=beam,
+        formatted=fmt,
     )  # fmt: skip
+
+
+def add(total: ClientStats, part: ClientStats) -> ClientStats:
+    """`part` counted into `total` (returned)."""
+    for name in ("utterances", "behind", "failed", "cpu_seconds"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    total.interim += part.interim
+    total.final += part.final
+    total.errors = sorted(set(total.errors + part.errors))[:5]
+    return total
 
 
 def start_profile(server: Server, stem: Path, seconds: float) -> subprocess.Popen:
@@ -553,9 +574,11 @@ def print_table(runs: dict[str, list[Level]], capacity: float = 0.0) -> None:
                 f"  {level.rss_mb:>6.0f}  {of_engine(level, capacity):>9}"
                 f"  {'; '.join(s.errors)[:60]}"
             )
-            if (b := level.beam) is not None:
+            extra = [("+beam", "beam streams", level.beam), ("+fmt", "formatted streams",
+                     level.formatted)]  # fmt: skip
+            for label, name, b in ((lb, nm, b) for lb, nm, b in extra if b is not None):
                 print(
-                    f"{'+beam':>7}  {'beam streams':<22} {b.utterances:>6}"
+                    f"{label:>7}  {name:<22} {b.utterances:>6}"
                     f" {b.behind:>6} {b.failed:>6}  {percentiles(b.interim, (95,)):>11}"
                     f"  {percentiles(b.final):>18}  {'':>14}  {'':>7}  {'':>7}  {'':>6}"
                     f"  {'; '.join(b.errors)[:60]}"
@@ -566,7 +589,9 @@ def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[U
                  args: argparse.Namespace, tmp: Path) -> dict[str, list[Level]]:  # fmt: skip
     """Every level against one server: {row name: levels}, a row per --formatting variant
     (both: raw and formatted take turns at each level, on the same warm server)."""
-    variants = {"off": (False,), "on": (True,), "both": (False, True)}[args.formatting]
+    variants = {"off": (False,), "on": (True,), "both": (False, True), "mixed": (False,)}[
+        args.formatting
+    ]
     streams = None if max(args.streams) + 8 <= 256 else max(args.streams) + 8
     log_path = tmp / f"server-{''.join(c if c.isalnum() else '_' for c in name)}.log"
     with open(log_path, "wb") as log:
@@ -604,8 +629,9 @@ def main() -> None:
     p.add_argument("--unbatched", action="store_true",
                    help="also run the levels against a server with --max-batch 1")  # fmt: skip
     p.add_argument("--chunk-ms", type=float, default=100.0, help="audio per message, ms")
-    p.add_argument("--formatting", choices=("off", "on", "both"), default="off",
-                   help="finals formatted (docs/formatting.md); both: side by side")  # fmt: skip
+    p.add_argument("--formatting", choices=("off", "on", "both", "mixed"), default="off",
+                   help="finals formatted (docs/formatting.md); both: side by side; mixed: "
+                        "every other stream, at the same time")  # fmt: skip
     p.add_argument(
         "--decoder",
         choices=("greedy", "beam"),
@@ -630,7 +656,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
-        print(json.dumps(asdict(asyncio.run(client_level(args)))))
+        print(json.dumps([asdict(stats) for stats in asyncio.run(client_level(args))]))
         return
     args.streams = [int(n) for n in args.streams.split(",")]
     if min(args.streams) < 1 or args.seconds <= 0 or args.clients < 1 or args.channels < 1:
