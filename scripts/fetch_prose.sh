@@ -8,7 +8,8 @@ set -euo pipefail
 dir=${1:-data/prose}
 # Everyday prose first (quotes, WordNet's example sentences, an FAQ written as argument);
 # the recipe caps the Debian handbooks so that technical prose cannot drown the rest.
-# (fortunes-mario is Portuguese; fortunes-debian-hints and jargon are commands and markup.)
+# (fortunes-mario is Portuguese; fortunes-debian-hints and jargon are commands and markup;
+# wesnoth-1.16-data holds only the tutorial, 146 MB of it images.)
 packages=(
   wordnet-base            # /usr/share/wordnet/data.*: example sentences
   fortune-anarchism       # /usr/share/games/fortunes/anarchism: quotes
@@ -16,6 +17,12 @@ packages=(
   debian-faq              # /usr/share/doc/debian/FAQ: HTML
   debian-handbook         # /usr/share/doc/debian-handbook/html/en-US: HTML
   debian-reference-en     # /usr/share/debian-reference: HTML
+  # /usr/share/games/wesnoth/1.16/data/campaigns: what the characters of Wesnoth's
+  # campaigns say (GPL-2+), 6,400 paragraphs of dialogue, questions and all; 5-20 MB each
+  wesnoth-1.16-did wesnoth-1.16-dm wesnoth-1.16-dw wesnoth-1.16-ei wesnoth-1.16-httt
+  wesnoth-1.16-l wesnoth-1.16-low wesnoth-1.16-nr wesnoth-1.16-sof wesnoth-1.16-sota
+  wesnoth-1.16-sotbe wesnoth-1.16-thot wesnoth-1.16-trow wesnoth-1.16-tsg wesnoth-1.16-ttb
+  wesnoth-1.16-utbs
 )
 mkdir -p "$dir/.debs"
 dir=$(cd "$dir" && pwd)

@@ -20,13 +20,16 @@ import pytest
 pytest.importorskip("onnxruntime", reason="formatting runs the tagger on ONNX Runtime")
 
 from echoic.model.core.inverse_text import Token  # noqa: E402
-from echoic.model.core.punctuation import apply_tags, tags_of_prose  # noqa: E402
-from echoic.model.runtime.formatting import (  # noqa: E402
+from echoic.model.core.punctuation import (  # noqa: E402
     MAX_ACRONYM,
+    apply_tags,
+    spoken_case,
+    tags_of_prose,
+)
+from echoic.model.runtime.formatting import (  # noqa: E402
     PUNCT_FILE,
     Formatter,
     Punctuator,
-    _spoken_case,
     ends_sentence,
     written_words,
 )
@@ -79,7 +82,7 @@ def test_every_sentence_starts_with_a_capital_whatever_the_tagger_says(
 def test_the_tagger_writes_capitals_only_on_short_words() -> None:
     """A long word's all-capitals becomes a capital (a tagger once wrote "the LABEL og"
     for "the label og"); a short one (an acronym: "USA") keeps them."""
-    assert _spoken_case(2, "label") == 1 and _spoken_case(2, "usa") == 2
+    assert spoken_case(2, "label") == 1 and spoken_case(2, "usa") == 2
     words = "the quick brown for jumps over the label og she sells sea shells in the usa".split()
     tokens = Formatter(inverse=False).format(words)
     assert tokens[0].text == "The"

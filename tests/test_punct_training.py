@@ -25,12 +25,16 @@ from echoic.training import punctuation  # noqa: E402
 from echoic.training.punctuation import (  # noqa: E402
     PROSE_SOURCES,
     Corpus,
+    _selection,
+    calibrate,
     held_out_windows,
     html_paragraphs,
     prose_sources,
     running_text,
     score,
+    sentence_windows,
     torch_tagger,
+    wesnoth_paragraphs,
     wordnet_paragraphs,
 )
 
@@ -133,7 +137,7 @@ def test_the_tagger_size_set_on_the_command_line_is_the_exported_files(
 
     prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
                                         "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
-    data = Corpus(train=prose * 4, held={"fortunes": prose, "info": prose[:1]})
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
     out = tmp_path / "tagger.onnx"
     size = ["--words", "9", "--word-dim", "6", "--char-dim", "5", "--char-filters", "7",
@@ -148,3 +152,61 @@ def test_the_tagger_size_set_on_the_command_line_is_the_exported_files(
     assert len(tagger.words.words) == 9
     marks, cases = tagger.tag(["is", "it", "the", "end"])
     assert len(marks) == len(cases) == 4
+
+
+def test_wesnoth_dialogue_is_read_from_the_campaigns_message_and_story_strings(
+    tmp_path: Path,
+) -> None:
+    scenario = tmp_path / "Heir_To_The_Throne" / "scenarios" / "01_Start.cfg"
+    scenario.parent.mkdir(parents=True)
+    scenario.write_text(
+        '[message]\n    speaker=Delfador\n    message= _ "Ho, Galdrad! Has he conjured'
+        ' something else to <i>beat</i> me with?"\n'
+        '    female_message= _ "female^Ho, Galdrad! Has she conjured something else?"\n'
+        "[/message]\n"
+        'message= _ "Welcome back, $unit.name, to the end of the world."\n'
+        'story= _ "The king was dead. He said ""wait"" and then the\ncity fell to the orcs."\n'
+        'message= _ "Too short."\n'
+    )
+    assert list(wesnoth_paragraphs(tmp_path)) == [
+        "Ho, Galdrad! Has he conjured something else to beat me with?",
+        'The king was dead. He said "wait" and then the city fell to the orcs.',
+    ]
+
+
+def test_held_out_pieces_are_whole_sentences_up_to_the_window() -> None:
+    """An utterance ends where its speaker stopped: the held-out pieces end at sentence ends,
+    as many sentences as fit; only a sentence longer than the window is cut inside."""
+    paragraph = tags_of_prose(
+        "One two three. Four five six? Seven eight nine ten eleven twelve. End."
+    )
+    pieces = sentence_windows([paragraph], 5)
+    assert [[t.token for t in p] for p in pieces] == [
+        ["one", "two", "three"], ["four", "five", "six"],
+        ["seven", "eight", "nine", "ten", "eleven"], ["twelve", "end"],
+    ]  # fmt: skip
+    assert [t for p in pieces for t in p] == paragraph
+    cut = held_out_windows([paragraph], 5)  # the old scoring: a cut every 5 words
+    assert [p[-1].token for p in cut] == ["five", "ten", "end"]
+
+
+def test_calibration_is_folded_into_the_exported_tagger_and_never_scores_worse(
+    tmp_path: Path,
+) -> None:
+    """The marks' offsets chosen on the development pieces go into the mark head's bias:
+    the exported file tags with them, and they score at least as well as none there."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    words = WordList(("the", "a", "is", "it", "of", "cat"))
+    model = Tagger(TaggerConfig(words=6, word_dim=4, char_dim=4, char_filters=4, hidden=4))
+    prose = "Is it the end? It is, of course. The cat sat on a mat, and it slept. Is it?"
+    pieces = sentence_windows([tags_of_prose(prose)] * 4, 12)
+    before = score(torch_tagger(model.eval(), words), pieces)
+    bias = model.marks.bias.detach().clone()
+    offsets = calibrate(model, pieces, words)
+    assert torch.allclose(model.marks.bias.detach(), bias + torch.tensor(offsets))
+    after = score(torch_tagger(model.eval(), words), pieces)
+    assert _selection(after) >= _selection(before)
+    path = tmp_path / "tagger.onnx"
+    export_tagger(model, words, {}, path)
+    assert score(exported_tagger(path), pieces) == after

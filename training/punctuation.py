@@ -11,18 +11,22 @@ Data recipe (deterministic: same files, same seed, same split):
 - WordNet's example sentences when `wordnet-base` is installed (/usr/share/wordnet): those
   ending in a sentence end, given a capital when they start in lower case;
 - the prose packages `scripts/fetch_prose.sh` unpacks (`--prose DIR`, default data/prose;
-  `PROSE_SOURCES`: WordNet's examples, anarchist quotes (fortunes), the Anarchist FAQ, Debian's FAQ,
-  handbook and reference): those present are read, a package missing is skipped. HTML
-  becomes its paragraphs of running text (`html_paragraphs`); the handbooks are capped in
-  words so that technical prose does not drown the rest (the server punctuates speech).
+  `PROSE_SOURCES`: WordNet's examples, anarchist quotes (fortunes), the Anarchist FAQ,
+  Debian's FAQ, handbook and reference, the dialogue of Wesnoth's campaigns): those
+  present are read, a package missing is skipped. HTML becomes its paragraphs of running
+  text (`html_paragraphs`); the handbooks are capped in words so that technical prose
+  does not drown the rest (the server punctuates speech).
 
 Each paragraph becomes its words with tags (`model/core/punctuation.py:tags_of_prose`).
-Paragraphs are split into train and held-out by a hash of their text, so the held-out
-scores are on text never seen in training. Training examples are windows of up to
-`window` words, half of them starting at a sentence start (as a final result does) and
-half anywhere; the held-out set is each held-out paragraph from its start, cut into
-windows, scored as the server uses the tagger (`end_sentence`: the last word's mark is
-always a sentence end). No recording or transcript of a person is used.
+Paragraphs are split into training, development and held-out sets by a hash of their
+text, so the held-out scores are on text never seen in training nor used to choose
+anything. Training examples are windows of up to `window` words, half of them starting
+at a sentence start (as a final result does) and half anywhere. The development set
+chooses the weights kept and calibrates the marks (`calibrate`: offsets to their logits,
+folded into the exported weights). Held-out and development paragraphs are scored as
+utterances, whole sentences up to 60 words at a time (`sentence_windows`), tagged as the
+server tags a final result (`end_sentence`: the last word's mark is always a sentence
+end) and cased as it writes one. No recording or transcript of a person is used.
 
 The tagger's size is `TaggerConfig`'s, each field settable here (`--words`, `--hidden`,
 ...); the exported file carries its config, so the server loads any size as it is.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import re
 import time
@@ -55,7 +60,9 @@ from echoic.model.core.punctuation import (
     WordList,
     encode,
     end_sentence,
+    spoken_case,
     tags_of_prose,
+    written_cases,
 )
 from echoic.model.nn.punctuation import Tagger, TaggerConfig, export_tagger, exported_tagger
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
@@ -164,6 +171,24 @@ def running_text(paragraph: str) -> str | None:
     return text
 
 
+_WML_SPEECH = re.compile(r'\b(?:message|story)\s*=\s*_\s*"((?:[^"]|"")*)"')
+
+
+def wesnoth_paragraphs(directory: Path) -> Iterator[str]:
+    """What the characters of a Wesnoth campaign say, and its story pages: each
+    translatable `message=`/`story=` string of its .cfg files (WML doubles a quote inside a
+    string) as `running_text`; a line with a variable, macro or markup it cannot read
+    ($name, {MACRO}, "female^" variants, images) is skipped, <i>/<b> tags dropped."""
+    for path in sorted(directory.rglob("*.cfg")):
+        for match in _WML_SPEECH.finditer(path.read_text(encoding="utf-8", errors="replace")):
+            text = match.group(1).replace('""', '"')
+            if re.search(r"[{}$^&@]", text):
+                continue
+            text = running_text(re.sub(r"<[^>]*>", "", text))
+            if text:
+                yield text
+
+
 def html_paragraphs(directory: Path, pattern: str = "*.html") -> Iterator[str]:
     """Running-text paragraphs (`running_text`) of the HTML pages in a directory."""
     for path in sorted(directory.glob(pattern)):
@@ -179,12 +204,12 @@ def html_paragraphs(directory: Path, pattern: str = "*.html") -> Iterator[str]:
 
 @dataclass(frozen=True)
 class ProseSource:
-    """One package of `scripts/fetch_prose.sh`: where its prose lies once unpacked, how to
-    read it, and at most how many words to take (in file order, so the cut is the same
-    each run)."""
+    """One package of `scripts/fetch_prose.sh` (or several, a glob: each read in the
+    order of its name): where its prose lies once unpacked, how to read it, and at most
+    how many words to take (in file order, so the cut is the same each run)."""
 
     name: str
-    package: str
+    package: str  # or a glob of packages
     where: str  # inside the unpacked package
     read: Callable[[Path], Iterator[str]]
     max_words: int | None = None
@@ -203,6 +228,10 @@ PROSE_SOURCES = (
                 "usr/share/doc/debian-handbook/html/en-US", html_paragraphs, 100_000),
     ProseSource("debian-reference", "debian-reference-en", "usr/share/debian-reference",
                 partial(html_paragraphs, pattern="*.en.html"), 100_000),
+    # Last, so that every source above reads what it read before (a paragraph seen once
+    # is not read again) and its held-out paragraphs stay the same.
+    ProseSource("wesnoth", "wesnoth-1.16-*", "usr/share/games/wesnoth/1.16/data/campaigns",
+                wesnoth_paragraphs),
 )  # fmt: skip
 
 
@@ -220,17 +249,21 @@ def prose_sources(prose_dir: Path) -> dict[str, Iterator[str]]:
     is not there (or no `prose_dir` at all) is skipped."""
     out: dict[str, Iterator[str]] = {}
     for source in PROSE_SOURCES:
-        where = prose_dir / source.package / source.where
-        if where.is_dir():
-            out[source.name] = _capped(source.read(where), source.max_words)
+        places = [d / source.where for d in sorted(prose_dir.glob(source.package))]
+        places = [where for where in places if where.is_dir()]
+        if places:
+            paragraphs = itertools.chain.from_iterable(map(source.read, places))
+            out[source.name] = _capped(paragraphs, source.max_words)
     return out
 
 
 @dataclass
 class Corpus:
-    """Tagged paragraphs: training ones, and held-out ones per source."""
+    """Tagged paragraphs: training ones, development ones (which choose the weights kept and
+    the marks' calibration) and held-out ones per source (which only score)."""
 
     train: list[list[Tagged]] = field(default_factory=list)
+    dev: list[list[Tagged]] = field(default_factory=list)
     held: dict[str, list[list[Tagged]]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # paragraphs per source
     words: dict[str, int] = field(default_factory=dict)  # words per source
@@ -245,9 +278,13 @@ class Corpus:
 FIRST_SOURCES = ("fortunes", "info")
 
 
-def corpus(prose_dir: Path | None = PROSE_DIR, held_out_percent: int = 5) -> Corpus:
+def corpus(
+    prose_dir: Path | None = PROSE_DIR, held_out_percent: int = 5, dev_percent: int = 5
+) -> Corpus:
     """The tagged corpus: the fortunes, the GNU manuals, WordNet where installed, and the
-    prose packages under `prose_dir`; a paragraph seen before (any source) is not read again."""
+    prose packages under `prose_dir`; a paragraph seen before (any source) is not read again.
+    A hash of each paragraph's text puts it in the held-out set (`held_out_percent` of
+    them), the development set (the next `dev_percent`) or training."""
     sources = {"fortunes": fortune_paragraphs(), "info": info_paragraphs()}
     if WORDNET_DIR.is_dir():
         sources["wordnet"] = wordnet_paragraphs()
@@ -265,7 +302,11 @@ def corpus(prose_dir: Path | None = PROSE_DIR, held_out_percent: int = 5) -> Cor
                 continue
             seen.add(key)
             n, words = n + 1, words + len(tagged)
-            (held if key % 100 < held_out_percent else out.train).append(tagged)
+            bucket = key % 100
+            if bucket < held_out_percent:
+                held.append(tagged)
+            else:
+                (out.dev if bucket < held_out_percent + dev_percent else out.train).append(tagged)
         out.counts[name], out.words[name] = n, words
     return out
 
@@ -307,30 +348,69 @@ def batches(paragraphs, words: WordList, window: int, batch: int, rng: np.random
 
 
 def held_out_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[list[Tagged]]:
+    """Each paragraph cut every `window` words, wherever that falls (how the first taggers
+    were scored: a cut inside a sentence is then scored as a sentence end that is not
+    there, since the server ends every final result with one)."""
     return [p[i : i + window] for p in paragraphs for i in range(0, len(p), window)]
 
 
+def sentence_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[list[Tagged]]:
+    """Each paragraph as whole sentences, as many in a row as fit in `window` words (a
+    longer sentence is cut every `window` words): what the server tags is an utterance,
+    one or more sentences that end where the speaker stopped, and the tagger must find
+    the sentence ends inside it."""
+    out: list[list[Tagged]] = []
+    for paragraph in paragraphs:
+        sentences: list[list[Tagged]] = [[]]
+        for t in paragraph:
+            sentences[-1].append(t)
+            if t.mark >= 2:
+                sentences.append([])
+        piece: list[Tagged] = []
+        for sentence in filter(None, sentences):
+            if piece and len(piece) + len(sentence) > window:
+                out.append(piece)
+                piece = []
+            piece += sentence
+            while len(piece) > window:
+                out.append(piece[:window])
+                piece = piece[window:]
+        if piece:
+            out.append(piece)
+    return out
+
+
 Tag = Callable[[Sequence[str]], tuple[list[int], list[int]]]  # tokens -> (marks, cases)
+
+
+def torch_logits(model: Tagger, words: WordList, tokens: Sequence[str]):
+    """The mark and case logits of `model` for one sequence, (T, len(MARKS)), (T, len(CASES))."""
+    w, c = encode(tokens, words)
+    with torch.no_grad():
+        ml, cl = model(torch.from_numpy(w)[None], torch.from_numpy(c)[None])
+    return ml[0].numpy(), cl[0].numpy()
 
 
 def torch_tagger(model: Tagger, words: WordList) -> Tag:
     """`model` tagging as the server's runtime does (`Punctuator.tag`), in torch."""
 
     def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
-        w, c = encode(tokens, words)
-        with torch.no_grad():
-            ml, cl = model(torch.from_numpy(w)[None], torch.from_numpy(c)[None])
-        return end_sentence(ml[0].numpy()), cl[0].argmax(-1).tolist()
+        ml, cl = torch_logits(model, words, tokens)
+        return end_sentence(ml), cl.argmax(-1).tolist()
 
     return tag
 
 
 def score(tag: Tag, pieces: Sequence[list[Tagged]]) -> dict:
-    """F1 per mark and the share of words cased right, as the server tags a final result."""
+    """F1 per mark and the share of words cased right, as the server writes a final result
+    (`Formatter.format`: capitals at sentence starts, all capitals for short words only)."""
     tp, fp, fn = Counter(), Counter(), Counter()
     right = total = 0
     for piece in pieces:
-        marks, cases = tag([x.token for x in piece])
+        tokens = [x.token for x in piece]
+        marks, cases = tag(tokens)
+        spoken = [spoken_case(c, t) for c, t in zip(cases, tokens, strict=True)]
+        cases = written_cases(tokens, marks, spoken)
         for x, m, k in zip(piece, marks, cases, strict=True):
             if x.case >= 0:
                 right += x.case == k
@@ -360,15 +440,57 @@ def score_model(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) 
         model.train()
 
 
+SCORE_WINDOW = 60  # words: the most in one held-out piece (an utterance of 20-25 s)
+
+
 def held_out_sets(data: Corpus) -> dict[str, list[list[Tagged]]]:
-    """The held-out windows: all sources, and the first tagger's sources alone (`FIRST_SOURCES`:
-    the set its documented scores were on, so taggers trained on more can be compared)."""
-    return {"all": held_out_windows(data.held_out(), 60),
-            "first": held_out_windows(data.held_out(FIRST_SOURCES), 60)}  # fmt: skip
+    """The held-out pieces (`sentence_windows`): all sources, and the first tagger's sources
+    alone (`FIRST_SOURCES`: the set its documented scores were on, so taggers trained on
+    more can be compared); and all sources cut every 60 words, as the first taggers were
+    scored."""
+    return {"all": sentence_windows(data.held_out(), SCORE_WINDOW),
+            "first": sentence_windows(data.held_out(FIRST_SOURCES), SCORE_WINDOW),
+            "all_cut": held_out_windows(data.held_out(), SCORE_WINDOW)}  # fmt: skip
 
 
 def _selection(scores: dict) -> float:
     return sum(scores[m]["f1"] for m in ",.?") / 3 + scores["case_accuracy"]
+
+
+CALIBRATION_STEPS = np.arange(-2.0, 2.01, 0.25)  # added to a mark's logit
+
+
+def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) -> list[float]:
+    """Offsets for the marks' logits that score best on `pieces` (the development set),
+    folded into the mark head's bias (so the exported tagger carries them): the loss weighs
+    rare marks up, which trades precision for recall; this sets the trade where F1 is best.
+    One mark at a time, three rounds, each offset from CALIBRATION_STEPS."""
+    model.eval()
+    with torch.no_grad():
+        logits = [torch_logits(model, words, [x.token for x in p]) for p in pieces]
+    model.train()
+    offsets = np.zeros(len(MARKS), np.float32)
+
+    def quality(candidate: np.ndarray) -> float:
+        pending = iter(logits)  # score() tags the pieces in order
+
+        def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
+            ml, cl = next(pending)
+            return end_sentence(ml + candidate), cl.argmax(-1).tolist()
+
+        return _selection(score(tag, pieces))
+
+    best = quality(offsets)
+    for _ in range(3):
+        for mark in (1, 2, 3):
+            for step in CALIBRATION_STEPS:
+                candidate = offsets.copy()
+                candidate[mark] = step
+                if (q := quality(candidate)) > best + 1e-6:
+                    best, offsets = q, candidate
+    with torch.no_grad():
+        model.marks.bias += torch.from_numpy(offsets)
+    return offsets.tolist()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -400,8 +522,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     data = corpus(args.prose)
     n_train = sum(len(p) for p in data.train)
     n_held = sum(len(p) for p in data.held_out())
+    n_dev = sum(len(p) for p in data.dev)
     print(f"paragraphs per source {data.counts}; words per source {data.words}; "
-          f"words: train {n_train}, held out {n_held}", flush=True)  # fmt: skip
+          f"words: train {n_train}, development {n_dev}, held out {n_held}",
+          flush=True)  # fmt: skip
     sets = held_out_sets(data)
     if args.score_only:
         for path in args.score_only:
@@ -420,9 +544,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     budget, start = 60 * args.minutes, time.process_time()
     best, best_state, epoch, next_eval = -1.0, None, 0, 60 * args.eval_minutes
 
+    dev = sentence_windows(data.dev, SCORE_WINDOW)
+
     def evaluate(label: str, loss: float) -> None:
         nonlocal best, best_state
-        scores = score_model(model, sets["all"], words)
+        scores = score_model(model, dev, words)
         print(f"{label} loss {loss:.4f} {json.dumps(scores)}", flush=True)
         if _selection(scores) > best:
             best, best_state = (
@@ -456,10 +582,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min)",
                  total / max(n, 1))  # fmt: skip
     model.load_state_dict(best_state)
+    uncalibrated = score_model(model, sets["all"], words)
+    offsets = calibrate(model, dev, words)
     scores = score_model(model, sets["all"], words)
     scores["first_sources"] = score_model(model, sets["first"], words)
+    scores["cut_every_60_words"] = score_model(model, sets["all_cut"], words)
+    scores["uncalibrated"] = uncalibrated
+    scores["mark_offsets"] = offsets
     scores["data"] = {"paragraphs": data.counts, "words": data.words, "train_words": n_train,
-                      "held_out_words": n_held, "cpu_minutes": args.minutes}  # fmt: skip
+                      "development_words": n_dev, "held_out_words": n_held,
+                      "cpu_minutes": args.minutes}  # fmt: skip
     print("held-out scores", json.dumps(scores))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     export_tagger(model, words, scores, args.out)

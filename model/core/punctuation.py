@@ -97,22 +97,40 @@ def apply_case(token: str, case: int) -> str:
     return token
 
 
-def apply_tags(tokens: Sequence[str], marks: Sequence[int], cases: Sequence[int]) -> list[str]:
-    """Tokens written with their tags: ["hello", "world"], [1, 2], [1, 0] -> ["Hello,", "world."].
-    A token that already ends in a period (an abbreviation) takes no second one. A sentence
-    starts with a capital whatever its case tag says (the first token, and each after a
-    period or question mark), unless it starts with no letter ("5th", "$25")."""
+MAX_ACRONYM = 3  # letters of the longest word the tagger may write in capitals ("FBI", "USA")
+
+
+def spoken_case(case: int, token: str) -> int:
+    """The tagger's case for a spoken word, all capitals only for a short one: it wrote
+    "LAID" for "laid", and a shouted common word reads worse than a name ("Nasa")."""
+    if case == 2 and len(token) > MAX_ACRONYM:
+        return 1
+    return case
+
+
+def written_cases(tokens: Sequence[str], marks: Sequence[int], cases: Sequence[int]) -> list[int]:
+    """The case each token is written in: its tag, but a sentence starts with a capital
+    whatever its tag says (the first token, and each after a period or question mark),
+    unless it starts with no letter ("5th", "$25")."""
     out = []
     starts_sentence = True
     for token, mark, case in zip(tokens, marks, cases, strict=True):
-        if starts_sentence and token[:1].isalpha():
-            case = max(case, 1)
+        out.append(max(case, 1) if starts_sentence and token[:1].isalpha() else case)
+        starts_sentence = MARKS[mark] in (".", "?")
+    return out
+
+
+def apply_tags(tokens: Sequence[str], marks: Sequence[int], cases: Sequence[int]) -> list[str]:
+    """Tokens written with their tags: ["hello", "world"], [1, 2], [1, 0] -> ["Hello,", "world."]
+    (cased by `written_cases`). A token that already ends in a period (an abbreviation)
+    takes no second one."""
+    out = []
+    for token, mark, case in zip(tokens, marks, written_cases(tokens, marks, cases), strict=True):
         word = apply_case(token, case)
         text = MARKS[mark]
         if word.endswith(".") and text == ".":
             text = ""
         out.append(word + text)
-        starts_sentence = MARKS[mark] in (".", "?")
     return out
 
 

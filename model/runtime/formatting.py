@@ -31,6 +31,7 @@ from echoic.model.core.punctuation import (
     apply_tags,
     encode,
     end_sentence,
+    spoken_case,
 )
 
 PUNCT_FILE = Path(__file__).resolve().parent.parent / "punct" / "punct.onnx"
@@ -92,17 +93,6 @@ def _load(path: Path) -> Punctuator:
     return Punctuator(path)
 
 
-MAX_ACRONYM = 3  # letters of the longest word the tagger may write in capitals ("FBI", "USA")
-
-
-def _spoken_case(case: int, token: str) -> int:
-    """The tagger's case for a spoken word, all capitals only for a short one: it wrote
-    "LAID" for "laid", and a shouted common word reads worse than a name ("Nasa")."""
-    if case == 2 and len(token) > MAX_ACRONYM:
-        return 1
-    return case
-
-
 @dataclass(frozen=True)
 class Formatter:
     punctuation: bool = True  # marks and capitals from the tagger
@@ -118,7 +108,7 @@ class Formatter:
         marks, cases = punctuator().tag([t.text for t in tokens])
         # A written form keeps its own case ("p.m.", "kg", "Mr."): only words as spoken
         # take the tagger's capitals.
-        cases = [_spoken_case(c, t.text) if t.last - t.first == 1 and t.text == words[t.first]
+        cases = [spoken_case(c, t.text) if t.last - t.first == 1 and t.text == words[t.first]
                  else 0 for c, t in zip(cases, tokens, strict=True)]  # fmt: skip
         texts = apply_tags([t.text for t in tokens], marks, cases)
         return [Token(text, t.first, t.last) for text, t in zip(texts, tokens, strict=True)]
