@@ -613,3 +613,36 @@ def test_export_quantize_needs_calibration(exported, tmp_path: Path, capsys) -> 
     with pytest.raises(ExportError, match="calibration audio"):
         export_model(ckpt, tmp_path / "q", quantize="int8")
     assert not (tmp_path / "q").exists()
+
+
+def test_a_blend_of_two_exports_is_the_weighted_mean_of_their_weights(tmp_path: Path) -> None:
+    """training/blend.py: a fine-tune and the model it started from, blended in the form
+    both exports share (norms folded), as a checkpoint that exports; weight 0 is the base,
+    1 the fine-tune; two different networks are refused."""
+    from echoic.model.nn.rebuild import rebuild
+    from echoic.training.blend import BlendError, blend
+
+    dirs = []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        net = _with_trained_norms(_model(**MODELS["bigru-chunk4-ctx2"]), seed=seed).eval()
+        ckpt = _save_checkpoint(tmp_path / f"m{seed}.pt", net)
+        dirs.append(export_model(ckpt, tmp_path / "repo" / f"m{seed}" / "1"))
+    base, tuned = (rebuild(d)[0].state_dict() for d in dirs)
+    for weight, want in ((0.0, base), (1.0, tuned)):
+        net, _ = blend(*dirs, weight)
+        assert all(torch.equal(net.state_dict()[k], want[k]) for k in want), weight
+    net, ckpt = blend(*dirs, 0.25)
+    for key, value in net.state_dict().items():
+        if value.is_floating_point():
+            assert torch.allclose(value, 0.75 * base[key] + 0.25 * tuned[key], atol=1e-6), key
+    saved = _save_checkpoint(tmp_path / "blend.pt", net)
+    assert load_checkpoint(saved).model_config == ckpt.model_config
+    out = export_model(saved, tmp_path / "repo" / "blend" / "1")  # its parity check passes
+    again = rebuild(out)[0].state_dict()
+    assert all(torch.allclose(again[k], v, atol=1e-6) for k, v in net.state_dict().items())
+    other = _save_checkpoint(tmp_path / "other.pt", _model(**MODELS["bigru-full-context"]))
+    with pytest.raises(BlendError, match="different networks"):
+        blend(dirs[0], export_model(other, tmp_path / "repo" / "other" / "1"), 0.5)
+    with pytest.raises(BlendError, match="between 0 and 1"):
+        blend(*dirs, 1.5)
