@@ -349,12 +349,14 @@ async def client_level(args: argparse.Namespace) -> list[ClientStats]:
         cpu0 = time.process_time()
         deadline = loop.time() + args.seconds
         rng = random.Random(args.seed)
-        formatted = [args.formatting == "on" or (mixed and i % 2 == 1)
+        # mixed: every other stream on each connection, so that both kinds share every
+        # connection (and with --workers, every worker)
+        formatted = [args.formatting == "on" or (mixed and (i // len(clients)) % 2 == 1)
                      for i in range(args.client_streams)]  # fmt: skip
         tasks = [
             one_stream(clients[i % len(clients)], utterances, rng.randrange(len(utterances)),
                        rng.random(), deadline, model.lookahead_seconds, args.lag_limit,
-                       groups[mixed and formatted[i]], args.decoder, formatted[i])
+                       groups[int(mixed and formatted[i])], args.decoder, formatted[i])
             for i in range(args.client_streams)
         ]  # fmt: skip
         # Bounded: the longest utterance after the deadline, plus slack for a slow server.
@@ -398,9 +400,8 @@ def run_level(server: Server, manifest: Path, n: int, args: argparse.Namespace,
                "--seed", str(1000 * n + i), "--chunk-ms", str(args.chunk_ms),
                "--lag-limit", str(args.lag_limit), "--channels", str(args.channels),
                "--utterances", str(args.utterances), "--decoder", decoder,
-               "--formatting", "on" if formatted else "off"]  # fmt: skip
-        if args.formatting == "mixed" and i < clients:  # not the --beam-streams process
-            cmd[-1] = "mixed"
+               "--formatting",
+               client_formatting(args.formatting, formatted, i < clients)]  # fmt: skip
         processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     time.sleep(max(0.0, start_at - time.time()))
     batch0, cpu0, wall0 = server.batch_histogram(), server.cpu_seconds(), time.monotonic()
@@ -547,11 +548,21 @@ def engine_capacity(model: str | None, batch: int = 32, repeats: int = 5) -> flo
     return chunk_seconds / (float(np.median(times)) / batch)
 
 
+def client_formatting(mode: str, formatted: bool, load_client: bool) -> str:
+    """A client process's --formatting: the level's, or "mixed" for the load clients of a
+    --formatting mixed run (the --beam-streams process is never mixed)."""
+    if mode == "mixed" and load_client:
+        return "mixed"
+    return "on" if formatted else "off"
+
+
 def of_engine(level: Level, capacity: float) -> str:
-    """The level as a share of the engine's capacity, when the server sustained it."""
-    s = level.stats
-    sustained = (
+    """The level as a share of the engine's capacity, when the server sustained it (every
+    group of its streams: with --formatting mixed, the formatted ones too)."""
+    groups = [s for s in (level.stats, level.formatted) if s is not None]
+    sustained = all(
         s.final and np.percentile(s.final, 95) <= SUSTAINED_P95 and not s.behind and not s.failed
+        for s in groups
     )
     return f"{100 * level.streams / capacity:.0f}%" if sustained and capacity else "-"
 
@@ -574,9 +585,11 @@ def print_table(runs: dict[str, list[Level]], capacity: float = 0.0) -> None:
                 f"  {level.rss_mb:>6.0f}  {of_engine(level, capacity):>9}"
                 f"  {'; '.join(s.errors)[:60]}"
             )
-            extra = [("+beam", "beam streams", level.beam), ("+fmt", "formatted streams",
-                     level.formatted)]  # fmt: skip
-            for label, name, b in ((lb, nm, b) for lb, nm, b in extra if b is not None):
+            extra = [("+beam", "beam streams", level.beam),
+                     ("+fmt", "formatted streams", level.formatted)]  # fmt: skip
+            for label, name, b in extra:
+                if b is None:
+                    continue
                 print(
                     f"{label:>7}  {name:<22} {b.utterances:>6}"
                     f" {b.behind:>6} {b.failed:>6}  {percentiles(b.interim, (95,)):>11}"
@@ -603,6 +616,7 @@ def bench_server(name: str, flags: list[str], manifest: Path, utterances: list[U
                 profile_dir = Path(args.out) if args.profile else None
                 for formatted in variants:
                     row = name + (" +formatting" if formatted and len(variants) > 1 else "")
+                    row += " (raw streams)" if args.formatting == "mixed" else ""
                     level = run_level(server, manifest, n, args, profile_dir, formatted)
                     rows.setdefault(row, []).append(level)
                 print(f"  {name}: {n} streams done", file=sys.stderr, flush=True)

@@ -21,8 +21,9 @@ examples:
   # an exported model directory, as version 7 of "ds2-en" in another repository
   echoic deploy exports/ds2 --repo /srv/models --name ds2-en --version 7
 
-  # roll back: take version 2 out; the server goes back to the newest one left
-  echoic deploy --remove echoic-en-default/2
+  # roll back: take version 4 (the first deployed over the bundled 3) out; the server
+  # goes back to the newest one left
+  echoic deploy --remove echoic-en-default/4
 
   # a second model name beside the bundled one, made the default for clients naming none
   echoic deploy runs/tiny/last.pt --name tiny --make-default

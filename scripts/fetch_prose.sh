@@ -33,7 +33,11 @@ for p in "${packages[@]}"; do
   fi
   (cd "$dir/.debs" && ls "${p}"_*.deb >/dev/null 2>&1 || apt-get download -q "$p" 2>&1 >/dev/null |
     grep -v "unsandboxed as root" >&2 || true)
-  deb=$(ls "$dir/.debs/${p}"_*.deb | head -1)
+  deb=$(ls "$dir/.debs/${p}"_*.deb 2>/dev/null | head -1 || true)
+  if [ -z "$deb" ]; then
+    echo "$p: not in this machine's package lists: skipped" >&2
+    continue
+  fi
   rm -rf "${dir:?}/$p"
   dpkg -x "$deb" "$dir/$p"
   touch "$dir/$p/.unpacked"

@@ -25,6 +25,12 @@ $E synth --text $D/text/val.txt --out $D/val3 --engines espeak,flite,festival --
   --voices-per-sentence 3 --espeak-formants 0.88 1.12
 mkdir -p $H runs
 [ -d runs/robust3-base ] || cp -r model/default runs/robust3-base
+grep -q '"version": "2"' runs/robust3-base/export.json || {
+  echo "train_v3: stage 3 starts from v2, and runs/robust3-base holds another version" \
+    "(model/default is v3 once this script has installed it): run scripts/train_robust.sh" \
+    "first, or copy v2 to runs/robust3-base" >&2
+  exit 1
+}
 # v2, before it is replaced: the left-hand columns of the table.
 [ -s $H/v2.txt ] || { bash scripts/heldout_sets.sh runs/robust3-base 100 > $H/v2.tmp && mv $H/v2.tmp $H/v2.txt; }
 ${ECHOIC_LAUNCH:-} $E train --config training/recipes/robust3.toml --no-progress \

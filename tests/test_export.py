@@ -621,6 +621,7 @@ def test_a_blend_of_two_exports_is_the_weighted_mean_of_their_weights(tmp_path: 
     1 the fine-tune; two different networks are refused."""
     from echoic.model.nn.rebuild import rebuild
     from echoic.training.blend import BlendError, blend
+    from echoic.training.blend import main as blend_main
 
     dirs = []
     for seed in (3, 4):
@@ -636,8 +637,13 @@ def test_a_blend_of_two_exports_is_the_weighted_mean_of_their_weights(tmp_path: 
     for key, value in net.state_dict().items():
         if value.is_floating_point():
             assert torch.allclose(value, 0.75 * base[key] + 0.25 * tuned[key], atol=1e-6), key
-    saved = _save_checkpoint(tmp_path / "blend.pt", net)
-    assert load_checkpoint(saved).model_config == ckpt.model_config
+    saved = tmp_path / "blend.pt"
+    blend_main([str(d) for d in dirs] + ["--weight", "0.25", "--out", str(saved)])
+    written = load_checkpoint(saved)
+    assert written.model_config == ckpt.model_config and written.config_hash == ckpt.config_hash
+    # its own config hash, made of the two it blends and the weight: its card tells it apart
+    assert written.train_config["blend"]["weight"] == 0.25
+    assert written.config_hash not in {rebuild(d)[1]["config_hash"] for d in dirs}
     out = export_model(saved, tmp_path / "repo" / "blend" / "1")  # its parity check passes
     again = rebuild(out)[0].state_dict()
     assert all(torch.allclose(again[k], v, atol=1e-6) for k, v in net.state_dict().items())

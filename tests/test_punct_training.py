@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -176,14 +177,16 @@ def test_wesnoth_dialogue_is_read_from_the_campaigns_message_and_story_strings(
 
 def test_held_out_pieces_are_whole_sentences_up_to_the_window() -> None:
     """An utterance ends where its speaker stopped: the held-out pieces end at sentence ends,
-    as many sentences as fit; only a sentence longer than the window is cut inside."""
+    as many sentences as fit; only a sentence longer than the window is cut inside (and its
+    tail stands alone: it ends a sentence, and a piece never starts inside one that does
+    not start there)."""
     paragraph = tags_of_prose(
         "One two three. Four five six? Seven eight nine ten eleven twelve. End."
     )
     pieces = sentence_windows([paragraph], 5)
     assert [[t.token for t in p] for p in pieces] == [
         ["one", "two", "three"], ["four", "five", "six"],
-        ["seven", "eight", "nine", "ten", "eleven"], ["twelve", "end"],
+        ["seven", "eight", "nine", "ten", "eleven"], ["twelve"], ["end"],
     ]  # fmt: skip
     assert [t for p in pieces for t in p] == paragraph
     cut = held_out_windows([paragraph], 5)  # the old scoring: a cut every 5 words
@@ -210,3 +213,66 @@ def test_calibration_is_folded_into_the_exported_tagger_and_never_scores_worse(
     path = tmp_path / "tagger.onnx"
     export_tagger(model, words, {}, path)
     assert score(exported_tagger(path), pieces) == after
+
+
+def test_a_glob_source_reads_every_package_in_name_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wesnoth's campaigns are a package each: one source reads them all, by package name,
+    whatever the release's version folder is called."""
+    source = next(s for s in PROSE_SOURCES if s.name == "wesnoth")
+    for package, line in (("wesnoth-1.18-b", "Second of all, the bee said so."),
+                          ("wesnoth-1.16-a", "First of all, the ant said so.")):  # fmt: skip
+        version = package.split("-")[1]
+        where = tmp_path / package / "usr/share/games/wesnoth" / version / "data/campaigns/X"
+        where.mkdir(parents=True)
+        (where / "s.cfg").write_text(f'    message= _ "{line}"\n# message= _ "Not read at all."\n')
+    monkeypatch.setattr(punctuation, "PROSE_SOURCES", (source,))
+    assert list(prose_sources(tmp_path)["wesnoth"]) == [
+        "First of all, the ant said so.", "Second of all, the bee said so."
+    ]  # fmt: skip
+
+
+def test_the_split_keeps_the_held_out_buckets_and_takes_the_next_ones_for_development(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    paragraphs = [f"Paragraph number {i} is here, and it ends." for i in range(400)]
+    monkeypatch.setattr(punctuation, "fortune_paragraphs", lambda: iter(paragraphs))
+    monkeypatch.setattr(punctuation, "info_paragraphs", lambda: iter(()))
+    monkeypatch.setattr(punctuation, "WORDNET_DIR", Path("/nonexistent"))
+    data = punctuation.corpus(None)
+    bucket = {p: zlib.crc32(p.lower().encode()) % 100 for p in paragraphs}
+    text = {tuple(tags_of_prose(p)): p for p in paragraphs}
+    assert {bucket[text[tuple(p)]] for p in data.held["fortunes"]} <= set(range(5))
+    assert {bucket[text[tuple(p)]] for p in data.dev} <= set(range(5, 10))
+    assert min(bucket[text[tuple(p)]] for p in data.train) >= 10
+    assert len(data.held["fortunes"]) + len(data.dev) + len(data.train) == 400
+    assert data.dev and data.held["fortunes"]
+
+
+def test_scores_are_of_the_text_as_the_server_writes_it() -> None:
+    """Capitals as written (a sentence start has one whatever the tag; a long word is never
+    all capitals), and the marks inside a piece scored apart from its given last one."""
+    piece = tags_of_prose("NASA said hello. Did it?")
+    tokens = [t.token for t in piece]
+    assert tokens == ["nasa", "said", "hello", "did", "it"]
+
+    def tag(tokens):  # marks right; "nasa" tagged all capitals, the rest lower case
+        return [0, 0, 2, 0, 3], [2, 0, 0, 0, 0]
+
+    scores = score(tag, [piece])
+    # written "Nasa said hello. Did it?": "Nasa" is wrong (too long to be written in
+    # capitals), "Did" right (a sentence start), the rest right
+    assert scores["case_accuracy"] == pytest.approx(4 / 5)
+    assert scores["."]["f1"] == 1.0 and scores["?"]["f1"] == 1.0
+    assert scores["inside"]["."]["support"] == 1 and scores["inside"]["?"]["support"] == 0
+
+
+def test_training_refuses_an_empty_development_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prose = [tags_of_prose("Is it the end? It is, of course.")]
+    data = Corpus(train=prose * 4, held={"fortunes": prose, "info": prose})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    with pytest.raises(SystemExit, match="development set is empty"):
+        punctuation.main(["--out", str(tmp_path / "t.onnx"), "--minutes", "0.001"])

@@ -8,24 +8,27 @@ between it and the model it started from often keep most of both (the two lie in
 basin: the fine-tune began at the base). Each model is read back from its export
 (`echoic.model.nn.rebuild`), where both are in the same form, every norm folded into a
 scale and a shift, so that blending weights blends like for like; the blend is
-`(1 - weight) * base + weight * tuned`, written as a checkpoint (the tuned model's
-config, step and config hash) for `echoic export`, whose parity check proves the result
-before it is written. The bundled model's stage 3 is such a blend
-(docs/models-and-import.md, "Stage 3").
+`(1 - weight) * base + weight * tuned`, written as a checkpoint for `echoic export`, whose
+parity check proves the result before it is written. The checkpoint has the tuned model's
+network config and step; its config hash is its own, made of the two models' hashes and
+the weight (recorded in its train_config as `blend`), so that its card tells it apart
+from the fine-tune. Its norms are folded as in an export: to fine-tune a blend, start
+from its export (`init_from=DIR`, which recalibrates the norms), not from this file.
+The bundled model's stage 3 is such a blend (docs/models-and-import.md, "Stage 3").
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
 
 from echoic.model.core.configs import to_dict
 from echoic.model.nn.checkpoint import Checkpoint
 from echoic.model.nn.network import DeepSpeech2
-from echoic.model.nn.rebuild import rebuild
+from echoic.model.nn.rebuild import RebuildError, rebuild
+from echoic.training.checkpoint import save_atomic
 
 
 class BlendError(ValueError):
@@ -45,9 +48,11 @@ def blend(base: str | Path, tuned: str | Path, weight: float) -> tuple[DeepSpeec
     mixed = {k: a[k] * (1 - weight) + b[k] * weight if b[k].is_floating_point() else b[k]
              for k in b}  # fmt: skip
     theirs.load_state_dict(mixed)
+    made_of = {"base": base_info["config_hash"], "tuned": info["config_hash"], "weight": weight}
     ckpt = Checkpoint(
         model=mixed, model_config=to_dict(info["model_config"]),
-        config_hash=info["config_hash"] or "", step=info["step"] or 0,
+        train_config={"blend": made_of}, step=info["step"] or 0,
+        config_hash=hashlib.sha256(repr(sorted(made_of.items())).encode()).hexdigest()[:16],
     )  # fmt: skip
     return theirs.eval(), ckpt
 
@@ -62,10 +67,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         _, ckpt = blend(args.base, args.tuned, args.weight)
-    except BlendError as e:
+    except (BlendError, RebuildError, FileNotFoundError) as e:
         raise SystemExit(f"blend: {e}") from e
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(ckpt.to_dict(), args.out)
+    save_atomic(ckpt.to_dict(), args.out)
     print(f"wrote {args.out}: {1 - args.weight:g} x {args.base} + {args.weight:g} x {args.tuned}")
 
 

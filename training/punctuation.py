@@ -171,13 +171,14 @@ def running_text(paragraph: str) -> str | None:
     return text
 
 
-_WML_SPEECH = re.compile(r'\b(?:message|story)\s*=\s*_\s*"((?:[^"]|"")*)"')
+_WML_SPEECH = re.compile(r'^[ \t]*(?:message|story)\s*=\s*_\s*"((?:[^"]|"")*)"', re.MULTILINE)
 
 
 def wesnoth_paragraphs(directory: Path) -> Iterator[str]:
     """What the characters of a Wesnoth campaign say, and its story pages: each
     translatable `message=`/`story=` string of its .cfg files (WML doubles a quote inside a
-    string) as `running_text`; a line with a variable, macro or markup it cannot read
+    string; a line commented out with # is not read) as `running_text`; a line with a
+    variable, macro or markup it cannot read
     ($name, {MACRO}, "female^" variants, images) is skipped, <i>/<b> tags dropped."""
     for path in sorted(directory.rglob("*.cfg")):
         for match in _WML_SPEECH.finditer(path.read_text(encoding="utf-8", errors="replace")):
@@ -210,7 +211,7 @@ class ProseSource:
 
     name: str
     package: str  # or a glob of packages
-    where: str  # inside the unpacked package
+    where: str  # inside the unpacked package (or a glob)
     read: Callable[[Path], Iterator[str]]
     max_words: int | None = None
 
@@ -230,7 +231,7 @@ PROSE_SOURCES = (
                 partial(html_paragraphs, pattern="*.en.html"), 100_000),
     # Last, so that every source above reads what it read before (a paragraph seen once
     # is not read again) and its held-out paragraphs stay the same.
-    ProseSource("wesnoth", "wesnoth-1.16-*", "usr/share/games/wesnoth/1.16/data/campaigns",
+    ProseSource("wesnoth", "wesnoth-*", "usr/share/games/wesnoth/*/data/campaigns",
                 wesnoth_paragraphs),
 )  # fmt: skip
 
@@ -249,8 +250,8 @@ def prose_sources(prose_dir: Path) -> dict[str, Iterator[str]]:
     is not there (or no `prose_dir` at all) is skipped."""
     out: dict[str, Iterator[str]] = {}
     for source in PROSE_SOURCES:
-        places = [d / source.where for d in sorted(prose_dir.glob(source.package))]
-        places = [where for where in places if where.is_dir()]
+        places = [where for d in sorted(prose_dir.glob(source.package))
+                  for where in sorted(d.glob(source.where)) if where.is_dir()]  # fmt: skip
         if places:
             paragraphs = itertools.chain.from_iterable(map(source.read, places))
             out[source.name] = _capped(paragraphs, source.max_words)
@@ -358,7 +359,7 @@ def sentence_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[li
     """Each paragraph as whole sentences, as many in a row as fit in `window` words (a
     longer sentence is cut every `window` words): what the server tags is an utterance,
     one or more sentences that end where the speaker stopped, and the tagger must find
-    the sentence ends inside it."""
+    the sentence ends inside it (the last one is the server's: `score`)."""
     out: list[list[Tagged]] = []
     for paragraph in paragraphs:
         sentences: list[list[Tagged]] = [[]]
@@ -372,9 +373,9 @@ def sentence_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[li
                 out.append(piece)
                 piece = []
             piece += sentence
-            while len(piece) > window:
-                out.append(piece[:window])
-                piece = piece[window:]
+            if len(piece) > window:  # a sentence longer than a window: cut, its tail alone
+                out += [piece[i : i + window] for i in range(0, len(piece), window)]
+                piece = []
         if piece:
             out.append(piece)
     return out
@@ -383,7 +384,9 @@ def sentence_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[li
 Tag = Callable[[Sequence[str]], tuple[list[int], list[int]]]  # tokens -> (marks, cases)
 
 
-def torch_logits(model: Tagger, words: WordList, tokens: Sequence[str]):
+def torch_logits(
+    model: Tagger, words: WordList, tokens: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
     """The mark and case logits of `model` for one sequence, (T, len(MARKS)), (T, len(CASES))."""
     w, c = encode(tokens, words)
     with torch.no_grad():
@@ -401,24 +404,7 @@ def torch_tagger(model: Tagger, words: WordList) -> Tag:
     return tag
 
 
-def score(tag: Tag, pieces: Sequence[list[Tagged]]) -> dict:
-    """F1 per mark and the share of words cased right, as the server writes a final result
-    (`Formatter.format`: capitals at sentence starts, all capitals for short words only)."""
-    tp, fp, fn = Counter(), Counter(), Counter()
-    right = total = 0
-    for piece in pieces:
-        tokens = [x.token for x in piece]
-        marks, cases = tag(tokens)
-        spoken = [spoken_case(c, t) for c, t in zip(cases, tokens, strict=True)]
-        cases = written_cases(tokens, marks, spoken)
-        for x, m, k in zip(piece, marks, cases, strict=True):
-            if x.case >= 0:
-                right += x.case == k
-                total += 1
-            for mark in (1, 2, 3):
-                tp[mark] += x.mark == mark and m == mark
-                fp[mark] += x.mark != mark and m == mark
-                fn[mark] += x.mark == mark and m != mark
+def _mark_scores(tp: Counter, fp: Counter, fn: Counter) -> dict:
     out: dict = {}
     for mark in (1, 2, 3):
         p = tp[mark] / max(tp[mark] + fp[mark], 1)
@@ -426,6 +412,34 @@ def score(tag: Tag, pieces: Sequence[list[Tagged]]) -> dict:
         out[MARKS[mark]] = {"precision": round(p, 3), "recall": round(r, 3),
                             "f1": round(2 * p * r / max(p + r, 1e-9), 3),
                             "support": tp[mark] + fn[mark]}  # fmt: skip
+    return out
+
+
+def score(tag: Tag, pieces: Sequence[list[Tagged]]) -> dict:
+    """F1 per mark and the share of words cased right, as the server writes a final result
+    (`Formatter.format`: capitals at sentence starts, all capitals for short words only).
+    The server ends every final result with a sentence end, so a piece's last mark is
+    given rather than found (only period or question is the tagger's): "inside" scores the
+    marks of every word but each piece's last, what the tagger finds on its own."""
+    tp, fp, fn = Counter(), Counter(), Counter()
+    inside = Counter(), Counter(), Counter()
+    right = total = 0
+    for piece in pieces:
+        tokens = [x.token for x in piece]
+        marks, cases = tag(tokens)
+        spoken = [spoken_case(c, t) for c, t in zip(cases, tokens, strict=True)]
+        cases = written_cases(tokens, marks, spoken)
+        for i, (x, m, k) in enumerate(zip(piece, marks, cases, strict=True)):
+            if x.case >= 0:
+                right += x.case == k
+                total += 1
+            for counts in (tp, fp, fn), *([inside] if i < len(piece) - 1 else []):
+                for mark in (1, 2, 3):
+                    counts[0][mark] += x.mark == mark and m == mark
+                    counts[1][mark] += x.mark != mark and m == mark
+                    counts[2][mark] += x.mark == mark and m != mark
+    out = _mark_scores(tp, fp, fn)
+    out["inside"] = _mark_scores(*inside)
     out["case_accuracy"] = round(right / max(total, 1), 4)
     out["words"] = sum(len(p) for p in pieces)
     out["cased_words"] = total
@@ -446,8 +460,8 @@ SCORE_WINDOW = 60  # words: the most in one held-out piece (an utterance of 20-2
 def held_out_sets(data: Corpus) -> dict[str, list[list[Tagged]]]:
     """The held-out pieces (`sentence_windows`): all sources, and the first tagger's sources
     alone (`FIRST_SOURCES`: the set its documented scores were on, so taggers trained on
-    more can be compared); and all sources cut every 60 words, as the first taggers were
-    scored."""
+    more can be compared); and all sources cut every 60 words wherever that falls, as the
+    first taggers' marks were scored (their capitals were scored as tagged, not as written)."""
     return {"all": sentence_windows(data.held_out(), SCORE_WINDOW),
             "first": sentence_windows(data.held_out(FIRST_SOURCES), SCORE_WINDOW),
             "all_cut": held_out_windows(data.held_out(), SCORE_WINDOW)}  # fmt: skip
@@ -545,6 +559,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     best, best_state, epoch, next_eval = -1.0, None, 0, 60 * args.eval_minutes
 
     dev = sentence_windows(data.dev, SCORE_WINDOW)
+    if not dev:
+        raise SystemExit(
+            "punctuation: the development set is empty: nothing to choose the "
+            "weights or calibrate the marks on (more prose, or a larger dev share)"
+        )
 
     def evaluate(label: str, loss: float) -> None:
         nonlocal best, best_state
