@@ -94,9 +94,9 @@ def test_the_tagger_writes_capitals_only_on_short_words() -> None:
 
 
 def test_the_bundled_tagger_is_small_and_carries_its_scores() -> None:
-    assert PUNCT_FILE.stat().st_size < 1_000_000
+    assert PUNCT_FILE.stat().st_size < 10_000_000  # the budget: under 10 MB
     scores = Punctuator(PUNCT_FILE).scores
-    assert {",", ".", "?", "case_accuracy", "data"} <= set(scores)
+    assert {",", ".", "?", "case_accuracy", "mark_offsets", "data"} <= set(scores)
 
 
 def test_formatting_writes_a_sentence_and_keeps_every_words_span() -> None:
