@@ -37,7 +37,8 @@ class BlendError(ValueError):
 
 def blend(base: str | Path, tuned: str | Path, weight: float) -> tuple[DeepSpeech2, Checkpoint]:
     """The network `(1 - weight) * base + weight * tuned` (both export directories), and
-    it as a checkpoint carrying `tuned`'s config, step and config hash."""
+    it as a checkpoint with `tuned`'s config and step and a config hash of its own (made of
+    the two models' hashes and the weight, which its train_config records)."""
     if not 0.0 <= weight <= 1.0:
         raise BlendError(f"--weight {weight}: a blend weight is between 0 and 1")
     ours, base_info = rebuild(base)

@@ -480,16 +480,14 @@ def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) ->
     rare marks up, which trades precision for recall; this sets the trade where F1 is best.
     One mark at a time, three rounds, each offset from CALIBRATION_STEPS."""
     model.eval()
-    with torch.no_grad():
-        logits = [torch_logits(model, words, [x.token for x in p]) for p in pieces]
+    tokens = [tuple(x.token for x in p) for p in pieces]
+    logits = {t: torch_logits(model, words, t) for t in tokens}  # a piece's, by its words
     model.train()
     offsets = np.zeros(len(MARKS), np.float32)
 
     def quality(candidate: np.ndarray) -> float:
-        pending = iter(logits)  # score() tags the pieces in order
-
         def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
-            ml, cl = next(pending)
+            ml, cl = logits[tuple(tokens)]
             return end_sentence(ml + candidate), cl.argmax(-1).tolist()
 
         return _selection(score(tag, pieces))
