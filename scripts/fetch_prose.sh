@@ -23,6 +23,11 @@ packages=(
   wesnoth-1.16-l wesnoth-1.16-low wesnoth-1.16-nr wesnoth-1.16-sof wesnoth-1.16-sota
   wesnoth-1.16-sotbe wesnoth-1.16-thot wesnoth-1.16-trow wesnoth-1.16-tsg wesnoth-1.16-ttb
   wesnoth-1.16-utbs
+  # What characters say in three more games, read after the above (so that their held-out
+  # paragraphs stay the same): Endless Sky's mission conversations (GPL-3+, 70 MB, 160,000
+  # words), Dungeon Crawl's descriptions and literary quotes (GPL-2+, 2 MB), Cataclysm: Dark
+  # Days Ahead's dialogue, notes and descriptions (CC-BY-SA 3.0, 30 MB)
+  endless-sky-data crawl-common cataclysm-dda-data
 )
 mkdir -p "$dir/.debs"
 dir=$(cd "$dir" && pwd)

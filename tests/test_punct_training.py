@@ -24,10 +24,15 @@ from echoic.model.nn.punctuation import (  # noqa: E402
 )
 from echoic.training import punctuation  # noqa: E402
 from echoic.training.punctuation import (  # noqa: E402
+    FIRST_SOURCES,
     PROSE_SOURCES,
+    SECOND_SOURCES,
     Corpus,
     _selection,
     calibrate,
+    cataclysm_paragraphs,
+    crawl_paragraphs,
+    endless_sky_paragraphs,
     held_out_windows,
     html_paragraphs,
     prose_sources,
@@ -173,6 +178,77 @@ def test_wesnoth_dialogue_is_read_from_the_campaigns_message_and_story_strings(
         "Ho, Galdrad! Has he conjured something else to beat me with?",
         'The king was dead. He said "wait" and then the city fell to the orcs.',
     ]
+
+
+def test_endless_sky_missions_give_their_back_quoted_conversation_lines(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "intro missions.txt").write_text(
+        "# Copyright (c) 2014 (this comment is not read, it is not back-quoted at all).\n"
+        'mission "Intro [0]"\n\tname "Passenger to <planet>"\n\ton offer\n'
+        "\t\tconversation\n"
+        '\t\t\t`\t"Nothing quite like buying your very first starship," he says.`\n'
+        "\t\t\tchoice\n"
+        '\t\t\t\t`\t"Do you plan to get too attached to this one?"`\n'
+        "\t\t\t`You drop off the peacekeepers on <planet> and collect your pay.`\n"
+        "\t\t\t`\tToo short.`\n"
+    )
+    assert list(endless_sky_paragraphs(tmp_path)) == [
+        '"Nothing quite like buying your very first starship," he says.',
+        '"Do you plan to get too attached to this one?"',
+    ]
+
+
+def test_cataclysm_reads_dialogue_replies_notes_and_descriptions_of_its_json(
+    tmp_path: Path,
+) -> None:
+    talk = [
+        {"type": "talk_topic", "id": "TALK_X",
+         "dynamic_line": {"u_has_item": "radio", "yes": "Can you get me out of this hole?",
+                          "no": "I have nothing more to say to you right now."},
+         "responses": [{"text": "What do you need me to bring you, then?", "topic": "T"},
+                       {"text": "Let me think about it, <name>, and I will be back."}]},
+        {"type": "GENERIC", "id": "box", "name": "metal box of old tools",
+         "description": "A sturdy metal box.  It rattles when shaken.\n\nIt is locked."},
+    ]  # fmt: skip
+    (tmp_path / "npcs").mkdir()
+    (tmp_path / "npcs" / "talk.json").write_text(json.dumps(talk))
+    (tmp_path / "broken.json").write_text('{"description": "Not JSON at all, so it')
+    assert list(cataclysm_paragraphs(tmp_path)) == [
+        "Can you get me out of this hole?",
+        "I have nothing more to say to you right now.",
+        "What do you need me to bring you, then?",
+        "A sturdy metal box. It rattles when shaken.",  # "It is locked." is too short
+    ]
+
+
+def test_crawl_reads_records_without_keys_attributions_verse_or_markup(tmp_path: Path) -> None:
+    (tmp_path / "quotes.txt").write_text(
+        "%%%%\nAgnes\n\nThis spriggan is aged and weathered from years of travel,\n"
+        "far from the forests and swamps that are her home.\n%%%%\n"
+        "__c_suffix\n\n\u201cHe held up his hand, and they all stopped, and I\n"
+        " thought he was saying something.\u201d\n    -Bram Stoker, _Dracula_. 1897.\n"
+        "%%%%\nverse\n\nThe woods are lovely, dark and deep,\nBut I have promises to keep,\n"
+        "And miles to go before I sleep.\n%%%%\nmarkup\n\n"
+        "@The_monster@ says something very loud and clear to you.\n%%%%\n"
+    )
+    (tmp_path / "de").mkdir()
+    (tmp_path / "de" / "quotes.txt").write_text("%%%%\nx\n\nEin Satz, der nicht gelesen wird.\n")
+    assert list(crawl_paragraphs(tmp_path)) == [
+        "This spriggan is aged and weathered from years of travel, far from the forests and"
+        " swamps that are her home.",
+        '"He held up his hand, and they all stopped, and I thought he was saying something."',
+    ]
+
+
+def test_earlier_taggers_sources_are_read_first_so_their_held_out_sets_stay_the_same() -> None:
+    """A paragraph seen before is not read again, so a source's held-out set stays the same
+    only while every source read before it does: the sources of the first and second
+    taggers come first, in the order they were read then."""
+    order = [*FIRST_SOURCES, "wordnet", *(s.name for s in PROSE_SOURCES if s.name != "wordnet")]
+    assert order[: len(FIRST_SOURCES)] == list(FIRST_SOURCES)
+    assert order[: len(SECOND_SOURCES)] == list(SECOND_SOURCES)
+    assert len(order) > len(SECOND_SOURCES)
 
 
 def test_held_out_pieces_are_whole_sentences_up_to_the_window() -> None:
