@@ -9,12 +9,20 @@ import json
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="the training recipe needs the train extra")
 pytest.importorskip("onnxruntime", reason="an exported tagger runs on ONNX Runtime")
 
-from echoic.model.core.punctuation import WordList, tags_of_prose  # noqa: E402
+import torch  # noqa: E402
+
+from echoic.model.core.punctuation import (  # noqa: E402
+    WordList,
+    encode,
+    end_sentence,
+    tags_of_prose,
+)
 from echoic.model.nn.punctuation import (  # noqa: E402
     PUNCT_KEY,
     Tagger,
@@ -158,6 +166,51 @@ def test_the_tagger_size_set_on_the_command_line_is_the_exported_files(
     assert len(tagger.words.words) == 9
     marks, cases = tagger.tag(["is", "it", "the", "end"])
     assert len(marks) == len(cases) == 4
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_an_ensemble_averages_its_members_each_reading_its_own_word_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ensemble writes one tagger file that the runtime loads as any other: its word list
+    is the members' together, each member reads its own ids of a word (a word only one of
+    them knows is "other" to the rest), and its marks and cases are the members' averaged
+    log-probabilities, the marks shifted by the offsets calibrated on the development set."""
+    from echoic.model.runtime.formatting import Punctuator
+
+    members = []
+    for i, (known, seed) in enumerate(((("the", "a", "is", "it"), 1), (("cat", "it", "mat"), 2))):
+        torch.manual_seed(seed)
+        cfg = TaggerConfig(words=len(known), word_dim=4, char_dim=4, char_filters=4, hidden=3 + i)
+        members.append(tmp_path / f"member{i}.onnx")
+        export_tagger(Tagger(cfg).eval(), WordList(known), {}, members[-1])
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose, dev=prose, held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    out = tmp_path / "ensemble.onnx"
+    punctuation.main(["--out", str(out), "--ensemble", *map(str, members)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    ensemble = Punctuator(out)
+    assert ensemble.words.words == ("the", "a", "is", "it", "cat", "mat")
+    assert [m["file"] for m in ensemble.scores["members"]] == ["member0.onnx", "member1.onnx"]
+    offsets = np.array(ensemble.scores["mark_offsets"], np.float32)
+    tokens = ["the", "cat", "sat", "on", "a", "mat", "it", "is"]
+    want = [np.zeros(1), np.zeros(1)]
+    for path in members:
+        alone = Punctuator(path)
+        w, c = encode(tokens, alone.words)
+        for k, x in enumerate(alone.session.run(None, {"word_ids": w[None], "char_ids": c[None]})):
+            want[k] = want[k] + _log_softmax(x[0]) / len(members)
+    w, c = encode(tokens, ensemble.words)
+    got = ensemble.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
+    np.testing.assert_allclose(got[0][0], want[0] + offsets, atol=1e-5)
+    np.testing.assert_allclose(got[1][0], want[1], atol=1e-5)
+    assert ensemble.tag(tokens) == (end_sentence(want[0] + offsets), want[1].argmax(-1).tolist())
 
 
 def test_wesnoth_dialogue_is_read_from_the_campaigns_message_and_story_strings(

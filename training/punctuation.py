@@ -64,7 +64,14 @@ from echoic.model.core.punctuation import (
     tags_of_prose,
     written_cases,
 )
-from echoic.model.nn.punctuation import Tagger, TaggerConfig, export_tagger, exported_tagger
+from echoic.model.nn.punctuation import (
+    Tagger,
+    TaggerConfig,
+    export_ensemble,
+    export_tagger,
+    exported_tagger,
+)
+from echoic.model.runtime.formatting import Punctuator
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
 
 INFO_DIR = Path("/usr/share/info")
@@ -555,20 +562,19 @@ def _selection(scores: dict) -> float:
 CALIBRATION_STEPS = np.arange(-2.0, 2.01, 0.25)  # added to a mark's logit
 
 
-def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) -> list[float]:
-    """Offsets for the marks' logits that score best on `pieces` (the development set),
-    folded into the mark head's bias (so the exported tagger carries them): the loss weighs
-    rare marks up, which trades precision for recall; this sets the trade where F1 is best.
-    One mark at a time, three rounds, each offset from CALIBRATION_STEPS."""
-    model.eval()
-    tokens = [tuple(x.token for x in p) for p in pieces]
-    logits = {t: torch_logits(model, words, t) for t in tokens}  # a piece's, by its words
-    model.train()
+def best_offsets(
+    logits: Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]],
+    pieces: Sequence[list[Tagged]],
+) -> np.ndarray:
+    """Offsets for the marks' logits that score best on `pieces` (the development set), given
+    each piece's (mark, case) logits: one mark at a time, three rounds, each offset from
+    CALIBRATION_STEPS."""
+    cached = {t: logits(t) for t in (tuple(x.token for x in p) for p in pieces)}
     offsets = np.zeros(len(MARKS), np.float32)
 
     def quality(candidate: np.ndarray) -> float:
         def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
-            ml, cl = logits[tuple(tokens)]
+            ml, cl = cached[tuple(tokens)]  # a piece's, by its words
             return end_sentence(ml + candidate), cl.argmax(-1).tolist()
 
         return _selection(score(tag, pieces))
@@ -581,9 +587,60 @@ def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) ->
                 candidate[mark] = step
                 if (q := quality(candidate)) > best + 1e-6:
                     best, offsets = q, candidate
+    return offsets
+
+
+def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) -> list[float]:
+    """`best_offsets` for `model` on `pieces` (the development set), folded into the mark
+    head's bias (so the exported tagger carries them): the loss weighs rare marks up, which
+    trades precision for recall; this sets the trade where F1 is best."""
+    model.eval()
+    offsets = best_offsets(partial(torch_logits, model, words), pieces)
+    model.train()
     with torch.no_grad():
         model.marks.bias += torch.from_numpy(offsets)
     return offsets.tolist()
+
+
+def ensemble(members: Sequence[Path], data: Corpus, out: Path) -> dict:
+    """One tagger file of the exported `members` (`export_ensemble`: their averaged
+    log-probabilities), its marks calibrated on the development set (`best_offsets`) and
+    scored on the held-out sets; returns the scores it carries."""
+    dev = sentence_windows(data.dev, SCORE_WINDOW)
+    plain = out.with_name(out.name + ".uncalibrated")
+    export_ensemble(members, [0.0] * len(MARKS), {}, plain)
+    try:
+        runtime = Punctuator(plain)
+
+        def logits(tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+            w, c = encode(tokens, runtime.words)
+            ml, cl = runtime.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
+            return ml[0], cl[0]
+
+        sets = held_out_sets(data)
+        uncalibrated = score(runtime.tag, sets["all"])
+        offsets = best_offsets(logits, dev)
+    finally:
+        plain.unlink()
+    export_ensemble(members, offsets.tolist(), {}, out)
+    tag = exported_tagger(out)
+    scores = score(tag, sets["all"])
+    scores["first_sources"] = score(tag, sets["first"])
+    scores["second_sources"] = score(tag, sets["second"])
+    scores["cut_every_60_words"] = score(tag, sets["all_cut"])
+    scores["uncalibrated"] = uncalibrated
+    scores["mark_offsets"] = offsets.tolist()
+    scores["development"] = score(tag, dev)
+    scores["data"] = {"paragraphs": data.counts, "words": data.words,
+                      "train_words": sum(len(p) for p in data.train),
+                      "development_words": sum(len(p) for p in data.dev),
+                      "held_out_words": sum(len(p) for p in data.held_out())}  # fmt: skip
+    scores["members"] = [
+        {"file": p.name, "cpu_minutes": Punctuator(p).scores.get("data", {}).get("cpu_minutes")}
+        for p in members
+    ]
+    export_ensemble(members, offsets.tolist(), scores, out)
+    return scores
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -601,6 +658,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--prose", type=Path, default=PROSE_DIR,
                     help="where scripts/fetch_prose.sh unpacked its packages (those "
                     "missing are skipped)")  # fmt: skip
+    ap.add_argument("--ensemble", type=Path, nargs="+", metavar="MODEL",
+                    help="train nothing: write --out as one tagger of these exported ones "
+                    "(their log-probabilities averaged, calibrated on the development set), "
+                    "and score it")  # fmt: skip
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
@@ -620,6 +681,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"words: train {n_train}, development {n_dev}, held out {n_held}",
           flush=True)  # fmt: skip
     sets = held_out_sets(data)
+    if args.ensemble:
+        scores = ensemble(args.ensemble, data, args.out)
+        print("held-out scores", json.dumps(scores))
+        print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+        return
     if args.score_only:
         for path in args.score_only:
             tag = exported_tagger(path)

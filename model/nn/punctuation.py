@@ -5,7 +5,8 @@ One sequence of lower-case written tokens in, two tags per token out
 embedding (its id in the model's word list) beside a small character CNN over its
 first and last characters; one bidirectional GRU reads them all; two linear heads
 give the tags. Small on purpose: it runs on the server's CPU after each final
-result, and its file stays well under a megabyte.
+result, and its file stays under 10 MB. The bundled file is an ensemble of two
+(`export_ensemble`): the same inputs and outputs, their log-probabilities averaged.
 
     punct.onnx   word_ids (1, T) int64, char_ids (1, T, C) int64
                  -> mark_logits (1, T, len(MARKS)), case_logits (1, T, len(CASES))
@@ -30,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from echoic.model.core.files import write_durably
-from echoic.model.core.punctuation import CASES, CHARS, CHARS_PER_WORD, MARKS, WordList
+from echoic.model.core.punctuation import CASES, CHARS, CHARS_PER_WORD, MARKS, WordList, encode
 
 PUNCT_KEY = "echoic.punct"  # ONNX metadata: JSON {"config": ..., "words": [...]}
 PUNCT_FORMAT = 1
@@ -115,6 +116,107 @@ def export_tagger(model: Tagger, words: WordList, scores: dict, out: Path) -> No
             if diff > 1e-4:
                 raise RuntimeError(f"ONNX Runtime differs from torch by {diff} at {length} tokens")
     write_durably(out, data)
+
+
+def _read_tagger(path: Path) -> tuple[Any, dict]:
+    import onnx
+
+    proto = onnx.load(str(path))
+    meta = {e.key: e.value for e in proto.metadata_props}
+    if PUNCT_KEY not in meta:
+        raise ValueError(f"{path} is not an exported tagger (no {PUNCT_KEY} metadata)")
+    return proto, json.loads(meta[PUNCT_KEY])
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def export_ensemble(
+    members: Sequence[Path], mark_offsets: Sequence[float], scores: dict, out: Path
+) -> WordList:
+    """Write one tagger file that runs every exported tagger in `members` on the same
+    tokens and averages their log-probabilities (marks, then `mark_offsets` added, and
+    cases): the runtime loads it as any tagger. Its word list is the members' together (the
+    first's in order, then each next one's new words); each member reads its own ids of
+    them through a lookup table. ONNX Runtime is checked against the members run one by one
+    before the file is written. Returns the word list."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, compose, helper, numpy_helper
+
+    read = [_read_tagger(path) for path in members]
+    union = list(read[0][1]["words"])
+    seen = set(union)
+    for _, meta in read[1:]:
+        union += [w for w in meta["words"] if w not in seen]
+        seen.update(meta["words"])
+    words = WordList(tuple(union))
+    nodes, inits, configs, opset = [], [], [], 0
+    marks, cases = [], []
+    for i, (proto, meta) in enumerate(read):
+        own = WordList(tuple(meta["words"]))
+        remap = np.array([0, 1, *(own.id(w) for w in union)], dtype=np.int64)
+        member = compose.add_prefix(proto, f"m{i}_")
+        inits += [numpy_helper.from_array(remap, f"m{i}_remap"), *member.graph.initializer]
+        nodes += [helper.make_node("Gather", [f"m{i}_remap", "word_ids"], [f"m{i}_word_ids"]),
+                  helper.make_node("Identity", ["char_ids"], [f"m{i}_char_ids"]),
+                  *member.graph.node]  # fmt: skip
+        for name, into in (("mark_logits", marks), ("case_logits", cases)):
+            nodes.append(helper.make_node("LogSoftmax", [f"m{i}_{name}"], [f"m{i}_{name}_lp"],
+                                          axis=-1))  # fmt: skip
+            into.append(f"m{i}_{name}_lp")
+        configs.append(meta["config"])
+        opset = max(opset, *(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")))
+    scale = numpy_helper.from_array(np.array(1 / len(read), np.float32), "ensemble_scale")
+    offsets = numpy_helper.from_array(np.asarray(mark_offsets, np.float32), "ensemble_offsets")
+    inits += [scale, offsets]
+    nodes += [
+        helper.make_node("Sum", marks, ["marks_sum"]),
+        helper.make_node("Mul", ["marks_sum", "ensemble_scale"], ["marks_mean"]),
+        helper.make_node("Add", ["marks_mean", "ensemble_offsets"], ["mark_logits"]),
+        helper.make_node("Sum", cases, ["cases_sum"]),
+        helper.make_node("Mul", ["cases_sum", "ensemble_scale"], ["case_logits"]),
+    ]
+    first = read[0][0].graph
+    graph = helper.make_graph(
+        nodes, "tagger_ensemble", [helper.make_tensor_value_info("word_ids", TensorProto.INT64,
+                                                                 [1, "tokens"]),
+                                   helper.make_tensor_value_info("char_ids", TensorProto.INT64,
+                                                                 [1, "tokens", CHARS_PER_WORD])],
+        [o for o in first.output], inits,
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    proto.ir_version = read[0][0].ir_version
+    meta = {"format": PUNCT_FORMAT, "config": {"ensemble": configs}, "words": union,
+            "scores": scores}  # fmt: skip
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = PUNCT_KEY, json.dumps(meta)
+    onnx.checker.check_model(proto)
+    data = proto.SerializeToString()
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    alone = [(ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]),
+              WordList(tuple(m["words"]))) for p, m in read]  # fmt: skip
+    rng = np.random.default_rng(0)
+    for length in (1, 5, 40):
+        tokens = [union[j] if j < len(union) else f"x{j}" for j in
+                  rng.integers(0, len(union) + 50, length)]  # fmt: skip
+        w, c = encode(tokens, words)
+        got = session.run(None, {"word_ids": w[None], "char_ids": c[None]})
+        want = [0.0, 0.0]
+        for sess, own in alone:
+            ow, oc = encode(tokens, own)
+            for k, x in enumerate(sess.run(None, {"word_ids": ow[None], "char_ids": oc[None]})):
+                want[k] = want[k] + _log_softmax(x) / len(alone)
+        want[0] = want[0] + np.asarray(mark_offsets, np.float32)
+        for g, x in zip(got, want, strict=True):
+            diff = float(np.abs(g - x).max())
+            if diff > 1e-4:
+                raise RuntimeError(f"the ensemble differs from its members by {diff} at "
+                                   f"{length} tokens")  # fmt: skip
+    write_durably(out, data)
+    return words
 
 
 def exported_tagger(path: Path) -> Callable[[Sequence[str]], tuple[list[int], list[int]]]:
