@@ -359,7 +359,40 @@ def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeyp
     shutil.move(copied, repo / "mine" / "1")
     shutil.rmtree(repo / "echoic-en-default")
     assert seed_with_bundled(repo, default_model_dir()) is None
-    assert sorted(p.name for p in repo.iterdir()) == [".default-model", "mine"]
+    assert sorted(p.name for p in repo.iterdir()) == [".bundled", ".default-model", "mine"]
+
+
+def test_an_upgraded_bundled_model_is_served_once_beside_the_one_seeded_before(
+    tmp_path, monkeypatch
+) -> None:
+    """A repository seeded by an older echoic holds an older bundled version: the next start
+    adds the new bundled one beside it and serves it (the old one stays to roll back to);
+    removed again, it stays removed; a repository whose bundled name holds a version its
+    user deployed (as new as the bundled one, not numbered, or beside the seeded one) is
+    left as it is."""
+    from echoic.model.runtime.recognizer import default_model_dir
+    from echoic.model.runtime.repository import read_report_card, seed_with_bundled
+
+    version = read_report_card(default_model_dir()).version
+    older = str(int(version) - 1)
+    repo = tmp_path / "models"
+    monkeypatch.setenv("ECHOIC_MODEL_REPO", str(repo))
+    shutil.copytree(default_model_dir(), repo / "echoic-en-default" / older)
+    with running() as server, channel_to(server) as channel:
+        assert _versions(pb_grpc.TranscriberStub(channel)) == [("echoic-en-default", version)]
+    names = sorted(p.name for p in (repo / "echoic-en-default").iterdir())
+    assert names == sorted([older, version])
+    bundled = sorted(f"echoic-en-default/{v}\n" for v in (older, version))
+    assert (repo / ".bundled").read_text() == "".join(bundled)  # the next upgrade adds again
+    shutil.rmtree(repo / "echoic-en-default" / version)  # rolled back by hand
+    assert seed_with_bundled(repo, default_model_dir()) is None
+    assert [p.name for p in (repo / "echoic-en-default").iterdir()] == [older]
+    deployed = [[str(int(version) + 1)], ["x"], [str(int(older) - 1), older]]  # own deploys
+    for i, mine in enumerate(deployed):
+        for v in mine:
+            shutil.copytree(default_model_dir(), tmp_path / f"{i}" / "echoic-en-default" / v)
+        assert seed_with_bundled(tmp_path / f"{i}", default_model_dir()) is None
+        assert sorted(p.name for p in (tmp_path / f"{i}" / "echoic-en-default").iterdir()) == mine
 
 
 def test_a_version_that_cannot_be_read_is_skipped_with_one_line(tiny_model_dir, tmp_path, caplog):

@@ -14,7 +14,8 @@ below); `echoic deploy` publishes into one. The rules both sides keep:
 
 The default repository (`default_repository`) is `$ECHOIC_MODEL_REPO`, else
 `$XDG_DATA_HOME/echoic/models`, else `~/.local/share/echoic/models`; the first time
-it is used it is seeded with the bundled model (`seed_with_bundled`).
+it is used it is seeded with the bundled model, and a newer bundled model (an upgraded
+echoic) is added beside the versions of its name once (`seed_with_bundled`).
 
 A repository may name its default model, the one a request that names none gets, in
 `REPO/.default-model` (one line: the name). Seeding names the bundled model there, so
@@ -225,10 +226,33 @@ def default_model(named: str, served: list[str] | set[str]) -> tuple[str, str]:
     return "", f"several models are served and {why}"
 
 
+BUNDLED_FILE = ".bundled"  # REPO/.bundled: the bundled versions seeded into it, "name/version"
+
+
+def _seeded(repo: Path) -> set[str]:
+    try:
+        return set((repo / BUNDLED_FILE).read_text().split())
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
+def _record_seeded(repo: Path, entries: set[str]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=BUNDLED_FILE + ".", dir=repo)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{e}\n" for e in sorted(entries)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, repo / BUNDLED_FILE)
+
+
 def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
     """Put a copy of the bundled model into `repo` when the repository has no model at
-    all (the first use of the default repository); returns the new version's path, or
-    None when the repository already had models (it is then left as it is)."""
+    all (the first use of the default repository), or when the versions of the bundled
+    name it holds are all older bundled ones (echoic was upgraded: the new bundled model is
+    served, the old one stays for `echoic deploy --remove` to roll back to). REPO/.bundled
+    lists the bundled versions put in: each is put in once, so one removed stays removed,
+    and a name that holds a version deployed by its user is never added to. Returns the new
+    version's path, or None when the repository is left as it is."""
     repo.mkdir(parents=True, exist_ok=True)
     card = read_report_card(bundled)
     found = scan_repository(repo)
@@ -236,9 +260,25 @@ def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
         # The seeded model stays the default when other names are deployed beside it
         # (a repository seeded before .default-model existed gets it named now).
         write_default(repo, card.name)
+    seeded = _seeded(repo)
+    entry = f"{card.name}/{card.version}"
+    put_in = {entry}
     if found:
-        return None
+        versions = found.get(card.name, {})
+        newer = _number(card.version) and all(
+            _number(v) and int(v) < int(card.version) for v in versions
+        )  # fmt: skip
+        ours = {e.split("/", 1)[1] for e in seeded if e.startswith(card.name + "/")}
+        # A repository seeded before .bundled was kept holds the one version it was given.
+        legacy = not (repo / BUNDLED_FILE).exists() and len(versions) == 1
+        if not versions or not newer or not (set(versions) <= ours or legacy):
+            return None
+        if entry in seeded:
+            return None
+        put_in |= {f"{card.name}/{v}" for v in versions}  # all bundled ones, as checked
     try:
-        return copy_version(bundled, repo, card.name, card.version)
+        path = copy_version(bundled, repo, card.name, card.version)
     except FileExistsError:  # another process seeded it first
         return None
+    _record_seeded(repo, seeded | put_in)
+    return path

@@ -213,7 +213,8 @@ class ModelRegistry:
 
     @staticmethod
     def _default_repository() -> Path:
-        """The default repository, seeded with the bundled model if it has no model."""
+        """The default repository, seeded with the bundled model if it has no model (or
+        only older versions of the bundled one: `seed_with_bundled`)."""
         repo, bundled = default_repository().resolve(), default_model_dir()
         if not (bundled / "model.onnx").is_file():
             raise ServerError(
@@ -228,7 +229,8 @@ class ModelRegistry:
                 "ECHOIC_MODEL_REPO to a writable directory, or pass --model-repo DIR"
             ) from e
         if seeded is not None:
-            log.info("seeded the model repository %s with the bundled model", repo)
+            log.info("put the bundled model %s/%s into the model repository %s",
+                     seeded.parent.name, seeded.name, repo)  # fmt: skip
         log.info("serving the model repository %s (echoic deploy publishes to it)", repo)
         return repo
 
