@@ -294,14 +294,26 @@ def test_crawl_reads_records_without_keys_attributions_verse_or_markup(tmp_path:
     ]
 
 
-def test_earlier_taggers_sources_are_read_first_so_their_held_out_sets_stay_the_same() -> None:
+def test_earlier_taggers_sources_are_read_first_so_their_held_out_sets_stay_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A paragraph seen before is not read again, so a source's held-out set stays the same
-    only while every source read before it does: the sources of the first and second
-    taggers come first, in the order they were read then."""
-    order = [*FIRST_SOURCES, "wordnet", *(s.name for s in PROSE_SOURCES if s.name != "wordnet")]
-    assert order[: len(FIRST_SOURCES)] == list(FIRST_SOURCES)
+    only while every source read before it does: `corpus` reads the sources of the first
+    and second taggers first, in the order they were read then, and the newer ones after."""
+    sources = []
+    for source in PROSE_SOURCES:  # every package unpacked, each giving one paragraph
+        where = tmp_path / source.package.replace("*", "x") / source.where.replace("*", "x")
+        where.mkdir(parents=True)
+        line = f"The {source.name} source says this, and says it once."
+        sources.append(dataclasses.replace(source, read=lambda _, line=line: iter([line])))
+    monkeypatch.setattr(punctuation, "PROSE_SOURCES", tuple(sources))
+    for reader in ("fortune_paragraphs", "info_paragraphs"):  # the system's own: any words
+        monkeypatch.setattr(punctuation, reader, lambda r=reader: iter([f"From {r}, a line."]))
+    monkeypatch.setattr(punctuation, "WORDNET_DIR", tmp_path / "no-wordnet")  # from its package
+    order = list(punctuation.corpus(tmp_path).held)
     assert order[: len(SECOND_SOURCES)] == list(SECOND_SOURCES)
-    assert len(order) > len(SECOND_SOURCES)
+    assert order[: len(FIRST_SOURCES)] == list(FIRST_SOURCES)
+    assert sorted(order[len(SECOND_SOURCES) :]) == ["cataclysm", "crawl", "endless-sky"]
 
 
 def test_held_out_pieces_are_whole_sentences_up_to_the_window() -> None:

@@ -362,37 +362,69 @@ def test_serve_with_no_model_flag_seeds_the_default_repository(tmp_path, monkeyp
     assert sorted(p.name for p in repo.iterdir()) == [".bundled", ".default-model", "mine"]
 
 
+def _copy_of_bundled(repo: Path, version: str, config_hash: str | None = None) -> None:
+    """REPO/echoic-en-default/VERSION: the bundled model, its card saying VERSION (and, when
+    given, the config hash of another model: an earlier bundled one, or a user's)."""
+    import json
+
+    from echoic.model.runtime.recognizer import default_model_dir
+
+    where = repo / "echoic-en-default" / version
+    shutil.copytree(default_model_dir(), where)
+    report = json.loads((where / "export.json").read_text())
+    report["model_card"]["version"] = version
+    if config_hash:
+        report["model_card"]["config_hash"] = config_hash
+    (where / "export.json").write_text(json.dumps(report))
+
+
 def test_an_upgraded_bundled_model_is_served_once_beside_the_one_seeded_before(
     tmp_path, monkeypatch
 ) -> None:
-    """A repository seeded by an older echoic holds an older bundled version: the next start
-    adds the new bundled one beside it and serves it (the old one stays to roll back to);
-    removed again, it stays removed; a repository whose bundled name holds a version its
-    user deployed (as new as the bundled one, not numbered, or beside the seeded one) is
-    left as it is."""
+    """A repository seeded by an older echoic holds an older bundled version (known by its
+    config hash): the next start adds the new bundled one beside it and serves it, the old
+    one kept to roll back to; removed again, it stays removed. A repository whose bundled
+    name holds a version its user deployed (older, newer, not numbered, or beside the
+    seeded one) is left as it is; one that got the copy but not its record gets the record."""
     from echoic.model.runtime.recognizer import default_model_dir
-    from echoic.model.runtime.repository import read_report_card, seed_with_bundled
+    from echoic.model.runtime.repository import (
+        BUNDLED_FILE,
+        EARLIER_BUNDLED,
+        read_report_card,
+        seed_with_bundled,
+    )
 
     version = read_report_card(default_model_dir()).version
-    older = str(int(version) - 1)
+    older, theirs = str(int(version) - 1), "0123456789abcdef"
+    earlier = sorted(EARLIER_BUNDLED["echoic-en-default"])[0]
     repo = tmp_path / "models"
     monkeypatch.setenv("ECHOIC_MODEL_REPO", str(repo))
-    shutil.copytree(default_model_dir(), repo / "echoic-en-default" / older)
+    _copy_of_bundled(repo, older, earlier)
     with running() as server, channel_to(server) as channel:
         assert _versions(pb_grpc.TranscriberStub(channel)) == [("echoic-en-default", version)]
-    names = sorted(p.name for p in (repo / "echoic-en-default").iterdir())
-    assert names == sorted([older, version])
-    bundled = sorted(f"echoic-en-default/{v}\n" for v in (older, version))
-    assert (repo / ".bundled").read_text() == "".join(bundled)  # the next upgrade adds again
+    assert sorted(p.name for p in (repo / "echoic-en-default").iterdir()) == sorted(
+        [older, version]
+    )
+    listed = sorted(f"echoic-en-default/{v}\n" for v in (older, version))
+    assert (repo / BUNDLED_FILE).read_text() == "".join(listed)  # the next upgrade adds again
     shutil.rmtree(repo / "echoic-en-default" / version)  # rolled back by hand
     assert seed_with_bundled(repo, default_model_dir()) is None
     assert [p.name for p in (repo / "echoic-en-default").iterdir()] == [older]
-    deployed = [[str(int(version) + 1)], ["x"], [str(int(older) - 1), older]]  # own deploys
-    for i, mine in enumerate(deployed):
-        for v in mine:
-            shutil.copytree(default_model_dir(), tmp_path / f"{i}" / "echoic-en-default" / v)
+
+    own = [[(older, theirs)], [(str(int(version) + 1), theirs)], [("x", theirs)],
+           [(older, earlier), (version + "0", theirs)]]  # fmt: skip
+    for i, deployed in enumerate(own):
+        for v, config_hash in deployed:
+            _copy_of_bundled(tmp_path / f"{i}", v, config_hash)
         assert seed_with_bundled(tmp_path / f"{i}", default_model_dir()) is None
-        assert sorted(p.name for p in (tmp_path / f"{i}" / "echoic-en-default").iterdir()) == mine
+        names = sorted(p.name for p in (tmp_path / f"{i}" / "echoic-en-default").iterdir())
+        assert names == sorted(v for v, _ in deployed)
+
+    halfway = tmp_path / "halfway"  # copied in, stopped before .bundled was written
+    _copy_of_bundled(halfway, older, earlier)
+    _copy_of_bundled(halfway, version)
+    assert seed_with_bundled(halfway, default_model_dir()) is None
+    assert f"echoic-en-default/{version}" in (halfway / BUNDLED_FILE).read_text().split()
 
 
 def test_a_version_that_cannot_be_read_is_skipped_with_one_line(tiny_model_dir, tmp_path, caplog):

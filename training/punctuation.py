@@ -40,6 +40,7 @@ import gzip
 import itertools
 import json
 import re
+import tempfile
 import time
 import zlib
 from collections import Counter
@@ -69,9 +70,9 @@ from echoic.model.nn.punctuation import (
     TaggerConfig,
     export_ensemble,
     export_tagger,
+    exported_runtime,
     exported_tagger,
 )
-from echoic.model.runtime.formatting import Punctuator
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
 
 INFO_DIR = Path("/usr/share/info")
@@ -606,24 +607,25 @@ def ensemble(members: Sequence[Path], data: Corpus, out: Path) -> dict:
     """One tagger file of the exported `members` (`export_ensemble`: their averaged
     log-probabilities), its marks calibrated on the development set (`best_offsets`) and
     scored on the held-out sets; returns the scores it carries."""
+    if out.resolve() in {m.resolve() for m in members}:
+        raise SystemExit(f"--out {out} is one of the members: write the ensemble elsewhere")
     dev = sentence_windows(data.dev, SCORE_WINDOW)
-    plain = out.with_name(out.name + ".uncalibrated")
-    export_ensemble(members, [0.0] * len(MARKS), {}, plain)
-    try:
-        runtime = Punctuator(plain)
+    sets = held_out_sets(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "uncalibrated.onnx"
+        export_ensemble(members, [0.0] * len(MARKS), {}, plain)
+        runtime = exported_runtime(plain)
 
         def logits(tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
             w, c = encode(tokens, runtime.words)
             ml, cl = runtime.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
             return ml[0], cl[0]
 
-        sets = held_out_sets(data)
-        uncalibrated = score(runtime.tag, sets["all"])
+        uncalibrated = score(runtime.tag, sets["all"])  # the members' own offsets only
         offsets = best_offsets(logits, dev)
-    finally:
-        plain.unlink()
-    export_ensemble(members, offsets.tolist(), {}, out)
-    tag = exported_tagger(out)
+        calibrated = Path(tmp) / "calibrated.onnx"
+        export_ensemble(members, offsets.tolist(), {}, calibrated)
+        tag = exported_tagger(calibrated)
     scores = score(tag, sets["all"])
     scores["first_sources"] = score(tag, sets["first"])
     scores["second_sources"] = score(tag, sets["second"])
@@ -635,10 +637,9 @@ def ensemble(members: Sequence[Path], data: Corpus, out: Path) -> dict:
                       "train_words": sum(len(p) for p in data.train),
                       "development_words": sum(len(p) for p in data.dev),
                       "held_out_words": sum(len(p) for p in data.held_out())}  # fmt: skip
-    scores["members"] = [
-        {"file": p.name, "cpu_minutes": Punctuator(p).scores.get("data", {}).get("cpu_minutes")}
-        for p in members
-    ]
+    member_data = [exported_runtime(p).scores.get("data", {}) for p in members]
+    scores["members"] = [{"file": p.name, "cpu_minutes": d.get("cpu_minutes")}
+                         for p, d in zip(members, member_data, strict=True)]  # fmt: skip
     export_ensemble(members, offsets.tolist(), scores, out)
     return scores
 

@@ -136,39 +136,44 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def export_ensemble(
     members: Sequence[Path], mark_offsets: Sequence[float], scores: dict, out: Path
 ) -> WordList:
-    """Write one tagger file that runs every exported tagger in `members` on the same
-    tokens and averages their log-probabilities (marks, then `mark_offsets` added, and
-    cases): the runtime loads it as any tagger. Its word list is the members' together (the
-    first's in order, then each next one's new words); each member reads its own ids of
-    them through a lookup table. ONNX Runtime is checked against the members run one by one
+    """Write one tagger file that runs every exported tagger in `members` (exported alike:
+    the same opsets) on the same tokens and averages their log-probabilities (marks, then
+    `mark_offsets` added, and cases): the runtime loads it as any tagger. Its word list is
+    the members' together (the first's in its order, then each next one's new words: no
+    longer most frequent first); each member reads its own ids of them through a lookup
+    table. ONNX Runtime is checked against the members run one by one
     before the file is written. Returns the word list."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, compose, helper, numpy_helper
 
     read = [_read_tagger(path) for path in members]
+    opsets = {tuple(sorted((o.domain or "ai.onnx", o.version) for o in proto.opset_import))
+              for proto, _ in read}  # fmt: skip
+    if len(opsets) != 1:
+        raise ValueError(f"the members' opsets differ ({sorted(opsets)}): export them alike")
     union = list(read[0][1]["words"])
     seen = set(union)
     for _, meta in read[1:]:
         union += [w for w in meta["words"] if w not in seen]
         seen.update(meta["words"])
     words = WordList(tuple(union))
-    nodes, inits, configs, opset = [], [], [], 0
+    nodes, inits, configs = [], [], []
     marks, cases = [], []
     for i, (proto, meta) in enumerate(read):
         own = WordList(tuple(meta["words"]))
         remap = np.array([0, 1, *(own.id(w) for w in union)], dtype=np.int64)
-        member = compose.add_prefix(proto, f"m{i}_")
-        inits += [numpy_helper.from_array(remap, f"m{i}_remap"), *member.graph.initializer]
-        nodes += [helper.make_node("Gather", [f"m{i}_remap", "word_ids"], [f"m{i}_word_ids"]),
-                  helper.make_node("Identity", ["char_ids"], [f"m{i}_char_ids"]),
+        m = f"member{i}/"  # a prefix no exported name starts with
+        member = compose.add_prefix(proto, m)
+        inits += [numpy_helper.from_array(remap, f"{m}remap"), *member.graph.initializer]
+        nodes += [helper.make_node("Gather", [f"{m}remap", "word_ids"], [f"{m}word_ids"]),
+                  helper.make_node("Identity", ["char_ids"], [f"{m}char_ids"]),
                   *member.graph.node]  # fmt: skip
         for name, into in (("mark_logits", marks), ("case_logits", cases)):
-            nodes.append(helper.make_node("LogSoftmax", [f"m{i}_{name}"], [f"m{i}_{name}_lp"],
+            nodes.append(helper.make_node("LogSoftmax", [f"{m}{name}"], [f"{m}{name}_lp"],
                                           axis=-1))  # fmt: skip
-            into.append(f"m{i}_{name}_lp")
+            into.append(f"{m}{name}_lp")
         configs.append(meta["config"])
-        opset = max(opset, *(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")))
     scale = numpy_helper.from_array(np.array(1 / len(read), np.float32), "ensemble_scale")
     offsets = numpy_helper.from_array(np.asarray(mark_offsets, np.float32), "ensemble_offsets")
     inits += [scale, offsets]
@@ -187,8 +192,8 @@ def export_ensemble(
                                                                  [1, "tokens", CHARS_PER_WORD])],
         [o for o in first.output], inits,
     )  # fmt: skip
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    proto.ir_version = read[0][0].ir_version
+    proto = helper.make_model(graph, opset_imports=list(read[0][0].opset_import))
+    proto.ir_version = max(p.ir_version for p, _ in read)
     meta = {"format": PUNCT_FORMAT, "config": {"ensemble": configs}, "words": union,
             "scores": scores}  # fmt: skip
     entry = proto.metadata_props.add()
@@ -217,6 +222,14 @@ def export_ensemble(
                                    f"{length} tokens")  # fmt: skip
     write_durably(out, data)
     return words
+
+
+def exported_runtime(path: Path) -> Any:
+    """An exported tagger loaded as the server loads it (`Punctuator`: its ONNX Runtime
+    session, word list and scores), for training to score and combine taggers."""
+    from echoic.model.runtime.formatting import Punctuator
+
+    return Punctuator(path)
 
 
 def exported_tagger(path: Path) -> Callable[[Sequence[str]], tuple[list[int], list[int]]]:

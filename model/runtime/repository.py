@@ -227,6 +227,11 @@ def default_model(named: str, served: list[str] | set[str]) -> tuple[str, str]:
 
 
 BUNDLED_FILE = ".bundled"  # REPO/.bundled: the bundled versions seeded into it, "name/version"
+# The config hashes of the models echoic bundled before REPO/.bundled was kept: a repository
+# seeded then holds one of these, which tells it from a model its user deployed.
+EARLIER_BUNDLED = {
+    "echoic-en-default": {"36aa27da821fe7bc", "9582e9da0b94d95f"},  # versions 1 and 2
+}
 
 
 def _seeded(repo: Path) -> set[str]:
@@ -243,6 +248,15 @@ def _record_seeded(repo: Path, entries: set[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, repo / BUNDLED_FILE)
+    fsync_directory(repo)
+
+
+def _holds(version_dir: Path, config_hashes: set[str]) -> bool:
+    """Whether a version directory holds a model of one of these config hashes."""
+    try:
+        return read_report_card(version_dir).config_hash in config_hashes
+    except Exception:  # noqa: BLE001 - a version that cannot be read is not one we put in
+        return False
 
 
 def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
@@ -250,9 +264,11 @@ def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
     all (the first use of the default repository), or when the versions of the bundled
     name it holds are all older bundled ones (echoic was upgraded: the new bundled model is
     served, the old one stays for `echoic deploy --remove` to roll back to). REPO/.bundled
-    lists the bundled versions put in: each is put in once, so one removed stays removed,
-    and a name that holds a version deployed by its user is never added to. Returns the new
-    version's path, or None when the repository is left as it is."""
+    lists the bundled versions put in (versions seeded before it was kept are known by
+    their config hash, `EARLIER_BUNDLED`): each is put in once, so one removed stays
+    removed, and a name that holds a version its user deployed is never added to. Returns
+    the new version's path, or None when the repository is left as it is (an upgrade that
+    cannot write to it, a read-only one, is skipped: the versions there keep serving)."""
     repo.mkdir(parents=True, exist_ok=True)
     card = read_report_card(bundled)
     found = scan_repository(repo)
@@ -260,25 +276,32 @@ def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
         # The seeded model stays the default when other names are deployed beside it
         # (a repository seeded before .default-model existed gets it named now).
         write_default(repo, card.name)
+    if not found:
+        try:
+            path = copy_version(bundled, repo, card.name, card.version)
+        except FileExistsError:  # another process seeded it first
+            return None
+        _record_seeded(repo, {f"{card.name}/{card.version}"})
+        return path
     seeded = _seeded(repo)
+    versions = found.get(card.name, {})
+    bundled_hashes = {card.config_hash, *EARLIER_BUNDLED.get(card.name, ())}
+    ours = {v for v, d in versions.items()
+            if f"{card.name}/{v}" in seeded or _holds(d, bundled_hashes)}  # fmt: skip
     entry = f"{card.name}/{card.version}"
-    put_in = {entry}
-    if found:
-        versions = found.get(card.name, {})
-        newer = _number(card.version) and all(
-            _number(v) and int(v) < int(card.version) for v in versions
-        )  # fmt: skip
-        ours = {e.split("/", 1)[1] for e in seeded if e.startswith(card.name + "/")}
-        # A repository seeded before .bundled was kept holds the one version it was given.
-        legacy = not (repo / BUNDLED_FILE).exists() and len(versions) == 1
-        if not versions or not newer or not (set(versions) <= ours or legacy):
-            return None
-        if entry in seeded:
-            return None
-        put_in |= {f"{card.name}/{v}" for v in versions}  # all bundled ones, as checked
+    newer = _number(card.version) and all(
+        _number(v) and int(v) < int(card.version) for v in versions
+    )  # fmt: skip
     try:
-        path = copy_version(bundled, repo, card.name, card.version)
-    except FileExistsError:  # another process seeded it first
+        if card.version in ours and entry not in seeded:  # copied, then stopped before this
+            _record_seeded(repo, seeded | {entry})
+        if not versions or not newer or set(versions) - ours or entry in seeded:
+            return None
+        try:
+            path = copy_version(bundled, repo, card.name, card.version)
+        except FileExistsError:
+            return None
+        _record_seeded(repo, seeded | {f"{card.name}/{v}" for v in {*ours, card.version}})
+    except OSError:
         return None
-    _record_seeded(repo, seeded | put_in)
     return path
