@@ -76,11 +76,24 @@ class Tagger(nn.Module):
         return self.marks(h), self.cases(h)  # (B, T, marks), (B, T, cases)
 
 
+def _with_metadata(proto: Any, config: dict, words: list[str], scores: dict) -> tuple[bytes, Any]:
+    """A tagger graph with its metadata (`PUNCT_KEY`), checked: its bytes, and an ONNX Runtime
+    session of them to compare with what it was made from."""
+    import onnx
+    import onnxruntime as ort
+
+    meta = {"format": PUNCT_FORMAT, "config": config, "words": words, "scores": scores}
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = PUNCT_KEY, json.dumps(meta)
+    onnx.checker.check_model(proto)
+    data = proto.SerializeToString()
+    return data, ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+
+
 def export_tagger(model: Tagger, words: WordList, scores: dict, out: Path) -> None:
     """Write `model` as ONNX with its word list, config and held-out scores in the metadata,
     after ONNX Runtime has reproduced torch on a few sequences."""
     import onnx
-    import onnxruntime as ort
 
     model = model.eval()
     rng = np.random.default_rng(0)
@@ -98,13 +111,7 @@ def export_tagger(model: Tagger, words: WordList, scores: dict, out: Path) -> No
             opset_version=17, do_constant_folding=True, dynamo=False,
         )  # fmt: skip
     proto = onnx.load_from_string(buf.getvalue())
-    meta = {"format": PUNCT_FORMAT, "config": asdict(model.cfg), "words": list(words.words),
-            "scores": scores}  # fmt: skip
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = PUNCT_KEY, json.dumps(meta)
-    onnx.checker.check_model(proto)
-    data = proto.SerializeToString()
-    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    data, session = _with_metadata(proto, asdict(model.cfg), list(words.words), scores)
     for length in (1, 5, 40):
         w = rng.integers(0, model.cfg.words + 2, (1, length))
         c = rng.integers(0, len(CHARS) + 2, (1, length, CHARS_PER_WORD))
@@ -143,7 +150,6 @@ def export_ensemble(
     longer most frequent first); each member reads its own ids of them through a lookup
     table. ONNX Runtime is checked against the members run one by one
     before the file is written. Returns the word list."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, compose, helper, numpy_helper
 
@@ -194,13 +200,7 @@ def export_ensemble(
     )  # fmt: skip
     proto = helper.make_model(graph, opset_imports=list(read[0][0].opset_import))
     proto.ir_version = max(p.ir_version for p, _ in read)
-    meta = {"format": PUNCT_FORMAT, "config": {"ensemble": configs}, "words": union,
-            "scores": scores}  # fmt: skip
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = PUNCT_KEY, json.dumps(meta)
-    onnx.checker.check_model(proto)
-    data = proto.SerializeToString()
-    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    data, session = _with_metadata(proto, {"ensemble": configs}, union, scores)
     alone = [(ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]),
               WordList(tuple(m["words"]))) for p, m in read]  # fmt: skip
     rng = np.random.default_rng(0)
