@@ -563,10 +563,21 @@ def _selection(scores: dict) -> float:
 CALIBRATION_STEPS = np.arange(-2.0, 2.01, 0.25)  # added to a mark's logit
 
 
-def best_offsets(
-    logits: Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]],
-    pieces: Sequence[list[Tagged]],
-) -> np.ndarray:
+Logits = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]  # tokens -> (marks, cases)
+
+
+def offset_tagger(logits: Logits, offsets: np.ndarray) -> Tag:
+    """Tagging as the server does (`Punctuator.tag`) with `offsets` added to the marks'
+    logits: what a tagger with them folded in tags."""
+
+    def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
+        ml, cl = logits(tokens)
+        return end_sentence(ml + offsets), cl.argmax(-1).tolist()
+
+    return tag
+
+
+def best_offsets(logits: Logits, pieces: Sequence[list[Tagged]]) -> np.ndarray:
     """Offsets for the marks' logits that score best on `pieces` (the development set), given
     each piece's (mark, case) logits: one mark at a time, three rounds, each offset from
     CALIBRATION_STEPS."""
@@ -574,11 +585,8 @@ def best_offsets(
     offsets = np.zeros(len(MARKS), np.float32)
 
     def quality(candidate: np.ndarray) -> float:
-        def tag(tokens: Sequence[str]) -> tuple[list[int], list[int]]:
-            ml, cl = cached[tuple(tokens)]  # a piece's, by its words
-            return end_sentence(ml + candidate), cl.argmax(-1).tolist()
-
-        return _selection(score(tag, pieces))
+        by_words = offset_tagger(lambda tokens: cached[tuple(tokens)], candidate)
+        return _selection(score(by_words, pieces))
 
     best = quality(offsets)
     for _ in range(3):
@@ -603,40 +611,47 @@ def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) ->
     return offsets.tolist()
 
 
-def ensemble(members: Sequence[Path], data: Corpus, out: Path) -> dict:
+def data_summary(data: Corpus) -> dict:
+    """What a tagger was trained, developed and scored on, for its file's scores."""
+    return {"paragraphs": data.counts, "words": data.words,
+            "train_words": sum(len(p) for p in data.train),
+            "development_words": sum(len(p) for p in data.dev),
+            "held_out_words": sum(len(p) for p in data.held_out())}  # fmt: skip
+
+
+def held_out_report(
+    tag: Tag, sets: dict[str, list[list[Tagged]]], uncalibrated: dict, offsets: list[float]
+) -> dict:
+    """A calibrated tagger's scores on every held-out set (`held_out_sets`), beside its
+    scores before calibration and the offsets calibration found."""
+    scores = score(tag, sets["all"])
+    scores["first_sources"] = score(tag, sets["first"])
+    scores["second_sources"] = score(tag, sets["second"])
+    scores["cut_every_60_words"] = score(tag, sets["all_cut"])
+    scores["uncalibrated"] = uncalibrated
+    scores["mark_offsets"] = offsets
+    return scores
+
+
+def ensemble(
+    members: Sequence[Path], data: Corpus, sets: dict[str, list[list[Tagged]]], out: Path
+) -> dict:
     """One tagger file of the exported `members` (`export_ensemble`: their averaged
     log-probabilities), its marks calibrated on the development set (`best_offsets`) and
     scored on the held-out sets; returns the scores it carries."""
     if out.resolve() in {m.resolve() for m in members}:
         raise SystemExit(f"--out {out} is one of the members: write the ensemble elsewhere")
     dev = sentence_windows(data.dev, SCORE_WINDOW)
-    sets = held_out_sets(data)
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp) / "uncalibrated.onnx"
         export_ensemble(members, [0.0] * len(MARKS), {}, plain)
-        runtime = exported_runtime(plain)
-
-        def logits(tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-            w, c = encode(tokens, runtime.words)
-            ml, cl = runtime.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
-            return ml[0], cl[0]
-
-        uncalibrated = score(runtime.tag, sets["all"])  # the members' own offsets only
-        offsets = best_offsets(logits, dev)
-        calibrated = Path(tmp) / "calibrated.onnx"
-        export_ensemble(members, offsets.tolist(), {}, calibrated)
-        tag = exported_tagger(calibrated)
-    scores = score(tag, sets["all"])
-    scores["first_sources"] = score(tag, sets["first"])
-    scores["second_sources"] = score(tag, sets["second"])
-    scores["cut_every_60_words"] = score(tag, sets["all_cut"])
-    scores["uncalibrated"] = uncalibrated
-    scores["mark_offsets"] = offsets.tolist()
+        runtime = exported_runtime(plain)  # the members' own offsets only
+    uncalibrated = score(runtime.tag, sets["all"])
+    offsets = best_offsets(runtime.logits, dev)
+    tag = offset_tagger(runtime.logits, offsets)  # as the file written with them tags
+    scores = held_out_report(tag, sets, uncalibrated, offsets.tolist())
     scores["development"] = score(tag, dev)
-    scores["data"] = {"paragraphs": data.counts, "words": data.words,
-                      "train_words": sum(len(p) for p in data.train),
-                      "development_words": sum(len(p) for p in data.dev),
-                      "held_out_words": sum(len(p) for p in data.held_out())}  # fmt: skip
+    scores["data"] = data_summary(data)
     member_data = [exported_runtime(p).scores.get("data", {}) for p in members]
     scores["members"] = [{"file": p.name, "cpu_minutes": d.get("cpu_minutes")}
                          for p, d in zip(members, member_data, strict=True)]  # fmt: skip
@@ -675,15 +690,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     data = corpus(args.prose)
-    n_train = sum(len(p) for p in data.train)
-    n_held = sum(len(p) for p in data.held_out())
-    n_dev = sum(len(p) for p in data.dev)
+    summary = data_summary(data)
     print(f"paragraphs per source {data.counts}; words per source {data.words}; "
-          f"words: train {n_train}, development {n_dev}, held out {n_held}",
+          f"words: train {summary['train_words']}, development "
+          f"{summary['development_words']}, held out {summary['held_out_words']}",
           flush=True)  # fmt: skip
     sets = held_out_sets(data)
     if args.ensemble:
-        scores = ensemble(args.ensemble, data, args.out)
+        scores = ensemble(args.ensemble, data, sets, args.out)
         print("held-out scores", json.dumps(scores))
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return
@@ -749,15 +763,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.load_state_dict(best_state)
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
-    scores = score_model(model, sets["all"], words)
-    scores["first_sources"] = score_model(model, sets["first"], words)
-    scores["second_sources"] = score_model(model, sets["second"], words)
-    scores["cut_every_60_words"] = score_model(model, sets["all_cut"], words)
-    scores["uncalibrated"] = uncalibrated
-    scores["mark_offsets"] = offsets
-    scores["data"] = {"paragraphs": data.counts, "words": data.words, "train_words": n_train,
-                      "development_words": n_dev, "held_out_words": n_held,
-                      "cpu_minutes": args.minutes}  # fmt: skip
+    scores = held_out_report(torch_tagger(model.eval(), words), sets, uncalibrated, offsets)
+    scores["data"] = {**summary, "cpu_minutes": args.minutes}
     print("held-out scores", json.dumps(scores))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     export_tagger(model, words, scores, args.out)

@@ -65,11 +65,16 @@ class Punctuator:
         self.words = WordList(tuple(meta["words"]))
         self.scores = meta.get("scores", {})
 
-    def tag(self, tokens: Sequence[str]) -> tuple[list[int], list[int]]:
+    def logits(self, tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Mark and case logits, (T, len(MARKS)) and (T, len(CASES))."""
         word_ids, char_ids = encode([t.lower() for t in tokens], self.words)
         feeds = {"word_ids": word_ids[None], "char_ids": char_ids[None]}
         marks, cases = self.session.run(None, feeds)
-        return end_sentence(marks[0]), cases[0].argmax(-1).tolist()
+        return marks[0], cases[0]
+
+    def tag(self, tokens: Sequence[str]) -> tuple[list[int], list[int]]:
+        marks, cases = self.logits(tokens)
+        return end_sentence(marks), cases.argmax(-1).tolist()
 
 
 _tagger_file = PUNCT_FILE  # the tagger punctuator() loads: `use_tagger`

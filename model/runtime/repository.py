@@ -202,16 +202,21 @@ def read_default(repo: Path) -> str:
         return ""
 
 
+def _replace_file(repo: Path, name: str, text: str) -> None:
+    """REPO/NAME holding `text`, in one rename."""
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=repo)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, repo / name)
+    fsync_directory(repo)
+
+
 def write_default(repo: Path, name: str) -> None:
     """Name `repo`'s default model, in one rename."""
     check_name("name", name)
-    fd, tmp = tempfile.mkstemp(prefix=DEFAULT_FILE + ".", dir=repo)
-    with os.fdopen(fd, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, repo / DEFAULT_FILE)
-    fsync_directory(repo)
+    _replace_file(repo, DEFAULT_FILE, name + "\n")
 
 
 def default_model(named: str, served: list[str] | set[str]) -> tuple[str, str]:
@@ -242,13 +247,7 @@ def _seeded(repo: Path) -> set[str]:
 
 
 def _record_seeded(repo: Path, entries: set[str]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=BUNDLED_FILE + ".", dir=repo)
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(f"{e}\n" for e in sorted(entries)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, repo / BUNDLED_FILE)
-    fsync_directory(repo)
+    _replace_file(repo, BUNDLED_FILE, "".join(f"{e}\n" for e in sorted(entries)))
 
 
 def _holds(version_dir: Path, config_hashes: set[str]) -> bool:
@@ -276,32 +275,28 @@ def seed_with_bundled(repo: Path, bundled: Path) -> Path | None:
         # The seeded model stays the default when other names are deployed beside it
         # (a repository seeded before .default-model existed gets it named now).
         write_default(repo, card.name)
-    if not found:
-        try:
-            path = copy_version(bundled, repo, card.name, card.version)
-        except FileExistsError:  # another process seeded it first
-            return None
-        _record_seeded(repo, {f"{card.name}/{card.version}"})
-        return path
     seeded = _seeded(repo)
     versions = found.get(card.name, {})
     bundled_hashes = {card.config_hash, *EARLIER_BUNDLED.get(card.name, ())}
     ours = {v for v, d in versions.items()
             if f"{card.name}/{v}" in seeded or _holds(d, bundled_hashes)}  # fmt: skip
     entry = f"{card.name}/{card.version}"
-    newer = _number(card.version) and all(
-        _number(v) and int(v) < int(card.version) for v in versions
-    )  # fmt: skip
     try:
-        if card.version in ours and entry not in seeded:  # copied, then stopped before this
-            _record_seeded(repo, seeded | {entry})
-        if not versions or not newer or set(versions) - ours or entry in seeded:
-            return None
+        if found:  # an upgrade, if every version of the name is an older bundled one
+            newer = _number(card.version) and all(
+                _number(v) and int(v) < int(card.version) for v in versions
+            )  # fmt: skip
+            if card.version in ours and entry not in seeded:  # copied, then stopped
+                _record_seeded(repo, seeded | {entry})
+            if not versions or not newer or set(versions) - ours or entry in seeded:
+                return None
         try:
             path = copy_version(bundled, repo, card.name, card.version)
-        except FileExistsError:
+        except FileExistsError:  # another process put it in first
             return None
         _record_seeded(repo, seeded | {f"{card.name}/{v}" for v in {*ours, card.version}})
     except OSError:
-        return None
+        if not found:
+            raise  # the first use: the repository cannot be set up
+        return None  # an upgrade: the versions there keep serving
     return path
