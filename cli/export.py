@@ -19,6 +19,9 @@ examples:
   # existing model directory: echoic quantize); docs/benchmarks.md, "Benchmarks" says what it gains
   echoic export runs/ds2/last.pt models/echoic-ds2/4 --quantize int8 --calibration dev.jsonl
 
+  # half the file: the large weights stored as float16, computed in float32 (the bundled model)
+  echoic export runs/gpu-default/last.pt models/echoic-en-default/4 --weights float16
+
 OUT_DIR must not exist (or be empty). It gets model.onnx (offline), stream.onnx
 (streaming step; streamable models only), both carrying the model card, and
 export.json. Nothing is written unless ONNX Runtime reproduces the checkpoint on
@@ -58,6 +61,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "quantization of convolutions and matrix products (the recurrent layers stay fp32)",
     )
     add_calibration(p, required=False)
+    p.add_argument(
+        "--weights",
+        choices=("float32", "float16"),
+        default="float32",
+        help="how the graphs store their weights: float16 = the large weights rounded to "
+        "float16, half the file, still computed in float32 (default float32)",
+    )
     p.add_argument("--json", action="store_true", help="print a one-line JSON summary")
     p.set_defaults(func=run)
 
@@ -145,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
             stream_chunk=args.stream_chunk,
             quantize=args.quantize,
             calibration=audio,
+            weights=args.weights,
         )
     except ModuleNotFoundError as e:  # onnx and onnxruntime are imported when needed
         _explain_missing(e)
@@ -165,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             "chunk_frames": card["chunk_frames"],
             "precision": card.get("precision", "fp32"),
             "parity": parity,
+            "weights": report.get("weights", {"stored": "float32"}),
         }
         print(json.dumps(summary))
         return 0
@@ -182,5 +194,11 @@ def run(args: argparse.Namespace) -> int:
         )
     if "quantization" in report:
         print(quantization_line(report["quantization"]))
+    if "weights" in report:
+        half = report["weights"]
+        print(
+            f"weights: {half['values_rounded']:,} values rounded to float16 and stored so"
+            f" (log-probabilities moved at most {half['max_abs_log_prob_change']:.2e})"
+        )
     print(f"wrote {card['name']} version {card['version']} to {path} ({', '.join(files)})")
     return 0

@@ -652,3 +652,61 @@ def test_a_blend_of_two_exports_is_the_weighted_mean_of_their_weights(tmp_path: 
         blend(dirs[0], export_model(other, tmp_path / "repo" / "other" / "1"), 0.5)
     with pytest.raises(BlendError, match="between 0 and 1"):
         blend(*dirs, 1.5)
+
+
+# ---------------------------------------------------------------- weights stored as float16
+
+
+def test_float16_weights_halve_the_files_and_keep_parity(tmp_path: Path) -> None:
+    """export --weights float16: the graphs reproduce the rounded network within the usual
+    tolerance (streaming equal to offline), the large weights are stored as float16, the
+    files are about half, and the report says how far the rounding moved the output."""
+    from echoic.model.nn.half import MIN_ELEMENTS, half_weights
+
+    model = _with_trained_norms(_model(**MODELS["bigru-chunk4-ctx2"], rnn_hidden=48), seed=5)
+    ckpt = _save_checkpoint(tmp_path / "m.pt", model)
+    full = export_model(ckpt, tmp_path / "full" / "1")
+    half = export_model(ckpt, tmp_path / "half" / "1", weights="float16")
+    for name in ("model.onnx", "stream.onnx"):
+        proto = onnx.load(str(half / name))
+        stored = [t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+        assert stored and half_weights(proto) == len(stored)
+        assert all(math.prod(t.dims) >= MIN_ELEMENTS for t in stored)
+        # this small network's float32 share (norms, biases, the mel filterbank) is larger
+        # than a real one's: the 5 x 320 default model's graphs are 0.51 of their float32 size
+        assert (half / name).stat().st_size < 0.7 * (full / name).stat().st_size
+    report = json.loads((half / "export.json").read_text())
+    assert report["parity"]["stream"]["max_abs_diff"] <= 1e-4
+    assert max(c["max_abs_diff"] for c in report["parity"]["offline"]) <= 1e-4
+    weights = report["weights"]
+    assert weights["stored"] == "float16" and weights["values_rounded"] > 0
+    assert 0 < weights["max_abs_log_prob_change"] < 0.05
+    # the same audio through both: float16 storage moves the log-probs by the rounding alone
+    feats = [compute_features(_audio(s, i), model.cfg.features) for i, s in enumerate((0.9, 0.4))]
+    moved = _max_diff(Engine(full).offline(feats), Engine(half).offline(feats))
+    assert 0 < moved < 0.05
+    assert read_card(half / "model.onnx") == read_card(full / "model.onnx")
+
+
+def test_float16_weights_rebuild_and_refuse_int8(tmp_path: Path) -> None:
+    """A float16-stored export rebuilds into the rounded network (for fine-tuning), and
+    export and quantize refuse to make int8 of float16 weights, saying what to do."""
+    from echoic.model.nn.half import round_weights
+    from echoic.model.nn.quantize import QuantizeError, quantize_model
+    from echoic.model.nn.rebuild import rebuild
+
+    model = _with_trained_norms(_model(**MODELS["bigru-chunk4-ctx2"], rnn_hidden=48), seed=6)
+    ckpt = _save_checkpoint(tmp_path / "m.pt", model)
+    half = export_model(ckpt, tmp_path / "half" / "1", weights="float16")
+    rebuilt, info = rebuild(half)
+    assert info["parity_max_abs_diff"] <= 1e-4
+    round_weights(model)
+    theirs, ours = model.state_dict(), rebuilt.state_dict()
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs if ".fwd." in k or ".bwd." in k)
+    with pytest.raises(ExportError, match="drop --weights float16"):
+        export_model(ckpt, tmp_path / "q" / "1", weights="float16", quantize="int8",
+                     calibration=[_audio(1.0, 0)])  # fmt: skip
+    with pytest.raises(QuantizeError, match="stored as float16.*without --weights float16"):
+        quantize_model(half, tmp_path / "int8", [_audio(1.0, 0)])
+    with pytest.raises(ExportError, match="unknown weights 'bfloat16'"):
+        export_model(ckpt, tmp_path / "b" / "1", weights="bfloat16")

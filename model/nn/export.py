@@ -8,7 +8,9 @@
     export.json  what the export checked (parity numbers), for people
 
 With quantize="int8" the graphs are quantized after their parity is proved
-(`echoic.model.nn.quantize`, whose docstring says what that covers and costs).
+(`echoic.model.nn.quantize`, whose docstring says what that covers and costs). With
+weights="float16" the large weights are rounded to float16 and stored so, computed in
+float32 (`echoic.model.nn.half`): half the file.
 
 Both graphs carry the model card (`echoic.model.runtime.card`) in their metadata. The
 features are the raw log spectrogram of `model.features`: the graphs normalise
@@ -38,6 +40,7 @@ from torch import Tensor, nn
 
 from echoic.model.core.configs import config_hash
 from echoic.model.core.files import staged_directory, write_durably
+from echoic.model.nn.half import WEIGHT_DTYPES, round_weights, store_half
 from echoic.model.nn.network import DeepSpeech2, count_parameters
 from echoic.model.nn.quantize import QUANTIZE_SCHEMES, QuantizeError, int8_card, quantize_graphs
 from echoic.model.runtime.card import (
@@ -351,6 +354,7 @@ def export_model(
     tolerance: float = PARITY_TOLERANCE,
     quantize: str | None = None,
     calibration: Sequence[np.ndarray] = (),
+    weights: str = "float32",
 ) -> Path:
     """Export a checkpoint to `out_dir` (which must not exist, or be empty).
 
@@ -361,6 +365,9 @@ def export_model(
     ONNX graphs differ from torch by more than `tolerance`. quantize="int8": the graphs,
     once their fp32 parity is proved, are quantized (`echoic.model.nn.quantize`) with
     activation scales from `calibration` (float32 samples at the model's rate).
+    weights="float16": the large weights rounded to float16 and stored so
+    (`echoic.model.nn.half`); the parity check judges the graphs against the rounded
+    network, and the report says how far the rounding moved the log-probabilities.
     """
     from echoic.model.nn.checkpoint import load_model
 
@@ -385,11 +392,20 @@ def export_model(
         raise ExportError(f"unknown quantization {quantize!r}; choose from {QUANTIZE_SCHEMES}")
     if quantize and not calibration:
         raise ExportError("quantization needs calibration audio (--calibration MANIFEST)")
+    if weights not in WEIGHT_DTYPES:
+        raise ExportError(f"unknown weights {weights!r}; choose from {WEIGHT_DTYPES}")
+    if quantize and weights != "float32":
+        raise ExportError("--quantize int8 quantizes float32 weights: drop --weights float16")
+    half = _round_to_half(model) if weights == "float16" else None
 
     with staged_directory(out_dir) as tmp:
-        write_durably(tmp / OFFLINE_FILE, _export_offline(model, card))
+        graphs = {OFFLINE_FILE: _export_offline(model, card)}
         if card.streamable:
-            write_durably(tmp / STREAM_FILE, _export_stream(model, card))
+            graphs[STREAM_FILE] = _export_stream(model, card)
+        for file, graph in graphs.items():
+            if half is not None:
+                graph, half["initializers"][file] = store_half(graph)
+            write_durably(tmp / file, graph)
         parity = check_parity(model, tmp, tolerance)
         failures = parity.failures()
         if failures:
@@ -398,6 +414,8 @@ def export_model(
                 + "; ".join(failures)
             )
         report: dict[str, Any] = {"parity": asdict(parity)}
+        if half is not None:
+            report["weights"] = half
         if quantize:
             card = int8_card(card)
             try:
@@ -408,6 +426,29 @@ def export_model(
         report_text = json.dumps(report, indent=2, sort_keys=True) + "\n"
         write_durably(tmp / REPORT_FILE, report_text.encode())
     return out_dir
+
+
+def _round_to_half(model: DeepSpeech2) -> dict[str, Any]:
+    """Round the model's large weights to float16 (in place); what that changed: the
+    values rounded, and the largest log-probability change on the parity inputs."""
+    rng = np.random.default_rng(0)
+    feats = [_random_features(model, n, rng) for n in max(PARITY_BATCHES, key=len)]
+    batch = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(f) for f in feats], True)
+    lengths = torch.tensor([len(f) for f in feats])
+    with torch.no_grad():
+        before, out_lengths = model(batch, lengths)
+        rounded = round_weights(model)
+        after, _ = model(batch, lengths)
+    change = max(
+        float((b[: int(n)] - a[: int(n)]).abs().max())
+        for b, a, n in zip(before, after, out_lengths, strict=True)
+    )
+    return {
+        "stored": "float16",
+        "values_rounded": rounded,
+        "max_abs_log_prob_change": change,
+        "initializers": {},  # graph file -> initializers stored as float16
+    }
 
 
 def _stream_chunk(model: DeepSpeech2, requested: int | None) -> int:

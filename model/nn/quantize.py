@@ -292,6 +292,22 @@ def int8_card(card: ModelCard, *, name: str | None = None, version: str | None =
     )
 
 
+def _refuse_half_weights(src_dir: Path) -> None:
+    """Static quantization reads float32 weights: an export that stores them as float16
+    (`echoic export --weights float16`) is refused with what to do instead."""
+    import onnx
+
+    from echoic.model.nn.half import half_weights
+
+    proto = onnx.load(str(src_dir / OFFLINE_FILE))
+    if half_weights(proto):
+        raise QuantizeError(
+            f"{src_dir}: its weights are stored as float16 (echoic export --weights float16);"
+            " int8 quantization starts from float32 weights: export the checkpoint again"
+            " without --weights float16, and quantize that"
+        )
+
+
 def quantize_model(
     src_dir: str | Path,
     out_dir: str | Path,
@@ -317,6 +333,7 @@ def quantize_model(
         source_card = read_card(src_dir / OFFLINE_FILE)
     except ModelError as e:
         raise QuantizeError(str(e)) from e
+    _refuse_half_weights(src_dir)
     if version is None and out_dir.name.isascii() and out_dir.name.isdigit():
         version = out_dir.name
     try:

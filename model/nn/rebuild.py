@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from echoic.model.core.configs import config_hash
+from echoic.model.nn.half import unfold
 from echoic.model.nn.network import DeepSpeech2, ModelConfig, SequenceBatchNorm
 from echoic.model.runtime.card import OFFLINE_FILE, card_from_metadata
 from echoic.model.runtime.repository import default_model_dir as bundled_model_dir
@@ -80,6 +81,7 @@ def rebuild(path: str | Path) -> tuple[DeepSpeech2, dict[str, Any]]:
     for node in proto.graph.node:  # small constants the exporter left as Constant nodes
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             weights[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    unfold(weights, proto.graph.node)  # weights stored as float16 (export --weights float16)
     nodes = {node.name: node for node in proto.graph.node}
     graph = _Graph(model_dir, nodes, weights)
 

@@ -1,0 +1,89 @@
+"""Weights stored as float16 in an export, computed in float32: half the file, the same
+arithmetic.
+
+`echoic export --weights float16` first rounds the network's large weights (`MIN_ELEMENTS`
+values and more: convolutions, GRU matrices, the output layer) to the nearest float16,
+then exports and checks the graphs as always (ONNX Runtime against torch, streaming
+against offline), and last stores each large float32 initializer that float16 holds
+exactly as a float16 initializer behind a `Cast` to float32. ONNX Runtime folds those
+casts when it loads the graph, so the session runs the float32 arithmetic of the rounded
+network, as fast as before. Small tensors (biases, norms, the feature statistics) and
+constants float16 cannot hold exactly (the mel filterbank) stay float32.
+
+What the rounding costs is measured, not assumed: the export report's `weights` entry
+gives the largest change of any log-probability it made on the parity inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+WEIGHT_DTYPES = ("float32", "float16")
+MIN_ELEMENTS = 1024  # smaller tensors stay float32: they are a few kB in all
+SUFFIX = "/float16"  # a stored initializer's name: the float32 tensor's name + SUFFIX
+
+
+def round_weights(model: nn.Module) -> int:
+    """Round every floating parameter of `MIN_ELEMENTS` values or more to the nearest
+    float16, in place; returns how many values were rounded."""
+    rounded = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.numel() >= MIN_ELEMENTS:
+                param.copy_(param.to(torch.float16).to(param.dtype))
+                rounded += param.numel()
+    return rounded
+
+
+def store_half(onnx_bytes: bytes) -> tuple[bytes, int]:
+    """The graph with each large float32 initializer that float16 holds exactly stored as
+    float16 behind a Cast (the same values at run time); returns it and the count."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    proto = onnx.load_from_string(onnx_bytes)
+    graph_inputs = {value.name for value in proto.graph.input}
+    casts = []
+    for tensor in proto.graph.initializer:
+        if tensor.data_type != TensorProto.FLOAT or tensor.name in graph_inputs:
+            continue
+        if int(np.prod(tensor.dims)) < MIN_ELEMENTS:
+            continue
+        values = numpy_helper.to_array(tensor)
+        half = values.astype(np.float16)
+        if not np.array_equal(half.astype(np.float32), values):
+            continue  # not a rounded weight: float16 would change it
+        name = tensor.name
+        tensor.CopyFrom(numpy_helper.from_array(half, name + SUFFIX))
+        casts.append(
+            helper.make_node(
+                "Cast", [name + SUFFIX], [name], name=name + SUFFIX, to=TensorProto.FLOAT
+            )
+        )
+    nodes = [*casts, *proto.graph.node]  # the casts first: nodes stay in topological order
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString(), len(casts)
+
+
+def half_weights(proto: Any) -> int:
+    """How many of a graph's initializers are stored as float16 behind a Cast."""
+    from onnx import TensorProto
+
+    stored = {t.name for t in proto.graph.initializer if t.data_type == TensorProto.FLOAT16}
+    return sum(1 for n in proto.graph.node if n.op_type == "Cast" and n.input[0] in stored)
+
+
+def unfold(weights: dict[str, np.ndarray], nodes: Any) -> None:
+    """Add to `weights` (an initializer's name -> its values) the float32 tensors that the
+    Casts of stored float16 initializers give, under the names the graph reads them by."""
+    for node in nodes:
+        if node.op_type == "Cast" and node.input and node.input[0] in weights:
+            source = weights[node.input[0]]
+            if source.dtype == np.float16:
+                weights[node.output[0]] = source.astype(np.float32)
