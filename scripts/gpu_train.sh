@@ -13,15 +13,18 @@
 #
 # pack's environment: RECIPE (default training/recipes/gpu_mid.toml), INIT (a checkpoint
 # or an exported model directory to start from; an export is rebuilt here, where
-# onnxruntime is; default none: a fresh network), FORMAT (opus, default, about 3 kB per
-# second of speech; or flac, about 25 kB), MAX_MB (the corpus, default 48), VAL_MB
+# onnxruntime is; default none: a fresh network), FORMAT (opus, default, about 3.4 kB per
+# second of speech; or flac, about 25 kB), OPUS_LEVEL (libsndfile's Opus level, 0-1:
+# 0.97 is about 1.9 kB/s), MAX_MB (the corpus, default 48), VAL_MB
 # (default 3), PACK (default .gpu-train), NO_WHEELS=1 (no download: the GPU side has them),
 # CARRY_MIB (what a call carries in, default 64: pack fails above it).
 # run's: BUDGET_S (the whole step, default 510: a device call's 9 minutes less start-up),
 # RESERVE_S (kept for the last evaluation, checkpoint and parts, default 45), PACK, WORK
 # (where the corpus unpacks and the run writes; default the checkout), FRESH=1 (start
 # over: without it, a run directory left by an earlier call on the same machine resumes
-# exactly), PYTHON (default python3).
+# exactly), PYTHON (default python3), MAX_STEPS=auto (the recipe's max_steps made what fits
+# the budget: PROBE_STEPS (default 40) steps first measure this machine's steps a second;
+# train.log says the number chosen, which max_steps=N reproduces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -33,6 +36,39 @@ part=${1:-}
 shift || true
 source "$ROOT/scripts/gpu_env.sh"
 
+# probe_steps N LEFT [KEY=VALUE ...]: train N steps into a scratch directory, and set
+# `chosen` to the steps that fit in LEFT seconds at the rate of the steps after the first
+# record, less the probe itself and the start-up it measured, with 15% spared for
+# evaluations and checkpoints.
+probe_steps() {
+    local n=$1 left=$2 probe="$WORK/.gpu-train-probe"
+    shift 2
+    rm -rf "$probe"
+    local t0=$SECONDS
+    "$PYTHON" -m echoic.cli.main train --config "$PACK/recipe.toml" --no-progress \
+        "out_dir=$probe" "data.train_manifest=$data/train/manifest.jsonl" "${extra[@]}" \
+        "data.val_manifest=" "max_steps=$n" log_every=10 eval_every=0 checkpoint_every=1000000 "$@" \
+        >"$OUT/train.log" 2>&1 || { echo "gpu_train: the probe failed" >&2; tail "$OUT/train.log"; exit 1; }
+    chosen=$("$PYTHON" - "$probe/metrics.jsonl" "$OUT/train.log" "$data/train/manifest.jsonl" \
+        "$((SECONDS - t0))" "$((left - SECONDS + t0))" <<'PY'
+# Audio seconds a second is the rate to go by: the probe's steps are an epoch's shortest
+# utterances (SortaGrad), so its steps a second overstate the epoch's.
+import json, re, sys
+metrics, log, manifest, probe_s, left = sys.argv[1:]
+rows = [json.loads(line) for line in open(metrics) if '"train"' in line]
+first, last = rows[0], rows[-1]
+rate = (last["audio_seconds"] - first["audio_seconds"]) / (last["elapsed"] - first["elapsed"])
+startup = float(probe_s) - last["audio_seconds"] / rate
+per_epoch = int(re.search(r"(\d+) steps/epoch", open(log).read()).group(1))
+audio = sum(json.loads(line)["duration"] for line in open(manifest) if line.strip())
+print(max(1, int(0.85 * rate * (float(left) - startup) / (audio / per_epoch))))
+print(f"gpu_train: the probe trained {rate:.0f} audio seconds a second after {startup:.0f} s"
+      f" of start-up; {audio / per_epoch:.0f} s a step", file=sys.stderr)
+PY
+    )
+    echo "gpu_train: max_steps=$chosen fits the budget" | tee -a "$OUT/train.log"
+}
+
 case "$part" in
 pack)
     [[ $# -ge 1 ]] || { echo "usage: gpu_train.sh pack MANIFEST [VAL_MANIFEST]" >&2; exit 2; }
@@ -42,12 +78,14 @@ pack)
     mkdir -p "$PACK"
     cp "$recipe" "$PACK/recipe.toml"
     [[ ${NO_WHEELS:-0} == 1 ]] || fetch_wheels
+    level=()
+    [[ -n ${OPUS_LEVEL:-} ]] && level=(--opus-level "$OPUS_LEVEL")
     {
         "$PYTHON" -m echoic.training.gpu_pack corpus "$1" "$PACK/corpus.tar" \
-            --format "${FORMAT:-opus}" --max-mb "${MAX_MB:-48}"
+            --format "${FORMAT:-opus}" --max-mb "${MAX_MB:-48}" "${level[@]}"
         if [[ $# -ge 2 ]]; then
             "$PYTHON" -m echoic.training.gpu_pack corpus "$2" "$PACK/val.tar" \
-                --format "${FORMAT:-opus}" --max-mb "${VAL_MB:-3}"
+                --format "${FORMAT:-opus}" --max-mb "${VAL_MB:-3}" "${level[@]}"
         fi
     } | tee "$PACK/pack.json"
     if [[ -n ${INIT:-} ]]; then
@@ -55,11 +93,18 @@ pack)
             --recipe "$recipe" --manifest "$1"
     fi
     du -sh "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels)
+    # What a call carries: the checkout's files git does not ignore, and the two folders.
+    tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- \
+        2>/dev/null | tail -1 | cut -f1)
     total=$(du -sbc "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels) | tail -1 | cut -f1)
+    total=$((total + ${tree:-0}))
     carry=${CARRY_MIB:-64}
+    echo "gpu_train: a call carries $((total / 1024 / 1024)) MiB (the checkout's files" \
+        "$((${tree:-0} / 1024 / 1024)) MiB) of $carry"
     if [[ $total -gt $((carry * 1024 * 1024)) ]]; then
-        echo "gpu_train: $PACK and .gpu-wheels hold $((total / 1024 / 1024)) MiB, more than" \
-            "the $carry MiB a call carries in: pack again with a smaller MAX_MB" >&2
+        echo "gpu_train: $PACK, .gpu-wheels and the checkout's files hold" \
+            "$((total / 1024 / 1024)) MiB, more than the $carry MiB a call carries in:" \
+            "pack again with a smaller MAX_MB" >&2
         exit 1
     fi
     ;;
@@ -82,6 +127,11 @@ run)
         extra+=("data.val_manifest=$data/val/manifest.jsonl")
     fi
     [[ -f $PACK/init.pt ]] && extra+=("init_from=$PACK/init.pt")
+    steps=()
+    if [[ ${MAX_STEPS:-} == auto ]]; then
+        probe_steps ${PROBE_STEPS:-40} "$((budget - SECONDS - reserve))" "$@"
+        steps=("max_steps=$chosen")
+    fi
     left=$((budget - SECONDS - reserve))
     if [[ $left -lt 30 ]]; then
         echo "gpu_train: only ${left}s left of BUDGET_S=$budget after unpacking" >&2
@@ -94,7 +144,8 @@ run)
     timeout --kill-after=10 $((left + reserve - 15)) \
         "$PYTHON" -m echoic.cli.main train --config "$PACK/recipe.toml" --no-progress \
         "out_dir=$run" "data.train_manifest=$data/train/manifest.jsonl" \
-        "max_minutes=$minutes" "${extra[@]}" "$@" >"$OUT/train.log" 2>&1 || status=$?
+        "max_minutes=$minutes" "${extra[@]}" "${steps[@]}" "$@" >>"$OUT/train.log" 2>&1 \
+        || status=$?
     tail -n 5 "$OUT/train.log"
     [[ -f $run/metrics.jsonl ]] && cp "$run/metrics.jsonl" "$OUT/metrics.jsonl"
     if [[ -f $run/last.pt ]]; then

@@ -14,15 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 E=.venv/bin/echoic
-D=data/default
 H=data/heldout-sets
-[ -f $D/text/train.txt ] || $E synth --make-text $D/text --seed 1
-$E synth --text $D/text/train.txt --out $D/train4 --engines espeak,flite,festival,hibari \
-  --seed 23 --limit "${ECHOIC_SENTENCES:-4000}" --voices-per-sentence 2 --espeak-formants 0.88 1.12
-# Validation: held-out sentences 101-150, as stage 2's (the held-out sets use 1-100).
-sed -n 101,150p $D/text/heldout.txt > $D/text/val.txt
-$E synth --text $D/text/val.txt --out $D/val3 --engines espeak,flite,festival --seed 17 \
-  --voices-per-sentence 3 --espeak-formants 0.88 1.12
+bash scripts/default_corpus.sh  # train4 and val3 (validation: held-out sentences 101-150)
 mkdir -p $H runs
 [ -d runs/robust3-base ] || cp -r model/default runs/robust3-base
 grep -q '"version": "2"' runs/robust3-base/export.json || {

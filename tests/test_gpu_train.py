@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from echoic.model.nn.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from echoic.training.gpu_pack import join_parts, write_parts
+from echoic.training.gpu_pack import join_parts, pack_corpus, write_parts
 from tests.conftest import ROOT, TINY_RECIPE
 
 LIMIT = 16_000_000  # bytes: the largest file a device call brings back
@@ -75,14 +76,58 @@ def test_pack_run_join_end_to_end(
 
 
 def test_pack_refuses_more_than_a_call_carries(speech_corpus: Path, tmp_path: Path) -> None:
+    """A call carries the checkout's own files too (the bundled model's 40 MiB): a pack of
+    well under 1 MiB is refused when the limit is 1 MiB."""
     env = {"PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "NO_WHEELS": "1",
-           "RECIPE": str(TINY_RECIPE), "CARRY_MIB": "0"}  # fmt: skip
+           "RECIPE": str(TINY_RECIPE), "CARRY_MIB": "1"}  # fmt: skip
     run = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_train.sh"), "pack", str(speech_corpus)], cwd=ROOT,
         env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 1
-    assert "more than the 0 MiB a call carries in: pack again with a smaller MAX_MB" in run.stderr
+    assert (tmp_path / "pack" / "corpus.tar").stat().st_size < 1024 * 1024
+    assert "the checkout's files" in run.stdout
+    assert "more than the 1 MiB a call carries in: pack again with a smaller MAX_MB" in run.stderr
+
+
+@pytest.mark.slow
+def test_run_sizes_max_steps_to_its_budget(speech_corpus: Path, tmp_path: Path) -> None:
+    """MAX_STEPS=auto: a probe measures the rate, the run trains the steps that fit and
+    finishes its schedule (ends at the chosen step, status 0), the choice in train.log."""
+    env = {
+        "PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "WORK": str(tmp_path / "gpu"),
+        "OUT": str(tmp_path / "out"), "RECIPE": str(TINY_RECIPE), "NO_WHEELS": "1",
+        "BUDGET_S": "90", "RESERVE_S": "20", "MAX_STEPS": "auto", "PROBE_STEPS": "20",
+    }  # fmt: skip
+    _script("pack", str(speech_corpus), env=env)
+    run = _script("run", "threads=1", "log_every=5", env=env)
+    log = (tmp_path / "out" / "train.log").read_text()
+    chosen = int(log.split("gpu_train: max_steps=")[1].split()[0])
+    assert chosen > 20, run.stderr  # the tiny network trains several steps a second here
+    assert "audio seconds a second after" in run.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows if r.get("kind") == "train") == chosen
+    assert "training ended with status 0" in log
+
+
+def test_opus_level_packs_smaller_and_is_checked(speech_corpus: Path, tmp_path: Path) -> None:
+    default = pack_corpus(speech_corpus, tmp_path / "a.tar")
+    small = pack_corpus(speech_corpus, tmp_path / "b.tar", opus_level=0.97)
+    assert small["utterances"] == default["utterances"] and small["bytes"] < default["bytes"]
+    with pytest.raises(ValueError, match="a level from 0 to 1"):
+        pack_corpus(speech_corpus, tmp_path / "c.tar", "flac", opus_level=0.5)
+
+
+def test_max_mb_counts_the_tar_itself(speech_corpus: Path, tmp_path: Path) -> None:
+    """max_mb bounds the tar file, its headers and padding included."""
+    whole = pack_corpus(speech_corpus, tmp_path / "a.tar")
+    limit = whole["bytes"] * 0.6 / 1e6
+    part = pack_corpus(speech_corpus, tmp_path / "b.tar", max_mb=limit)
+    assert 0 < part["utterances"] < whole["utterances"]
+    with tarfile.open(tmp_path / "b.tar") as tar:
+        text = tar.getmember("manifest.jsonl").size
+    # beyond the files: the manifest (header, padded text) and the tar's closing record
+    assert part["bytes"] <= limit * 1e6 + 512 + text + 512 + tarfile.RECORDSIZE
 
 
 def _checkpoint(path: Path, floats: int) -> Path:

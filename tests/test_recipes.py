@@ -33,3 +33,31 @@ def test_gpu_mid_recipe_states_its_size() -> None:
     stated = re.search(r"([\d,]+) parameters", recipe.read_text())
     assert stated and int(stated[1].replace(",", "")) == count
     assert 4 * count < 6 * 15e6
+
+
+def test_gpu_default_recipe_is_the_bundled_front_end_wider() -> None:
+    """The bundled model's recipe for a lent GPU (scripts/train_v4.sh): the same features,
+    convolutions and chunking as the 3 x 256 recipe it grows from, with a 5 x 320 BiGRU of
+    the size its header states."""
+    recipe = ROOT / "training" / "recipes" / "gpu_default.toml"
+    cfg, base = (
+        load_recipe(recipe).model,
+        load_recipe(ROOT / "training" / "recipes" / "default.toml").model,
+    )
+    assert (cfg.rnn_layers, cfg.rnn_hidden) == (5, 320)
+    assert cfg.name == base.name == "echoic-en-default"
+    same = (
+        "features",
+        "conv_channels",
+        "conv_kernel_freq",
+        "conv_kernel_time",
+        "conv_stride_freq",
+        "conv_stride_time",
+        "chunk_frames",
+        "context_frames",
+        "rnn_type",
+    )
+    assert all(getattr(cfg, f) == getattr(base, f) for f in same)  # fmt: skip
+    count = sum(p.numel() for p in DeepSpeech2(cfg).parameters())
+    stated = re.search(r"([\d,]+) parameters", recipe.read_text())
+    assert stated and int(stated[1].replace(",", "")) == count
