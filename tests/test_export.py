@@ -688,11 +688,12 @@ def test_float16_weights_halve_the_files_and_keep_parity(tmp_path: Path) -> None
     assert read_card(half / "model.onnx") == read_card(full / "model.onnx")
 
 
-def test_float16_weights_rebuild_and_refuse_int8(tmp_path: Path) -> None:
-    """A float16-stored export rebuilds into the rounded network (for fine-tuning), and
-    export and quantize refuse to make int8 of float16 weights, saying what to do."""
-    from echoic.model.nn.half import round_weights
-    from echoic.model.nn.quantize import QuantizeError, quantize_model
+def test_float16_weights_rebuild_and_quantize(tmp_path: Path) -> None:
+    """A float16-stored export rebuilds into the rounded network (for fine-tuning) and
+    quantizes to int8 from its float32 values (`echoic quantize` of the bundled model);
+    export refuses both at once, saying what to do."""
+    from echoic.model.nn.half import half_weights, round_weights
+    from echoic.model.nn.quantize import quantize_model
     from echoic.model.nn.rebuild import rebuild
 
     model = _with_trained_norms(_model(**MODELS["bigru-chunk4-ctx2"], rnn_hidden=48), seed=6)
@@ -706,7 +707,12 @@ def test_float16_weights_rebuild_and_refuse_int8(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="drop --weights float16"):
         export_model(ckpt, tmp_path / "q" / "1", weights="float16", quantize="int8",
                      calibration=[_audio(1.0, 0)])  # fmt: skip
-    with pytest.raises(QuantizeError, match="stored as float16.*without --weights float16"):
-        quantize_model(half, tmp_path / "int8", [_audio(1.0, 0)])
+    int8 = quantize_model(half, tmp_path / "int8", [_audio(1.0, 0), _audio(0.6, 1)])
+    assert read_card(int8 / "model.onnx").precision == "int8"
+    for name in ("model.onnx", "stream.onnx"):
+        proto = onnx.load(str(int8 / name))
+        assert not half_weights(proto)
+        assert any(n.op_type == "DequantizeLinear" for n in proto.graph.node)
+    assert not [p for p in int8.iterdir() if p.name.startswith(".")]  # no scratch left
     with pytest.raises(ExportError, match="unknown weights 'bfloat16'"):
         export_model(ckpt, tmp_path / "b" / "1", weights="bfloat16")

@@ -340,7 +340,9 @@ def test_trailing_silence_ends_the_utterance_inside_the_pause(
     second's speech starts at 5.09 s; 500 ms ends the utterance at 4.2 s, 1200 ms at 4.8 s
     (chunks of 0.6 s). The second part's transcript differs a little from the part's
     alone, because the acoustic model's state carries over the endpoint: CER 0.125 with
-    the bundled model's version 1, 0.207 with version 2."""
+    the bundled model's version 1, 0.207 with version 2. The first part's may differ at
+    its end: its last chunk's backward direction sees the pause after it, where the part
+    alone ends (version 4: "...laszi dage" in the stream, "...laszi dag" alone)."""
     import jiwer
 
     audio, parts, (quiet_from, quiet_to) = two_utterances
@@ -369,7 +371,7 @@ def test_trailing_silence_ends_the_utterance_inside_the_pause(
         assert [w.word for w in words] == result.alternatives[0].transcript.split()
         assert result.utterance_start_time <= words[0].start_time
         assert words[-1].end_time <= result.utterance_end_time
-    assert first.alternatives[0].transcript == alone[0]
+    assert jiwer.cer(alone[0], first.alternatives[0].transcript) <= 0.05
     assert jiwer.cer(alone[1], second.alternatives[0].transcript) <= 0.25
     assert _final_utterances(stream(bundled_stub, pcm16(audio), config)) == _utterances(response)
 

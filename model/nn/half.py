@@ -12,6 +12,7 @@ constants float16 cannot hold exactly (the mel filterbank) stay float32.
 
 What the rounding costs is measured, not assumed: the export report's `weights` entry
 gives the largest change of any log-probability it made on the parity inputs.
+`expand_half` gives the float32 graph back (int8 quantization starts from it).
 """
 
 from __future__ import annotations
@@ -87,3 +88,23 @@ def unfold(weights: dict[str, np.ndarray], nodes: Any) -> None:
             source = weights[node.input[0]]
             if source.dtype == np.float16:
                 weights[node.output[0]] = source.astype(np.float32)
+
+
+def expand_half(onnx_bytes: bytes) -> bytes:
+    """The graph with each float16-stored initializer made float32 again under the name
+    its Cast gave it, and the Cast gone: the graph `store_half` was given, value for value."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    proto = onnx.load_from_string(onnx_bytes)
+    stored = {t.name: t for t in proto.graph.initializer if t.data_type == TensorProto.FLOAT16}
+    casts = [n for n in proto.graph.node if n.op_type == "Cast" and n.input[0] in stored]
+    for cast in casts:
+        tensor = stored[cast.input[0]]
+        values = numpy_helper.to_array(tensor).astype(np.float32)
+        tensor.CopyFrom(numpy_helper.from_array(values, cast.output[0]))
+    nodes = [n for n in proto.graph.node if not any(n is c for c in casts)]
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString()

@@ -292,20 +292,23 @@ def int8_card(card: ModelCard, *, name: str | None = None, version: str | None =
     )
 
 
-def _refuse_half_weights(src_dir: Path) -> None:
-    """Static quantization reads float32 weights: an export that stores them as float16
-    (`echoic export --weights float16`) is refused with what to do instead."""
+@contextlib.contextmanager
+def _float32_source(src_dir: Path, scratch_in: Path) -> Iterator[Path]:
+    """`src_dir`, or, when its graphs store their weights as float16 (`echoic export
+    --weights float16`), a scratch copy of them with float32 weights (the same values):
+    static quantization reads float32 weights."""
     import onnx
 
-    from echoic.model.nn.half import half_weights
+    from echoic.model.nn.half import expand_half, half_weights
 
-    proto = onnx.load(str(src_dir / OFFLINE_FILE))
-    if half_weights(proto):
-        raise QuantizeError(
-            f"{src_dir}: its weights are stored as float16 (echoic export --weights float16);"
-            " int8 quantization starts from float32 weights: export the checkpoint again"
-            " without --weights float16, and quantize that"
-        )
+    if not half_weights(onnx.load(str(src_dir / OFFLINE_FILE))):
+        yield src_dir
+        return
+    with tempfile.TemporaryDirectory(dir=scratch_in, prefix=".float32.") as scratch:
+        for name in (OFFLINE_FILE, STREAM_FILE):
+            if (src_dir / name).is_file():
+                (Path(scratch) / name).write_bytes(expand_half((src_dir / name).read_bytes()))
+        yield Path(scratch)
 
 
 def quantize_model(
@@ -333,7 +336,6 @@ def quantize_model(
         source_card = read_card(src_dir / OFFLINE_FILE)
     except ModelError as e:
         raise QuantizeError(str(e)) from e
-    _refuse_half_weights(src_dir)
     if version is None and out_dir.name.isascii() and out_dir.name.isdigit():
         version = out_dir.name
     try:
@@ -346,7 +348,8 @@ def quantize_model(
     graphs = {OFFLINE_FILE, STREAM_FILE, REPORT_FILE}
     with staged_directory(out_dir) as tmp:
         try:
-            quantization = quantize_graphs(tmp, card, audio, src_dir)
+            with _float32_source(src_dir, tmp) as source:
+                quantization = quantize_graphs(tmp, card, audio, source)
         except ModelError as e:  # graphs that do not match their card, or do not load
             raise QuantizeError(str(e)) from e
         for extra in sorted(src_dir.iterdir()):

@@ -232,10 +232,15 @@ def default_model(named: str, served: list[str] | set[str]) -> tuple[str, str]:
 
 
 BUNDLED_FILE = ".bundled"  # REPO/.bundled: the bundled versions seeded into it, "name/version"
-# The config hashes of the models echoic bundled before REPO/.bundled was kept: a repository
-# seeded then holds one of these, which tells it from a model its user deployed.
+# The config hashes of the models echoic bundled before: a repository seeded before
+# REPO/.bundled was kept (versions 1 to 3) holds one of these, which tells it from a model
+# its user deployed.
 EARLIER_BUNDLED = {
-    "echoic-en-default": {"36aa27da821fe7bc", "9582e9da0b94d95f"},  # versions 1 and 2
+    "echoic-en-default": {
+        "36aa27da821fe7bc",  # version 1
+        "9582e9da0b94d95f",  # version 2
+        "30c91e52e61c24b2",  # version 3
+    },
 }
 
 
