@@ -108,7 +108,11 @@ def stream_table(engine: Engine, cfg, repeats: int, peak: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(default_model_dir()), help="exported model directory")
-    p.add_argument("--config", default="training/recipes/default.toml", help="recipe (torch)")
+    p.add_argument(
+        "--config",
+        default="training/recipes/gpu_default.toml",
+        help="recipe of --model's network, for torch (default: the bundled model's)",
+    )
     p.add_argument("--seconds", type=float, default=8.0, help="utterance length, s")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0 = all cores")

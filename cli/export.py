@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             "chunk_frames": card["chunk_frames"],
             "precision": card.get("precision", "fp32"),
             "parity": parity,
-            "weights": report.get("weights", {"stored": "float32"}),
+            "weights": report.get("weights", {"dtype": "float32"}),
         }
         print(json.dumps(summary))
         return 0
@@ -196,9 +196,11 @@ def run(args: argparse.Namespace) -> int:
         print(quantization_line(report["quantization"]))
     if "weights" in report:
         half = report["weights"]
+        stored = half["stored"]["model.onnx"]
         print(
-            f"weights: {half['values_rounded']:,} values rounded to float16 and stored so"
-            f" (log-probabilities moved at most {half['max_abs_log_prob_change']:.2e})"
+            f"weights: {half['values_rounded']:,} values rounded to float16, stored so in"
+            f" {stored['tensors']} tensors (log-probabilities moved at most"
+            f" {half['max_abs_log_prob_change']:.2e})"
         )
     print(f"wrote {card['name']} version {card['version']} to {path} ({', '.join(files)})")
     return 0

@@ -15,9 +15,9 @@ from echoic.cli.export import (
 
 EXAMPLES = """\
 examples:
-  # the bundled model as the default repository holds it, int8, as its version 4
-  echoic quantize ~/.local/share/echoic/models/echoic-en-default/3 \
-      ~/.local/share/echoic/models/echoic-en-default/4 --calibration data/train/manifest.jsonl
+  # the bundled model as the default repository holds it, int8, as its version 5
+  echoic quantize ~/.local/share/echoic/models/echoic-en-default/4 \
+      ~/.local/share/echoic/models/echoic-en-default/5 --calibration data/train/manifest.jsonl
 
   # any export, summary as JSON
   echoic quantize models/echoic-ds2/3 models/echoic-ds2/4 --calibration cal.jsonl --json

@@ -10,6 +10,8 @@
 #        metrics.jsonl and the weights (weights.pt, or weights.pt.part-NN)
 #   bash scripts/gpu_train.sh join DIR [OUT.pt]     here: the weights back in one checkpoint
 #        (then: echoic export OUT.pt DIR)
+#   bash scripts/gpu_train.sh aside | back          here: the bundled models out of the
+#        checkout (and its index) for the calls, when the corpus needs their room, and back
 #
 # pack's environment: RECIPE (default training/recipes/gpu_mid.toml), INIT (a checkpoint
 # or an exported model directory to start from; an export is rebuilt here, where
@@ -36,6 +38,13 @@ part=${1:-}
 shift || true
 source "$ROOT/scripts/gpu_env.sh"
 
+# train_cmd DIR: `cmd`, echoic train on the unpacked corpus into DIR with the packed
+# validation set and start (`extra`); settings after it win.
+train_cmd() {
+    cmd=("$PYTHON" -m echoic.cli.main train --config "$PACK/recipe.toml" --no-progress
+        "out_dir=$1" "data.train_manifest=$data/train/manifest.jsonl" "${extra[@]}")
+}
+
 # probe_steps N LEFT [KEY=VALUE ...]: train N steps into a scratch directory, and set
 # `chosen` to the steps that fit in LEFT seconds at the rate of the steps after the first
 # record, less the probe itself and the start-up it measured, with 15% spared for
@@ -43,31 +52,47 @@ source "$ROOT/scripts/gpu_env.sh"
 probe_steps() {
     local n=$1 left=$2 probe="$WORK/.gpu-train-probe"
     shift 2
+    if [[ $n -lt 20 ]]; then
+        echo "gpu_train: PROBE_STEPS=$n: the probe needs 20 steps or more (two log records)" >&2
+        exit 2
+    fi
     rm -rf "$probe"
     local t0=$SECONDS
-    "$PYTHON" -m echoic.cli.main train --config "$PACK/recipe.toml" --no-progress \
-        "out_dir=$probe" "data.train_manifest=$data/train/manifest.jsonl" "${extra[@]}" \
-        "data.val_manifest=" "max_steps=$n" log_every=10 eval_every=0 checkpoint_every=1000000 "$@" \
-        >"$OUT/train.log" 2>&1 || { echo "gpu_train: the probe failed" >&2; tail "$OUT/train.log"; exit 1; }
+    # The user's settings first: the probe's own (its steps, directory, records) win.
+    train_cmd "$probe"
+    "${cmd[@]}" "$@" "data.val_manifest=" "max_steps=$n" log_every=10 eval_every=0 \
+        checkpoint_every=1000000 >"$OUT/train.log" 2>&1 \
+        || { echo "gpu_train: the probe failed" >&2; tail "$OUT/train.log" >&2; exit 1; }
     chosen=$("$PYTHON" - "$probe/metrics.jsonl" "$OUT/train.log" "$data/train/manifest.jsonl" \
         "$((SECONDS - t0))" "$((left - SECONDS + t0))" <<'PY'
 # Audio seconds a second is the rate to go by: the probe's steps are an epoch's shortest
 # utterances (SortaGrad), so its steps a second overstate the epoch's.
 import json, re, sys
 metrics, log, manifest, probe_s, left = sys.argv[1:]
-rows = [json.loads(line) for line in open(metrics) if '"train"' in line]
+with open(metrics) as f:
+    rows = [json.loads(line) for line in f if '"train"' in line]
+if len(rows) < 2 or rows[-1]["elapsed"] <= rows[0]["elapsed"]:
+    sys.exit(f"gpu_train: the probe logged {len(rows)} training records: too few to time")
 first, last = rows[0], rows[-1]
 rate = (last["audio_seconds"] - first["audio_seconds"]) / (last["elapsed"] - first["elapsed"])
 startup = float(probe_s) - last["audio_seconds"] / rate
-per_epoch = int(re.search(r"(\d+) steps/epoch", open(log).read()).group(1))
-audio = sum(json.loads(line)["duration"] for line in open(manifest) if line.strip())
+with open(log) as f:
+    per_epoch = int(re.search(r"(\d+) steps/epoch", f.read()).group(1))
+with open(manifest) as f:
+    audio = sum(json.loads(line)["duration"] for line in f if line.strip())
 print(max(1, int(0.85 * rate * (float(left) - startup) / (audio / per_epoch))))
 print(f"gpu_train: the probe trained {rate:.0f} audio seconds a second after {startup:.0f} s"
       f" of start-up; {audio / per_epoch:.0f} s a step", file=sys.stderr)
 PY
-    )
+    ) || exit 1
+    rm -rf "$probe"
     echo "gpu_train: max_steps=$chosen fits the budget" | tee -a "$OUT/train.log"
 }
+
+# The bundled models' files, which a call carries with the checkout and training needs
+# none of: `aside` takes them out of the index and the checkout (into .gpu-aside/) for
+# the calls, `back` puts them back.
+ASIDE=(model/default model/punct)
 
 case "$part" in
 pack)
@@ -94,8 +119,8 @@ pack)
     fi
     du -sh "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels)
     # What a call carries: the checkout's files git does not ignore, and the two folders.
-    tree=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- \
-        2>/dev/null | tail -1 | cut -f1)
+    tree=$( (git ls-files -z --cached --others --exclude-standard \
+        | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
     total=$(du -sbc "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels) | tail -1 | cut -f1)
     total=$((total + ${tree:-0}))
     carry=${CARRY_MIB:-64}
@@ -104,9 +129,30 @@ pack)
     if [[ $total -gt $((carry * 1024 * 1024)) ]]; then
         echo "gpu_train: $PACK, .gpu-wheels and the checkout's files hold" \
             "$((total / 1024 / 1024)) MiB, more than the $carry MiB a call carries in:" \
-            "pack again with a smaller MAX_MB" >&2
+            "pack again with a smaller MAX_MB, or take the bundled models out of the" \
+            "checkout for the calls ('gpu_train.sh aside', then 'back')" >&2
         exit 1
     fi
+    ;;
+aside)
+    mkdir -p .gpu-aside
+    for path in "${ASIDE[@]}"; do
+        [[ -e $path ]] || continue
+        [[ ! -e .gpu-aside/$path ]] || { echo "gpu_train: .gpu-aside/$path exists" >&2; exit 1; }
+        git rm -r -q --cached "$path"
+        mkdir -p ".gpu-aside/$(dirname "$path")"
+        mv "$path" ".gpu-aside/$path"
+    done
+    echo "gpu_train: ${ASIDE[*]} are in .gpu-aside/ until 'bash scripts/gpu_train.sh back'"
+    ;;
+back)
+    for path in "${ASIDE[@]}"; do
+        [[ -e .gpu-aside/$path ]] || continue
+        [[ ! -e $path ]] || { echo "gpu_train: $path exists: not replaced" >&2; exit 1; }
+        mv ".gpu-aside/$path" "$path"
+        git reset -q -- "$path"
+    done
+    rm -rf .gpu-aside
     ;;
 run)
     [[ -f $PACK/corpus.tar ]] || { echo "gpu_train: no $PACK/corpus.tar: pack first" >&2; exit 2; }
@@ -129,6 +175,11 @@ run)
     [[ -f $PACK/init.pt ]] && extra+=("init_from=$PACK/init.pt")
     steps=()
     if [[ ${MAX_STEPS:-} == auto ]]; then
+        if [[ -f $run/last.pt ]]; then
+            echo "gpu_train: MAX_STEPS=auto sizes a fresh run, and $run holds one: FRESH=1" \
+                "starts over, max_steps=N resumes it" >&2
+            exit 2
+        fi
         probe_steps ${PROBE_STEPS:-40} "$((budget - SECONDS - reserve))" "$@"
         steps=("max_steps=$chosen")
     fi
@@ -141,11 +192,9 @@ run)
     status=0
     # max_minutes stops the run at its next checkpoint once the time is spent; timeout is
     # the backstop for a checkpoint interval longer than the reserve.
-    timeout --kill-after=10 $((left + reserve - 15)) \
-        "$PYTHON" -m echoic.cli.main train --config "$PACK/recipe.toml" --no-progress \
-        "out_dir=$run" "data.train_manifest=$data/train/manifest.jsonl" \
-        "max_minutes=$minutes" "${extra[@]}" "${steps[@]}" "$@" >>"$OUT/train.log" 2>&1 \
-        || status=$?
+    train_cmd "$run"
+    timeout --kill-after=10 $((left + reserve - 15)) "${cmd[@]}" "max_minutes=$minutes" \
+        "${steps[@]}" "$@" >>"$OUT/train.log" 2>&1 || status=$?
     tail -n 5 "$OUT/train.log"
     [[ -f $run/metrics.jsonl ]] && cp "$run/metrics.jsonl" "$OUT/metrics.jsonl"
     if [[ -f $run/last.pt ]]; then

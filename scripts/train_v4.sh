@@ -22,19 +22,22 @@ pack)
     bash scripts/default_corpus.sh
     # The first 7,500 utterances (7.15 h) are what fits a call beside the checkout.
     head -n 7500 $D/train4/manifest.jsonl > $D/train4/first7500.jsonl
+    # The corpus (56 MB) fits beside the checkout's files only without the bundled models.
+    bash scripts/gpu_train.sh aside
     RECIPE=training/recipes/gpu_default.toml OPUS_LEVEL=0.97 MAX_MB=60 VAL_MB=2 \
         bash scripts/gpu_train.sh pack $D/train4/first7500.jsonl $D/val3/manifest.jsonl
     cat <<'CALLS'
-train_v4: now two device calls, carry [".gpu-train", ".gpu-wheels"], with the bundled
-model's files out of the checkout if the call would carry more than 64 MiB:
+train_v4: now two device calls, carry [".gpu-train", ".gpu-wheels"] (the bundled models
+are in .gpu-aside/ meanwhile):
   1. OUT=$OUT BUDGET_S=555 bash scripts/gpu_train.sh run max_steps=1452      (timeout 595)
   2. OUT=$OUT BUDGET_S=250 RESERVE_S=35 bash scripts/gpu_train.sh run max_steps=2000
      (the same machine, still warm: it resumes the first call's run)
-then: bash scripts/train_v4.sh finish FILES_AT_OF_CALL_2
+then: bash scripts/train_v4.sh finish FILES_AT_OF_CALL_2 (which puts the models back)
 CALLS
     ;;
 finish)
     [[ $# -ge 2 ]] || { echo "usage: train_v4.sh finish DIR" >&2; exit 2; }
+    bash scripts/gpu_train.sh back
     mkdir -p runs/gpu-default
     bash scripts/gpu_train.sh join "$2" runs/gpu-default/weights.pt
     rm -rf "$OUT"

@@ -238,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out")
     args = parser.parse_args(argv)
     if args.command == "corpus":
-        print(
-            json.dumps(
-                pack_corpus(args.manifest, args.out_tar, args.format, args.max_mb, args.opus_level)
+        try:
+            packed = pack_corpus(
+                args.manifest, args.out_tar, args.format, args.max_mb, args.opus_level
             )
-        )
+        except ValueError as e:
+            print(f"gpu_pack: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(packed))
     elif args.command == "init":
         init_checkpoint(args.source, args.out, args.recipe, args.manifest, tuple(args.overrides))
     elif args.command == "parts":

@@ -404,7 +404,7 @@ def export_model(
             graphs[STREAM_FILE] = _export_stream(model, card)
         for file, graph in graphs.items():
             if half is not None:
-                graph, half["initializers"][file] = store_half(graph)
+                graph, half["stored"][file] = store_half(graph)
             write_durably(tmp / file, graph)
         parity = check_parity(model, tmp, tolerance)
         failures = parity.failures()
@@ -430,7 +430,8 @@ def export_model(
 
 def _round_to_half(model: DeepSpeech2) -> dict[str, Any]:
     """Round the model's large weights to float16 (in place); what that changed: the
-    values rounded, and the largest log-probability change on the parity inputs."""
+    values rounded, and the largest log-probability change on random features of the
+    parity check's largest batch."""
     rng = np.random.default_rng(0)
     feats = [_random_features(model, n, rng) for n in max(PARITY_BATCHES, key=len)]
     batch = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(f) for f in feats], True)
@@ -444,10 +445,10 @@ def _round_to_half(model: DeepSpeech2) -> dict[str, Any]:
         for b, a, n in zip(before, after, out_lengths, strict=True)
     )
     return {
-        "stored": "float16",
+        "dtype": "float16",
         "values_rounded": rounded,
         "max_abs_log_prob_change": change,
-        "initializers": {},  # graph file -> initializers stored as float16
+        "stored": {},  # graph file -> the tensors and values stored as float16
     }
 
 

@@ -81,7 +81,7 @@ def rebuild(path: str | Path) -> tuple[DeepSpeech2, dict[str, Any]]:
     for node in proto.graph.node:  # small constants the exporter left as Constant nodes
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             weights[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    unfold(weights, proto.graph.node)  # weights stored as float16 (export --weights float16)
+    unfold(weights, proto)  # weights stored as float16 (export --weights float16)
     nodes = {node.name: node for node in proto.graph.node}
     graph = _Graph(model_dir, nodes, weights)
 
