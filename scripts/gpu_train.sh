@@ -136,6 +136,7 @@ pack)
     ;;
 aside)
     mkdir -p .gpu-aside
+    echo '*' >.gpu-aside/.gitignore  # never carried, whatever the checkout's .gitignore says
     for path in "${ASIDE[@]}"; do
         [[ -e $path ]] || continue
         [[ ! -e .gpu-aside/$path ]] || { echo "gpu_train: .gpu-aside/$path exists" >&2; exit 1; }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -201,3 +202,33 @@ def test_weights_too_large_even_as_bf16_are_refused(tmp_path: Path) -> None:
     source = _checkpoint(tmp_path / "last.pt", 100_000)
     with pytest.raises(ValueError, match=r"even as bfloat16, more than 1 parts of 0\.05 MB"):
         write_parts(source, tmp_path / "out", part_mb=0.05, max_parts=1)
+
+
+def test_aside_and_back_take_the_bundled_models_out_of_a_call(tmp_path: Path) -> None:
+    """`aside` takes model/default and model/punct out of the index and the checkout (what
+    a device call carries), `back` restores both exactly; in a clone of its own."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("gpu_train.sh", "gpu_env.sh"):
+        shutil.copy2(ROOT / "scripts" / name, repo / "scripts" / name)
+    files = {"model/default/model.onnx": b"graph", "model/punct/punct.onnx": b"tagger",
+             "model/other.txt": b"stays"}  # fmt: skip
+    for name, data in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes(data)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], check=True,
+                              capture_output=True, text=True).stdout  # fmt: skip
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "start")
+    script = ["bash", str(repo / "scripts" / "gpu_train.sh")]
+    subprocess.run([*script, "aside"], check=True, capture_output=True)
+    carried = git("ls-files", "--cached", "--others", "--exclude-standard").split()
+    assert "model/other.txt" in carried and not [f for f in carried if "onnx" in f]
+    assert not (repo / "model" / "default").exists()
+    subprocess.run([*script, "back"], check=True, capture_output=True)
+    assert all((repo / name).read_bytes() == data for name, data in files.items())
+    assert git("status", "--porcelain") == ""  # index and checkout as they were
