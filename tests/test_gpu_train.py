@@ -22,12 +22,12 @@ LIMIT = 16_000_000  # bytes: the largest file a device call brings back
 MAX_FILES = 8  # files a device call brings back
 
 
-def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _script(*args: str, env: dict[str, str], status: int = 0) -> subprocess.CompletedProcess:
     run = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_train.sh"), *args], cwd=ROOT,
         env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.returncode == status, run.stdout[-2000:] + run.stderr[-2000:]
     return run
 
 
@@ -81,11 +81,7 @@ def test_pack_refuses_more_than_a_call_carries(speech_corpus: Path, tmp_path: Pa
     well under 1 MiB is refused when the limit is 1 MiB."""
     env = {"PYTHON": sys.executable, "PACK": str(tmp_path / "pack"), "NO_WHEELS": "1",
            "RECIPE": str(TINY_RECIPE), "CARRY_MIB": "1"}  # fmt: skip
-    run = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_train.sh"), "pack", str(speech_corpus)], cwd=ROOT,
-        env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 1
+    run = _script("pack", str(speech_corpus), env=env, status=1)
     assert (tmp_path / "pack" / "corpus.tar").stat().st_size < 1024 * 1024
     assert "the checkout's files" in run.stdout
     assert "more than the 1 MiB a call carries in: pack again with a smaller MAX_MB" in run.stderr
@@ -110,11 +106,8 @@ def test_run_sizes_max_steps_to_its_budget(speech_corpus: Path, tmp_path: Path) 
     assert f"steps/epoch; {chosen} steps" in log  # the run's schedule is the steps chosen
     assert "training ended with status 0" in log
     assert not (tmp_path / "gpu" / ".gpu-train-probe").exists()
-    again = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_train.sh"), "run"], cwd=ROOT,
-        env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert again.returncode == 2 and "MAX_STEPS=auto sizes a fresh run" in again.stderr
+    again = _script("run", env=env, status=2)
+    assert "MAX_STEPS=auto sizes a fresh run" in again.stderr
 
 
 def test_opus_level_packs_smaller_and_is_checked(speech_corpus: Path, tmp_path: Path) -> None:

@@ -265,6 +265,16 @@ def _max_abs_diff(pairs: list[tuple[np.ndarray, np.ndarray]]) -> float:
     return float(np.max(worst, initial=0.0))
 
 
+def _torch_log_probs(model: DeepSpeech2, feats: list[np.ndarray]) -> list[np.ndarray]:
+    """torch's log-probs of utterances run as one padded batch, each cut to its length."""
+    with torch.no_grad():
+        batch = torch.nn.utils.rnn.pad_sequence(
+            [torch.from_numpy(f) for f in feats], batch_first=True
+        )
+        log_probs, lengths = model(batch, torch.tensor([len(f) for f in feats]))
+    return [lp[: int(n)].numpy() for lp, n in zip(log_probs, lengths, strict=True)]
+
+
 def _random_features(model: DeepSpeech2, frames: int, rng: np.random.Generator) -> np.ndarray:
     """Features in the range training saw: the feature mean plus noise of its spread."""
     mean, std = model.feature_mean.numpy(), model.feature_std.numpy()
@@ -318,13 +328,7 @@ def check_parity(
     for lengths in PARITY_BATCHES:
         feats = [_random_features(model, n, rng) for n in lengths]
         utterances += feats
-        with torch.no_grad():
-            batch = torch.nn.utils.rnn.pad_sequence(
-                [torch.from_numpy(f) for f in feats], batch_first=True
-            )
-            want, want_len = model(batch, torch.tensor(lengths))
-        got = engine.offline(feats)
-        pairs = [(w[: int(n)].numpy(), g) for w, n, g in zip(want, want_len, got, strict=True)]
+        pairs = list(zip(_torch_log_probs(model, feats), engine.offline(feats), strict=True))
         finite &= all(np.isfinite(w).all() for w, _ in pairs)
         offline.append({"lengths": list(lengths), "max_abs_diff": _max_abs_diff(pairs)})
     stream = None
@@ -434,20 +438,13 @@ def _round_to_half(model: DeepSpeech2) -> dict[str, Any]:
     parity check's largest batch."""
     rng = np.random.default_rng(0)
     feats = [_random_features(model, n, rng) for n in max(PARITY_BATCHES, key=len)]
-    batch = torch.nn.utils.rnn.pad_sequence([torch.from_numpy(f) for f in feats], True)
-    lengths = torch.tensor([len(f) for f in feats])
-    with torch.no_grad():
-        before, out_lengths = model(batch, lengths)
-        rounded = round_weights(model)
-        after, _ = model(batch, lengths)
-    change = max(
-        float((b[: int(n)] - a[: int(n)]).abs().max())
-        for b, a, n in zip(before, after, out_lengths, strict=True)
-    )
+    before = _torch_log_probs(model, feats)
+    rounded = round_weights(model)
+    after = _torch_log_probs(model, feats)
     return {
         "dtype": "float16",
         "values_rounded": rounded,
-        "max_abs_log_prob_change": change,
+        "max_abs_log_prob_change": _max_abs_diff(list(zip(before, after, strict=True))),
         "stored": {},  # graph file -> the tensors and values stored as float16
     }
 

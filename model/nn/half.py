@@ -71,11 +71,9 @@ def store_half(onnx_bytes: bytes) -> tuple[bytes, dict[str, int]]:
                 "Cast", [name + SUFFIX], [name], name=name + SUFFIX, to=TensorProto.FLOAT
             )
         )
-    nodes = [*casts, *proto.graph.node]  # the casts first: nodes stay in topological order
-    del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
-    onnx.checker.check_model(proto)
-    return proto.SerializeToString(), {"tensors": len(casts), "values": values_stored}
+    # the casts first: nodes stay in topological order
+    graph = _with_nodes(proto, [*casts, *proto.graph.node])
+    return graph, {"tensors": len(casts), "values": values_stored}
 
 
 def _stored(proto: Any) -> list[tuple[Any, Any]]:
@@ -113,7 +111,13 @@ def expand_half(onnx_bytes: bytes) -> bytes:
         values = numpy_helper.to_array(tensor).astype(np.float32)
         tensor.CopyFrom(numpy_helper.from_array(values, cast.output[0]))
     casts = {id(cast) for cast, _ in stored}
-    nodes = [n for n in proto.graph.node if id(n) not in casts]
+    return _with_nodes(proto, [n for n in proto.graph.node if id(n) not in casts])
+
+
+def _with_nodes(proto: Any, nodes: list[Any]) -> bytes:
+    """`proto` with `nodes` as its graph's nodes, checked and serialised."""
+    import onnx
+
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
     onnx.checker.check_model(proto)
