@@ -340,6 +340,52 @@ def test_ranks_get_equal_counts_and_disjoint_batches(world_size: int, epoch: int
     assert seen == Counter(range(len(DURATIONS))) + repeated
 
 
+@pytest.mark.parametrize("world_size", [pytest.param(w, id=f"world-{w}") for w in (2, 3, 4)])
+@pytest.mark.parametrize("epoch", [pytest.param(0, id="sortagrad"), pytest.param(3, id="shuffled")])
+def test_batch_per_step_deals_one_ranks_batches_to_the_ranks(world_size: int, epoch: int) -> None:
+    """batch_per = "step": the steps are one rank's batches (where each holds a share for
+    every rank), in one rank's order, each dealt to the ranks in turn (so the shares pad
+    alike); every utterance once, none twice."""
+    cfg = DataConfig(batch_seconds=30.0, max_batch=5, batch_per="step")
+    samplers = [
+        BucketBatchSampler(DURATIONS, cfg, seed=7, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
+    ranks = [_epoch(s, epoch) for s in samplers]
+    order = samplers[0].step_order(epoch)
+    batches = samplers[0].batches
+    assert [b for s in samplers[1:] for b in s.batches] == batches * (world_size - 1)
+    for step, shares in enumerate(zip(*ranks, strict=True)):
+        assert list(shares) == [batches[order[step]][r::world_size] for r in range(world_size)]
+    one = BucketBatchSampler(DURATIONS, SAMPLER_CFG, seed=7)
+    if min(map(len, one.batches)) >= world_size:  # 2 and 3; 4 merges the longest
+        assert batches == one.batches and order == one.step_order(epoch)
+    assert min(map(len, batches)) >= world_size
+    seen = Counter(i for shares in ranks for b in shares for i in b)
+    assert seen == Counter(range(len(DURATIONS)))
+
+
+def test_batch_per_step_gives_every_rank_a_share_of_every_batch() -> None:
+    """A batch the limits end with fewer utterances than ranks takes more, and a short last
+    one joins the one before: no rank is ever handed an empty share."""
+    durations = [1.0] * 6 + [20.0, 25.0, 30.0]  # the last three fill 30 s alone
+    cfg = DataConfig(batch_seconds=30.0, max_batch=4, batch_per="step")
+    shares = [
+        _epoch(BucketBatchSampler(durations, cfg, 0, rank=r, world_size=2), 0) for r in (0, 1)
+    ]
+    # [6] would end alone (20 + 25 > 30 s) and takes 7; [8] is left over and joins them.
+    assert shares == [[[0, 2], [4], [6, 8]], [[1, 3], [5], [7]]]
+    one_rank = _epoch(BucketBatchSampler(durations, cfg, 0), 0)
+    assert one_rank == [[0, 1, 2, 3], [4, 5], [6], [7], [8]]  # one rank: as the limits cut
+    with pytest.raises(ValueError, match="cannot be dealt to 4 ranks"):
+        BucketBatchSampler(durations[:3], cfg, 0, rank=0, world_size=4)
+
+
+def test_batch_per_must_be_rank_or_step() -> None:
+    with pytest.raises(ValueError, match="batch_per must be 'rank' or 'step'"):
+        DataConfig(batch_per="node")  # type: ignore[arg-type]
+
+
 def test_resume_mid_epoch_yields_exactly_the_remaining_batches() -> None:
     sampler = BucketBatchSampler(DURATIONS, SAMPLER_CFG, seed=3, rank=1, world_size=2)
     sampler.set_epoch(2)

@@ -66,6 +66,65 @@ with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
 d.cleanup()
 """
 
+# Each rank takes its share of one batch (batch_per = "step": utterances r, r + W, ...),
+# pads it and weights its loss as training does (step_share), runs a tiny DS2 in float64
+# with the norms' statistics shared, and averages gradients over the ranks as DDP does;
+# it also computes the whole batch alone (the one-rank oracle), and its share without
+# shared statistics (what training did before: the test's control). OUT/rank<r>.json.
+SPLIT_SCRIPT = """
+import json, os, sys, torch
+from torch import nn
+import torch.distributed as dist
+from echoic.model.core.features import FeatureConfig
+from echoic.model.nn.network import DeepSpeech2, ModelConfig
+from echoic.training import distributed as d
+from echoic.training.train import step_share
+env = d.detect_env()
+d.init_distributed(env, "cpu", timeout_s=60)
+cfg = ModelConfig(features=FeatureConfig(mel_bins=40), conv_channels=(4, 4),
+                  conv_kernel_freq=(11, 5), conv_kernel_time=(5, 5), conv_stride_freq=(2, 2),
+                  conv_stride_time=(2, 1), rnn_layers=2, rnn_hidden=16, chunk_frames=8,
+                  context_frames=3)
+g = torch.Generator().manual_seed(1)
+lengths = torch.tensor([97, 60, 55, 43, 30])
+feats = torch.randn(5, 97, 40, generator=g, dtype=torch.float64)
+for i, n in enumerate(lengths):
+    feats[i, n:] = 0
+targets = [torch.randint(1, 20, (int(n) // 12,), generator=g) for n in lengths]
+
+def loss(model, x, rows):
+    lp, out_len = model(x, lengths[rows])
+    tg = [targets[i] for i in rows]
+    return nn.functional.ctc_loss(lp.transpose(0, 1), torch.cat(tg), out_len,
+        torch.tensor([len(t) for t in tg]), reduction="sum") / x.shape[0]
+
+torch.manual_seed(0)
+one = DeepSpeech2(cfg).double().train()
+start = {k: v.clone() for k, v in one.state_dict().items()}
+loss(one, feats, list(range(5))).backward()
+rows = list(range(env.rank, 5, env.world_size))
+mine = feats[rows][:, : int(lengths[rows].max())]
+mine, share, frames = step_share(mine, int(lengths[rows].sum()), env.world_size)
+group = d.new_group()
+result = {"rank": env.rank, "share": share, "frames": frames, "padded": mine.shape[1]}
+for name, shared in (("shared", True), ("alone", False)):
+    model = DeepSpeech2(cfg).double().train()
+    model.load_state_dict(start)
+    model.share_norm_statistics(group if shared else None)
+    (loss(model, mine, rows) * share).backward()
+    worst = 0.0
+    for (_, a), (_, b) in zip(one.named_parameters(), model.named_parameters()):
+        dist.all_reduce(b.grad)
+        b.grad /= env.world_size
+        worst = max(worst, float((a.grad - b.grad).abs().max() / a.grad.abs().max()))
+    result[name] = worst
+    result[name + "_buffers"] = max(float((a - b).abs().max()) for a, b in
+        zip(one.buffers(), model.buffers()) if a.is_floating_point())
+with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
+    json.dump(result, f)
+d.cleanup()
+"""
+
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -281,6 +340,33 @@ def test_mpirun_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
     assert ranks[0]["master"] != fallback, f"ranks met at {fallback}: not through mpi4py"
     assert ranks[0]["master"].startswith(f"{DEFAULT_MASTER_ADDR}:")
     assert [r["mpi4py"] for r in ranks] == [True, True], "not through mpi4py"
+
+
+@pytest.mark.slow
+def test_a_batch_split_over_ranks_has_the_gradient_of_one_rank(tmp_path: Path) -> None:
+    """Three ranks each take a share (2, 2 and 1 of 5 utterances) of one batch, as
+    batch_per = "step" deals it: with the batch norms' statistics shared and the loss
+    weighted by its share, their mean gradient is one rank's on the whole batch to
+    float64 rounding, and so are the norms' running statistics; the same shares with
+    each rank's own statistics are nowhere near it."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not installed")
+    pytest.importorskip("mpi4py", reason="mpi4py (the train extra) is not installed")
+    script = tmp_path / "split.py"
+    script.write_text(SPLIT_SCRIPT)
+    cmd = [mpirun, *MPIRUN_ARGS, "-np", "3", sys.executable, str(script), str(tmp_path)]
+    proc = subprocess.run(
+        cmd, env=_clean_environ(), capture_output=True, text=True, timeout=180, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = _read_ranks(tmp_path, 3)
+    assert [r["share"] for r in ranks] == [1.2, 1.2, 0.6]  # 3 x 2/5, 3 x 2/5, 3 x 1/5
+    assert {r["frames"] for r in ranks} == {97 + 60 + 55 + 43 + 30}
+    assert {r["padded"] for r in ranks} == {97}  # every share padded to the longest
+    for r in ranks:
+        assert r["shared"] < 1e-9 and r["shared_buffers"] < 1e-12, r
+        assert r["alone"] > 1e-2 and r["alone_buffers"] > 1e-3, r
 
 
 def _free_port() -> int:

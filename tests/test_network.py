@@ -93,3 +93,23 @@ def test_training_step_lowers_ctc_loss() -> None:
 def test_bad_model_config(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(TINY, **changes)
+
+
+def test_conv_norm_alone_is_batchnorm2d_bit_for_bit() -> None:
+    """ConvBatchNorm without a process group is nn.BatchNorm2d: the same outputs,
+    gradients and running statistics, bit for bit (a one-rank run trains as before)."""
+    from torch import nn
+
+    from echoic.model.nn.network import ConvBatchNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 9, 17) * 2 + 1
+    ours, theirs = ConvBatchNorm(4), nn.BatchNorm2d(4)
+    theirs.load_state_dict(ours.state_dict())
+    outs = []
+    for norm in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        (norm(xi) * torch.arange(17.0)).sum().backward()
+        outs.append((norm(xi.detach()), xi.grad, *norm.state_dict().values()))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

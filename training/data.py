@@ -9,14 +9,24 @@ the bad lines. Duration filtering (`min_duration`, `max_duration`) is policy, no
 error: those lines are skipped and counted in either mode.
 
 Batches (`BucketBatchSampler`): utterances sorted by duration are cut into batches
-whose padded size (longest duration x count) stays within `batch_seconds`; groups
-of `world_size` neighbouring batches form one optimizer step, rank r taking the
-r-th batch of each, so ranks in a step pad to similar lengths. Epoch 0 walks the
-steps shortest first (SortaGrad); later epochs shuffle the step order with a
-generator seeded from (seed, epoch) alone. When the batch count is not a multiple
-of world_size, the shortest batches are repeated to fill the last step: every rank
-gets the same number of batches (no rank waits forever at an all-reduce), every
-utterance is seen once per epoch and at most world_size-1 batches twice.
+whose padded size (longest duration x count) stays within `batch_seconds`. Epoch 0
+walks the steps shortest first (SortaGrad); later epochs shuffle the step order with
+a generator seeded from (seed, epoch) alone. How a step's batch meets the ranks is
+`batch_per`:
+
+- "rank" (weak scaling): the limits bound each rank's batch; groups of `world_size`
+  neighbouring batches form one optimizer step, rank r taking the r-th batch of
+  each, so ranks in a step pad to similar lengths. When the batch count is not a
+  multiple of world_size, the shortest batches are repeated to fill the last step:
+  every rank gets the same number of batches (no rank waits forever at an
+  all-reduce), every utterance is seen once per epoch and at most world_size-1
+  batches twice.
+- "step" (strong scaling): the limits bound the step's whole batch, cut as for one
+  rank, and rank r takes its utterances r, r + world_size, ... (sorted by duration,
+  so the shares pad alike). Training pads every share to the longest and shares the
+  batch norms' statistics (`train_step`), so any number of ranks computes the step
+  one rank would, up to the order of its sums. A batch of fewer utterances than
+  ranks (the longest ones, when batch_seconds holds few) joins its neighbour.
 
 A file that stops decoding after the check (changed on disk) does not end an
 epoch: the dataset logs it, counts it and substitutes the nearest utterance by
@@ -69,8 +79,11 @@ class DataConfig:
     max_duration: float = 20.0  # s, longer utterances are skipped (counted)
     min_duration: float = 0.1  # s, shorter utterances are skipped (counted)
     duration_tolerance: float = 0.1  # fraction; beyond it the audio header's duration wins
-    batch_seconds: float = 160.0  # s, padded audio per batch per rank (longest x count)
-    max_batch: int = 32  # utterances per batch per rank
+    batch_seconds: float = 160.0  # s, padded audio per batch (longest x count), see batch_per
+    max_batch: int = 32  # utterances per batch, see batch_per
+    batch_per: Literal["rank", "step"] = "rank"  # what batch_seconds and max_batch bound:
+    # "rank": each rank's own batch (more ranks, a bigger step); "step": the whole step's
+    # batch, dealt to the ranks (more ranks, the same step: one rank's weights, dropout 0)
     sortagrad: bool = True  # first epoch in order of increasing length
     bad_input: Literal["skip", "stop"] = "stop"  # what to do with an unusable manifest line
     num_workers: int = 0  # data loader worker processes; 0 = load in the training process
@@ -84,6 +97,8 @@ class DataConfig:
             )
         if self.batch_seconds <= 0 or self.max_batch < 1:
             raise ValueError("batch_seconds must be positive and max_batch at least 1")
+        if self.batch_per not in ("rank", "step"):
+            raise ValueError(f"batch_per must be 'rank' or 'step', got {self.batch_per!r}")
         if self.duration_tolerance < 0 or self.num_workers < 0:
             raise ValueError("duration_tolerance and num_workers must not be negative")
 
@@ -354,17 +369,25 @@ def _collate_with_sources(examples: Sequence[Example]) -> tuple[Batch, list[int]
     return collate(examples), [e.index for e in examples], [e.substituted for e in examples]
 
 
-def _bucket(durations: np.ndarray, batch_seconds: float, max_batch: int) -> list[list[int]]:
-    """Cut the duration-sorted utterances into batches with longest x count <= batch_seconds."""
+def _bucket(
+    durations: np.ndarray, batch_seconds: float, max_batch: int, least: int = 1
+) -> list[list[int]]:
+    """Cut the duration-sorted utterances into batches with longest x count <= batch_seconds,
+    each of at least `least` utterances where there are that many (a batch the limits
+    would end sooner takes more; a short last one joins the one before)."""
     batches: list[list[int]] = []
     current: list[int] = []
     for index in np.argsort(durations, kind="stable").tolist():
         padded = (len(current) + 1) * durations[index]  # sorted: this one is the longest
-        if current and (padded > batch_seconds or len(current) >= max_batch):
+        full = padded > batch_seconds or len(current) >= max_batch
+        if len(current) >= least and full:
             batches.append(current)
             current = []
         current.append(index)
-    batches.append(current)
+    if len(current) < least and batches:
+        batches[-1] += current
+    else:
+        batches.append(current)
     return batches
 
 
@@ -394,10 +417,21 @@ class BucketBatchSampler(Sampler[list[int]]):
             raise ValueError(f"need seed >= 0 and 0 <= rank < world_size, got {seed}, {rank}")
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.sortagrad, self.shuffle = cfg.sortagrad, shuffle
-        batches = _bucket(np.asarray(durations, dtype=np.float64), cfg.batch_seconds, cfg.max_batch)
-        self.num_steps = -(-len(batches) // world_size)
-        padding = self.num_steps * world_size - len(batches)
-        self.batches = batches + [batches[i % len(batches)] for i in range(padding)]
+        self.split = cfg.batch_per == "step"  # a batch a step, dealt to the ranks
+        if self.split and len(durations) < world_size:
+            raise ValueError(
+                f"{len(durations)} utterance(s) cannot be dealt to {world_size} ranks"
+                ' (batch_per = "step" gives every rank a share of each batch)'
+            )
+        durations = np.asarray(durations, dtype=np.float64)
+        if self.split:
+            self.batches = _bucket(durations, cfg.batch_seconds, cfg.max_batch, world_size)
+            self.num_steps = len(self.batches)
+        else:
+            batches = _bucket(durations, cfg.batch_seconds, cfg.max_batch)
+            self.num_steps = -(-len(batches) // world_size)
+            padding = self.num_steps * world_size - len(batches)
+            self.batches = batches + [batches[i % len(batches)] for i in range(padding)]
         flat = np.array([i for batch in self.batches for i in batch + [-1]], dtype=np.int64)
         self.digest = hashlib.sha256(flat.tobytes()).hexdigest()[:16]
         self.epoch = 0
@@ -416,6 +450,8 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of `epoch`, in order."""
+        if self.split:
+            return [self.batches[s][self.rank :: self.world_size] for s in self.step_order(epoch)]
         return [self.batches[s * self.world_size + self.rank] for s in self.step_order(epoch)]
 
     def __len__(self) -> int:

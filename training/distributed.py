@@ -287,6 +287,26 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_gather_sizes(*sizes: int) -> torch.Tensor:
+    """Every rank's `sizes`, as a (world size, len(sizes)) int64 tensor on the CPU, rank r's
+    in row r; one row in a single process."""
+    mine = torch.tensor(sizes, dtype=torch.int64)
+    if not dist.is_initialized():
+        return mine.unsqueeze(0)
+    if dist.get_backend() == "nccl":  # NCCL moves only CUDA tensors
+        mine = mine.cuda()
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows).cpu()
+
+
+def new_group() -> Any:
+    """A process group of every rank beside the default one (its collectives are ordered
+    apart from those on the default group, DistributedDataParallel's); None in a single
+    process."""
+    return dist.new_group() if dist.is_initialized() else None
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj` (picklable), in rank order; `[obj]` in a single process."""
     if not dist.is_initialized():

@@ -240,6 +240,7 @@ class Run:
     bar: tqdm | None  # progress bar on rank 0, when asked for
     started: float  # time.perf_counter() when training started, seconds
     evaluated_at: int = -1  # step of this process's last evaluation; -1 = none yet
+    step_frames: int = 0  # feature frames of the last step's batch, all ranks'
     audio_seconds: float = 0.0  # audio trained on by all ranks since `started`, seconds
     window_loss: float = 0.0  # sum of the losses since the last train record
     window_steps: int = 0  # steps since the last train record
@@ -290,6 +291,8 @@ def start(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device, prog
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
+        if cfg.data.batch_per == "step":  # ranks share each batch: and its norms' statistics
+            model.share_norm_statistics(distributed.new_group())
     if main:
         print(
             f"model {cfg.model.name}: {count_parameters(model) / 1e6:.2f}M parameters;"
@@ -448,19 +451,42 @@ def _evenly(utts: list, count: int) -> list:
 # ---- the steps -------------------------------------------------------------------
 
 
+def step_share(
+    features: torch.Tensor, frames: int, world_size: int
+) -> tuple[torch.Tensor, float, int]:
+    """This rank's share of a step's batch (batch_per = "step" over several ranks): its
+    features (B, T, F) padded to the batch's longest, so that the convolutions' norms see
+    what one rank would; the weight of its loss (a mean over its utterances), so that
+    DDP's mean over ranks is the batch's mean over utterances; and the batch's frames
+    (`frames` this rank's)."""
+    sizes = distributed.all_gather_sizes(*features.shape[:2], frames)  # (ranks, 3)
+    longest = int(sizes[:, 1].max())
+    features = nn.functional.pad(features, (0, 0, 0, longest - features.shape[1]))
+    share = world_size * features.shape[0] / int(sizes[:, 0].sum())
+    return features, share, int(sizes[:, 2].sum())
+
+
 def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one batch; returns its loss and the gradient norm before
     clipping (zero when clipping is off)."""
     cfg, device = run.cfg, run.device
     use_bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16")
-    features, feature_lengths = batch.features.to(device), batch.feature_lengths.to(device)
+    features, share = batch.features, 1.0
+    frames = int(batch.feature_lengths.sum())
+    run.step_frames = frames * run.env.world_size  # batches per rank: alike, near enough
+    shared = cfg.data.batch_per == "step" and run.env.world_size > 1
+    if shared:
+        features, share, run.step_frames = step_share(features, frames, run.env.world_size)
+    features, feature_lengths = features.to(device), batch.feature_lengths.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
         log_probs, out_len = run.wrapped(features, feature_lengths)
     # CTC backward is not deterministic on CUDA; on the CPU it is, and the
     # log-probs are small, so the loss is computed there.
     loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), batch.targets, batch.target_lengths)
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss * share).backward()
+    if shared:
+        loss = distributed.all_reduce_mean(loss * share)  # the batch's loss, as one rank's
     grad_norm = (
         nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip)
         if cfg.optim.grad_clip
@@ -479,7 +505,7 @@ def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor
     run.window_loss += loss.item()
     run.window_steps += 1
     hop = run.cfg.model.features.hop_ms / 1000.0
-    run.audio_seconds += float(batch.feature_lengths.sum()) * hop * run.env.world_size
+    run.audio_seconds += run.step_frames * hop
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{loss.item():.2f}", epoch=run.epoch)

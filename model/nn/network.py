@@ -106,6 +106,51 @@ class ModelConfig:
         return (chunk + self.context_frames - 1) * self.time_stride + self.receptive_field
 
 
+def batch_moments(rows: Tensor, group: object = None) -> tuple[Tensor, Tensor, int]:
+    """The mean and (biased) variance of `rows` (N, D) over N, and N.
+
+    With a process group (`DeepSpeech2.share_norm_statistics`), over every rank's rows
+    together, as if one rank held them all: the sums cross the ranks with autograd, so
+    each rank's gradient also carries what its rows did to the others' statistics
+    (what one rank computing the whole batch would get). Two passes, as a local
+    variance is: the mean first, then the squared distances from it.
+    """
+    if group is None:
+        return rows.mean(0), rows.var(0, unbiased=False), rows.shape[0]
+    import torch.distributed as dist
+
+    count = torch.tensor([rows.shape[0]], dtype=torch.float64, device=rows.device)
+    dist.all_reduce(count, group=group)
+    n = int(count.item())
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        rows = rows.float()  # sums over ranks in float32 under autocast too
+    mean = _SumOverRanks.apply(rows.sum(0), group) / n
+    var = _SumOverRanks.apply((rows - mean).square().sum(0), group) / n
+    return mean, var, n
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of a tensor over the ranks of a group; its gradient is the sum of the
+    ranks' gradients of that sum (every rank's loss depends on it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object) -> Tensor:  # noqa: ANN001 (autograd's ctx)
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class SequenceBatchNorm(nn.Module):
     """Batch norm over all valid (batch, time) positions: padding does not count."""
 
@@ -116,14 +161,13 @@ class SequenceBatchNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.register_buffer("running_mean", torch.zeros(dim))
         self.register_buffer("running_var", torch.ones(dim))
+        self.group: object = None  # statistics over every rank's batch (batch_moments)
 
     def forward(self, x: Tensor, mask: Tensor, *more: Tensor) -> list[Tensor]:
         if self.training:
-            valid = x[mask]  # (N, D)
-            mean = valid.mean(0)
-            var = valid.var(0, unbiased=False)
+            mean, var, n = batch_moments(x[mask], self.group)  # over the (N, D) valid rows
             with torch.no_grad():
-                n = max(valid.shape[0], 2)
+                n = max(n, 2)
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
                 self.running_var.lerp_(
                     var.detach().to(self.running_var.dtype) * n / (n - 1), self.momentum
@@ -133,6 +177,28 @@ class SequenceBatchNorm(nn.Module):
         scale = self.weight * torch.rsqrt(var + self.eps)
         shift = self.bias - mean * scale
         return [t * scale + shift for t in (x, *more)]
+
+
+class ConvBatchNorm(nn.BatchNorm2d):
+    """nn.BatchNorm2d (every position of (B, C, F, T), per channel) that, given a process
+    group, takes its training statistics over every rank's batch (`batch_moments`);
+    without one it is nn.BatchNorm2d itself. Same parameters and buffers."""
+
+    group: object = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and self.group is not None):
+            return super().forward(x)
+        rows = x.transpose(0, 1).reshape(x.shape[1], -1).t()  # (B*F*T, C)
+        mean, var, n = batch_moments(rows, self.group)
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            step = self.momentum if self.momentum is not None else 1 / int(self.num_batches_tracked)
+            self.running_mean.lerp_(mean.detach(), step)
+            self.running_var.lerp_(var.detach() * n / max(n - 1, 1), step)
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        shift = self.bias - mean * scale
+        return (x * scale[:, None, None] + shift[:, None, None]).to(x.dtype)
 
 
 class ClippedReLURNN(nn.Module):
@@ -311,7 +377,7 @@ class DeepSpeech2(nn.Module):
         ):
             convs += [
                 nn.Conv2d(cin, cout, (kf, kt), (sf, st), padding=(kf // 2, 0), bias=False),
-                nn.BatchNorm2d(cout),
+                ConvBatchNorm(cout),
                 nn.Hardtanh(0.0, cfg.relu_clip),
             ]
             cin, freq = cout, (freq + 2 * (kf // 2) - kf) // sf + 1
@@ -339,6 +405,14 @@ class DeepSpeech2(nn.Module):
         x = self.conv(x.transpose(1, 2).unsqueeze(1))  # (B, C, F', T')
         b, c, f, t = x.shape
         return x.reshape(b, c * f, t).transpose(1, 2)  # (B, T', C*F')
+
+    def share_norm_statistics(self, group: object) -> None:
+        """Take every batch norm's training statistics over all ranks of `group` (a
+        torch.distributed process group; None: this rank's batch alone), so that ranks
+        that split one batch compute what one rank given all of it would."""
+        for module in self.modules():
+            if isinstance(module, SequenceBatchNorm | ConvBatchNorm):
+                module.group = group
 
     def set_rnn_impl(self, impl: Literal["auto", "cudnn", "persistent"]) -> None:
         """Which kernels run the GRU and plain RNN layers on a GPU (see model/nn/persistent)."""
