@@ -10,7 +10,10 @@
 #   bash scripts/gpu_check.sh tests [EXPR]  pytest -m gpu tests/test_persistent_rnn.py and
 #                                           the sm_90 fit table (EXPR: a -k filter)
 #   bash scripts/gpu_check.sh train [EXPR]  pytest -m gpu tests/test_train.py: training on
-#                                           the GPU is deterministic, persistent ~ cuDNN
+#                                           the GPU is deterministic, persistent ~ cuDNN;
+#                                           `train sharing_each_batch`: two ranks sharing
+#                                           each batch train one rank's weights (four runs:
+#                                           left out of all and quick)
 #   bash scripts/gpu_check.sh bench [NAME] [ARGS]   python bench/NAME.py ARGS
 #                                           (NAME: persistent_rnn, the default, or another)
 #   bash scripts/gpu_check.sh all           env, the barrier oracle (tests barrier), the GPU
@@ -163,9 +166,10 @@ all | quick)
     # before the long GPU tests so that it is printed even if they run out of time.
     if [[ $part == all ]]; then
         parts=("20 env" "60 tests barrier" "200 bench persistent_rnn --quick" "200 tests gpu"
-            "90 train")
+            "90 train not sharing_each_batch")
     else
-        parts=("20 env" "40 tests barrier" "150 tests gpu" "80 train" "40 recipe persistent")
+        parts=("20 env" "40 tests barrier" "150 tests gpu" "80 train not sharing_each_batch"
+            "40 recipe persistent")
     fi
     for limit_and_part in "${parts[@]}"; do
         read -r limit this <<<"$limit_and_part"

@@ -546,23 +546,6 @@ def test_gpu_two_ranks_share_one_gpu_and_reproduce_themselves(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not shutil.which("mpirun"), reason="mpirun (openmpi-bin) is not installed")
-def test_gpu_two_ranks_sharing_each_batch_train_one_ranks_weights(
-    speech_corpus: Path, tmp_path: Path
-) -> None:
-    """Issue 29's row on the GPU: `mpirun -np 2` on one GPU over gloo, each batch dealt
-    to both ranks (batch_per = "step"), ends with one rank's weights (float32 here: under
-    bf16 autocast each share rounds apart), reproduces its bits, and logs one rank's
-    losses."""
-    _need_gpu()
-    shared, own = _sharing_ranks_train_one_ranks_weights(
-        speech_corpus, tmp_path, "device=cuda", "dist_backend=gloo", "precision=fp32", env=STRICT
-    )
-    print(f"largest weight difference from one rank: shared batches {shared:.2e}, own {own:.2e}")
-    assert shared < 2e-3 and own > 100 * shared, (shared, own)
-
-
-@pytest.mark.gpu
 def test_gpu_persistent_kernels_train_like_cudnn(speech_corpus: Path, tmp_path: Path) -> None:
     """The same 30 steps through the persistent kernels and through cuDNN: the loss
     curves agree to bf16 tolerance, and both learn; the checkpoints differ, as two
@@ -578,3 +561,20 @@ def test_gpu_persistent_kernels_train_like_cudnn(speech_corpus: Path, tmp_path: 
     for ours, theirs in zip(curves["persistent"], curves["cudnn"], strict=True):
         assert abs(ours - theirs) <= 0.05 * abs(theirs), curves
     assert curves["persistent"][-1] < curves["persistent"][0], curves
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not shutil.which("mpirun"), reason="mpirun (openmpi-bin) is not installed")
+def test_gpu_two_ranks_sharing_each_batch_train_one_ranks_weights(
+    speech_corpus: Path, tmp_path: Path
+) -> None:
+    """Issue 29's row on the GPU: `mpirun -np 2` on one GPU over gloo, each batch dealt
+    to both ranks (batch_per = "step"), ends with one rank's weights (float32 here: under
+    bf16 autocast each share rounds apart), reproduces its bits, and logs one rank's
+    losses."""
+    _need_gpu()
+    shared, own = _sharing_ranks_train_one_ranks_weights(
+        speech_corpus, tmp_path, "device=cuda", "dist_backend=gloo", "precision=fp32", env=STRICT
+    )
+    print(f"largest weight difference from one rank: shared batches {shared:.2e}, own {own:.2e}")
+    assert shared < 2e-3 and own > 100 * shared, (shared, own)
