@@ -120,6 +120,8 @@ for name, shared in (("shared", True), ("alone", False)):
     result[name] = worst
     result[name + "_buffers"] = max(float((a - b).abs().max()) for a, b in
         zip(one.buffers(), model.buffers()) if a.is_floating_point())
+    result[name + "_counts"] = all(torch.equal(a, b) for a, b in
+        zip(one.buffers(), model.buffers()) if not a.is_floating_point())
 with open(os.path.join(sys.argv[1], f"rank{env.rank}.json"), "w") as f:
     json.dump(result, f)
 d.cleanup()
@@ -365,7 +367,7 @@ def test_a_batch_split_over_ranks_has_the_gradient_of_one_rank(tmp_path: Path) -
     assert {r["frames"] for r in ranks} == {97 + 60 + 55 + 43 + 30}
     assert {r["padded"] for r in ranks} == {97}  # every share padded to the longest
     for r in ranks:
-        assert r["shared"] < 1e-9 and r["shared_buffers"] < 1e-12, r
+        assert r["shared"] < 1e-9 and r["shared_buffers"] < 1e-12 and r["shared_counts"], r
         assert r["alone"] > 1e-2 and r["alone_buffers"] > 1e-3, r
 
 

@@ -424,10 +424,10 @@ def _sharing_ranks_train_one_ranks_weights(
     corpus: Path, out: Path, *overrides: str, env: dict | None = None
 ) -> tuple[float, float]:
     """One rank, then two ranks with batch_per = "step" (twice: the same bits) and with
-    batch_per = "rank", 8 plain SGD steps each (`overrides` added): the largest weight
+    batch_per = "rank", 4 plain SGD steps each (`overrides` added): the largest weight
     difference from one rank's with each mode. The sharing ranks log one rank's losses
     and audio."""
-    sgd = ("optim.name=sgd", "optim.lr=1e-3", "optim.warmup_steps=0", "max_steps=8", "log_every=1")
+    sgd = ("optim.name=sgd", "optim.lr=1e-3", "optim.warmup_steps=0", "max_steps=4", "log_every=1")
     environ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
 
     def ranks(to: Path, batch_per: str) -> None:
@@ -444,7 +444,7 @@ def _sharing_ranks_train_one_ranks_weights(
     ranks(out / "rank", "rank")
     _assert_same(out / "step" / "last.pt", out / "again" / "last.pt")
     one, step = _train_records(out / "one"), _train_records(out / "step")
-    assert [r["step"] for r in one] == [r["step"] for r in step] == list(range(1, 9))
+    assert [r["step"] for r in one] == [r["step"] for r in step] == list(range(1, 5))
     assert [r["audio_seconds"] for r in one] == pytest.approx([r["audio_seconds"] for r in step])
     assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in step], rel=1e-3)
     assert [r["loss"] for r in one][1:] != pytest.approx(
@@ -462,15 +462,17 @@ def test_mpirun_two_ranks_sharing_each_batch_train_one_ranks_weights(
     speech_corpus: Path, tmp_path: Path
 ) -> None:
     """Strong scaling: with data.batch_per = "step", two ranks deal each of one rank's
-    batches between them and end 8 steps with one rank's weights (to the order of the
+    batches between them and end 4 steps with one rank's weights (to the order of the
     sums: the ranks reduce in other places than one rank does), log its losses and audio,
     and reproduce their own bits; with batch_per = "rank" each rank takes a batch of its
     own and the weights go elsewhere. Plain SGD, whose step is the gradient's own: Adam's
     first steps are near sign(gradient), so a rounding in a near-zero gradient moves a
-    weight by the whole learning rate."""
+    weight by the whole learning rate. Few steps: early training is chaotic, and a
+    rounding apart grows some 10x a step (one rank at two threads against one: 3e-5 after
+    4 steps, 6e-5 after 8)."""
     shared, own = _sharing_ranks_train_one_ranks_weights(speech_corpus, tmp_path)
     print(f"largest weight difference from one rank: shared batches {shared:.2e}, own {own:.2e}")
-    assert shared < 2e-3 and own > 100 * shared, (shared, own)
+    assert shared < 1e-3 and own > 100 * shared, (shared, own)
 
 
 # ---- on a CUDA GPU (skipped elsewhere; scripts/gpu_check.sh train runs these) -----------
@@ -577,4 +579,19 @@ def test_gpu_two_ranks_sharing_each_batch_train_one_ranks_weights(
         speech_corpus, tmp_path, "device=cuda", "dist_backend=gloo", "precision=fp32", env=STRICT
     )
     print(f"largest weight difference from one rank: shared batches {shared:.2e}, own {own:.2e}")
-    assert shared < 2e-3 and own > 100 * shared, (shared, own)
+    assert shared < 1e-3 and own > 100 * shared, (shared, own)
+
+
+def test_batch_per_rank_is_saved_and_hashed_as_before_it_existed() -> None:
+    """A recipe at a later setting's default writes the config and hash it wrote before
+    the setting came (the same checkpoint bytes, model card and resume); one that uses
+    it records it."""
+    from echoic.model.core.configs import config_hash
+    from echoic.training.train import NOT_HASHED, load_recipe, saved_config, weights_hash
+
+    rank = load_recipe(str(TINY_RECIPE), [])
+    step = load_recipe(str(TINY_RECIPE), ["data.batch_per=step"])
+    assert "batch_per" not in saved_config(rank)["data"]
+    assert weights_hash(rank) == config_hash(rank, (*NOT_HASHED, "data.batch_per"))
+    assert saved_config(step)["data"]["batch_per"] == "step"
+    assert weights_hash(step) != weights_hash(rank)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 Launcher = Literal["single", "torchrun", "openmpi", "mpich", "slurm"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 1800.0  # s, that any collective may wait for the others
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -229,7 +230,7 @@ def init_distributed(
     env: DistEnv,
     device_type: str,
     backend: Backend = "auto",
-    timeout_s: float = 1800.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     environ: Mapping[str, str] = os.environ,
 ) -> torch.device:
     """Pin the device and join the process group (`placement`'s backend); returns this
@@ -300,11 +301,13 @@ def all_gather_sizes(*sizes: int) -> torch.Tensor:
     return torch.stack(rows).cpu()
 
 
-def new_group() -> Any:
+def new_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """A process group of every rank beside the default one (its collectives are ordered
-    apart from those on the default group, DistributedDataParallel's); None in a single
-    process."""
-    return dist.new_group() if dist.is_initialized() else None
+    apart from those on the default group, DistributedDataParallel's), its collectives
+    bounded as `init_distributed`'s; None in a single process."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(timeout=timedelta(seconds=timeout_s))
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -148,7 +148,7 @@ def init_checkpoint(
     from echoic.model.core.text import Vocabulary
     from echoic.model.nn.network import DeepSpeech2
     from echoic.training.data import read_manifest
-    from echoic.training.train import NOT_SAVED, _init_from, load_recipe, weights_hash
+    from echoic.training.train import _init_from, load_recipe, saved_config, weights_hash
 
     cfg = load_recipe(
         recipe, [*overrides, f"init_from={source}", f"data.train_manifest={manifest}"]
@@ -159,7 +159,7 @@ def init_checkpoint(
     ckpt = Checkpoint(
         model=model.state_dict(),
         model_config=to_dict(cfg.model),
-        train_config=to_dict(cfg, NOT_SAVED),
+        train_config=saved_config(cfg),
         config_hash=weights_hash(cfg),
     )
     torch.save(slim(ckpt), out)

@@ -35,6 +35,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -118,10 +119,27 @@ NOT_HASHED = (
 )  # fmt: skip
 
 
+# Settings that came after checkpoints were written, with the value that computes what
+# runs computed before them: left out of the saved config and the hash while they hold
+# it, so that a recipe that does not use them writes the bytes and hash it wrote before.
+LATER_DEFAULTS = {"data.batch_per": "rank"}
+
+
+def leaving_out(cfg: TrainConfig, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """`keys`, and each of `LATER_DEFAULTS` that `cfg` holds at that value."""
+    at_default = (k for k, v in LATER_DEFAULTS.items() if reduce(getattr, k.split("."), cfg) == v)
+    return (*keys, *at_default)
+
+
+def saved_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The training config as a checkpoint holds it (without `NOT_SAVED`)."""
+    return to_dict(cfg, leaving_out(cfg, NOT_SAVED))
+
+
 def weights_hash(cfg: TrainConfig) -> str:
     """The hash of everything in `cfg` that changes the weights (the checkpoint's and the
     model card's `config_hash`)."""
-    return config_hash(cfg, NOT_HASHED)
+    return config_hash(cfg, leaving_out(cfg, NOT_HASHED))
 
 
 # A recipe's own relative paths: looked for in the working directory, then beside it.
@@ -240,7 +258,7 @@ class Run:
     bar: tqdm | None  # progress bar on rank 0, when asked for
     started: float  # time.perf_counter() when training started, seconds
     evaluated_at: int = -1  # step of this process's last evaluation; -1 = none yet
-    step_frames: int = 0  # feature frames of the last step's batch, all ranks'
+    step_frames: int = 0  # feature frames of the last step's shared batch; 0: a batch a rank
     audio_seconds: float = 0.0  # audio trained on by all ranks since `started`, seconds
     window_loss: float = 0.0  # sum of the losses since the last train record
     window_steps: int = 0  # steps since the last train record
@@ -347,7 +365,7 @@ def _resumable(
             f" {cfg.threads}, and the weights depend on it: pass threads={saved_threads} to resume"
         )
     if resume.config_hash != weights_hash(cfg) and env.rank == 0:
-        ours, theirs = _flat(to_dict(cfg, NOT_HASHED)), _flat(resume.train_config)
+        ours, theirs = _flat(to_dict(cfg, leaving_out(cfg, NOT_HASHED))), _flat(resume.train_config)
         changed = sorted(k for k, v in ours.items() if theirs.get(k) != v)
         print(
             f"note: resuming {ckpt_path} with a changed training config"
@@ -471,11 +489,10 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     clipping (zero when clipping is off)."""
     cfg, device = run.cfg, run.device
     use_bf16 = device.type == "cuda" and cfg.precision in ("auto", "bf16")
-    features, share = batch.features, 1.0
-    frames = int(batch.feature_lengths.sum())
-    run.step_frames = frames * run.env.world_size  # batches per rank: alike, near enough
+    features, share, run.step_frames = batch.features, 1.0, 0
     shared = cfg.data.batch_per == "step" and run.env.world_size > 1
     if shared:
+        frames = int(batch.feature_lengths.sum())
         features, share, run.step_frames = step_share(features, frames, run.env.world_size)
     features, feature_lengths = features.to(device), batch.feature_lengths.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -485,8 +502,8 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), batch.targets, batch.target_lengths)
     run.optimizer.zero_grad(set_to_none=True)
     (loss * share).backward()
-    if shared:
-        loss = distributed.all_reduce_mean(loss * share)  # the batch's loss, as one rank's
+    if shared:  # the batch's loss, as one rank's (on the device: NCCL moves no CPU tensor)
+        loss = distributed.all_reduce_mean((loss * share).to(device)).cpu()
     grad_norm = (
         nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip)
         if cfg.optim.grad_clip
@@ -505,7 +522,10 @@ def log_step(run: Run, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor
     run.window_loss += loss.item()
     run.window_steps += 1
     hop = run.cfg.model.features.hop_ms / 1000.0
-    run.audio_seconds += run.step_frames * hop
+    if run.step_frames:  # the ranks shared the batch: its frames are known
+        run.audio_seconds += run.step_frames * hop
+    else:  # a batch a rank: alike, near enough
+        run.audio_seconds += float(batch.feature_lengths.sum()) * hop * run.env.world_size
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{loss.item():.2f}", epoch=run.epoch)
@@ -550,7 +570,7 @@ def save(run: Run) -> None:
         saved = Checkpoint(
             model=run.model.state_dict(),
             model_config=to_dict(cfg.model),
-            train_config=to_dict(cfg, NOT_SAVED),  # threads: the count used
+            train_config=saved_config(cfg),  # threads: the count used
             config_hash=weights_hash(cfg),
             optimizer=run.optimizer.state_dict(),
             scheduler=run.scheduler.state_dict(),

@@ -106,27 +106,34 @@ class ModelConfig:
         return (chunk + self.context_frames - 1) * self.time_stride + self.receptive_field
 
 
-def batch_moments(rows: Tensor, group: object = None) -> tuple[Tensor, Tensor, int]:
-    """The mean and (biased) variance of `rows` (N, D) over N, and N.
+def batch_moments(
+    x: Tensor, dims: tuple[int, ...], group: object = None
+) -> tuple[Tensor, Tensor, int]:
+    """The mean and (biased) variance of `x` over `dims`, and how many values each is of.
 
-    With a process group (`DeepSpeech2.share_norm_statistics`), over every rank's rows
+    With a process group (`DeepSpeech2.share_norm_statistics`), over every rank's `x`
     together, as if one rank held them all: the sums cross the ranks with autograd, so
-    each rank's gradient also carries what its rows did to the others' statistics
+    each rank's gradient also carries what its values did to the others' statistics
     (what one rank computing the whole batch would get). Two passes, as a local
     variance is: the mean first, then the squared distances from it.
     """
     if group is None:
-        return rows.mean(0), rows.var(0, unbiased=False), rows.shape[0]
+        return x.mean(dims), x.var(dims, unbiased=False), _count(x, dims)
     import torch.distributed as dist
 
-    count = torch.tensor([rows.shape[0]], dtype=torch.float64, device=rows.device)
+    count = torch.tensor([_count(x, dims)], dtype=torch.float64, device=x.device)
     dist.all_reduce(count, group=group)
     n = int(count.item())
-    if rows.dtype in (torch.float16, torch.bfloat16):
-        rows = rows.float()  # sums over ranks in float32 under autocast too
-    mean = _SumOverRanks.apply(rows.sum(0), group) / n
-    var = _SumOverRanks.apply((rows - mean).square().sum(0), group) / n
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()  # sums over ranks in float32 under autocast too
+    kept = [1 if d in dims else size for d, size in enumerate(x.shape)]  # broadcasts a moment
+    mean = _SumOverRanks.apply(x.sum(dims), group) / n
+    var = _SumOverRanks.apply((x - mean.reshape(kept)).square().sum(dims), group) / n
     return mean, var, n
+
+
+def _count(x: Tensor, dims: tuple[int, ...]) -> int:
+    return math.prod(x.shape[d] for d in dims)
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -165,7 +172,7 @@ class SequenceBatchNorm(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor, *more: Tensor) -> list[Tensor]:
         if self.training:
-            mean, var, n = batch_moments(x[mask], self.group)  # over the (N, D) valid rows
+            mean, var, n = batch_moments(x[mask], (0,), self.group)  # the (N, D) valid rows
             with torch.no_grad():
                 n = max(n, 2)
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
@@ -189,8 +196,7 @@ class ConvBatchNorm(nn.BatchNorm2d):
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and self.group is not None):
             return super().forward(x)
-        rows = x.transpose(0, 1).reshape(x.shape[1], -1).t()  # (B*F*T, C)
-        mean, var, n = batch_moments(rows, self.group)
+        mean, var, n = batch_moments(x, (0, 2, 3), self.group)  # per channel of (B, C, F, T)
         with torch.no_grad():
             self.num_batches_tracked += 1
             step = self.momentum if self.momentum is not None else 1 / int(self.num_batches_tracked)
