@@ -27,6 +27,7 @@ from echoic.model.nn.punctuation import (  # noqa: E402
     PUNCT_KEY,
     Tagger,
     TaggerConfig,
+    export_ensemble,
     export_tagger,
     exported_tagger,
 )
@@ -417,3 +418,41 @@ def test_training_refuses_an_empty_development_set(
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
     with pytest.raises(SystemExit, match="development set is empty"):
         punctuation.main(["--out", str(tmp_path / "t.onnx"), "--minutes", "0.001"])
+
+
+def test_a_float16_ensemble_stores_half_the_weights_and_tags_as_the_rounded_members(
+    tmp_path: Path,
+) -> None:
+    """--weights float16: the members' large weights (word embeddings, GRU matrices) are
+    stored as float16 behind casts, the file shrinks, and the ensemble's outputs are the
+    float32 ensemble's to float16 rounding (the export checks them against the rounded
+    members to 1e-4)."""
+    import onnx
+
+    from echoic.model.nn.half import half_weights
+    from echoic.model.runtime.formatting import Punctuator
+
+    vocabulary = tuple(f"w{i}" for i in range(300))
+    members = []
+    for i in range(2):
+        torch.manual_seed(i)
+        cfg = TaggerConfig(words=300, word_dim=8, char_dim=4, char_filters=8, hidden=24)
+        members.append(tmp_path / f"member{i}.onnx")
+        export_tagger(Tagger(cfg).eval(), WordList(vocabulary), {}, members[-1])
+    full, half = tmp_path / "full.onnx", tmp_path / "half.onnx"
+    export_ensemble(members, [0.0, 0.1, -0.1, 0.0], {}, full)
+    export_ensemble(members, [0.0, 0.1, -0.1, 0.0], {}, half, weights="float16")
+    assert half_weights(onnx.load(str(half))) >= 4  # two embeddings, two GRUs' matrices at least
+    assert half_weights(onnx.load(str(full))) == 0
+    assert half.stat().st_size < 0.7 * full.stat().st_size
+    tokens = ["w1", "w7", "w299", "other", "w42"]
+    outputs = []
+    for path in (full, half):
+        tagger = Punctuator(path)
+        w, c = encode(tokens, tagger.words)
+        outputs.append(tagger.session.run(None, {"word_ids": w[None], "char_ids": c[None]}))
+    for a, b in zip(*outputs, strict=True):
+        difference = float(np.abs(a - b).max())
+        assert 0 < difference < 1e-2
+    with pytest.raises(ValueError, match="weights must be one of"):
+        export_ensemble(members, [0.0] * 4, {}, tmp_path / "x.onnx", weights="int8")

@@ -634,7 +634,11 @@ def held_out_report(
 
 
 def ensemble(
-    members: Sequence[Path], data: Corpus, sets: dict[str, list[list[Tagged]]], out: Path
+    members: Sequence[Path],
+    data: Corpus,
+    sets: dict[str, list[list[Tagged]]],
+    out: Path,
+    weights: str = "float32",
 ) -> dict:
     """One tagger file of the exported `members` (`export_ensemble`: their averaged
     log-probabilities), its marks calibrated on the development set (`best_offsets`) and
@@ -644,7 +648,7 @@ def ensemble(
     dev = sentence_windows(data.dev, SCORE_WINDOW)
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp) / "uncalibrated.onnx"
-        export_ensemble(members, [0.0] * len(MARKS), {}, plain)
+        export_ensemble(members, [0.0] * len(MARKS), {}, plain, weights)
         runtime = exported_runtime(plain)  # the members' own offsets only
     uncalibrated = score(runtime.tag, sets["all"])
     offsets = best_offsets(runtime.logits, dev)
@@ -655,7 +659,8 @@ def ensemble(
     member_data = [exported_runtime(p).scores.get("data", {}) for p in members]
     scores["members"] = [{"file": p.name, "cpu_minutes": d.get("cpu_minutes")}
                          for p, d in zip(members, member_data, strict=True)]  # fmt: skip
-    export_ensemble(members, offsets.tolist(), scores, out)
+    scores["weights"] = weights
+    export_ensemble(members, offsets.tolist(), scores, out, weights)
     return scores
 
 
@@ -678,6 +683,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="train nothing: write --out as one tagger of these exported ones "
                     "(their log-probabilities averaged, calibrated on the development set), "
                     "and score it")  # fmt: skip
+    ap.add_argument("--weights", choices=("float32", "float16"), default="float32",
+                    help="with --ensemble: store the members' large weights as float16 (half "
+                    "the file; computed in float32)")  # fmt: skip
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
@@ -697,7 +705,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           flush=True)  # fmt: skip
     sets = held_out_sets(data)
     if args.ensemble:
-        scores = ensemble(args.ensemble, data, sets, args.out)
+        scores = ensemble(args.ensemble, data, sets, args.out, args.weights)
         print("held-out scores", json.dumps(scores))
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return

@@ -140,20 +140,47 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def _round_to_half(proto: Any) -> None:
+    """Round `proto`'s large float32 initializers (`half.MIN_ELEMENTS` values and more:
+    the embeddings, the GRUs' matrices) to the nearest float16, in place."""
+    from onnx import TensorProto, numpy_helper
+
+    from echoic.model.nn.half import MIN_ELEMENTS
+
+    for tensor in proto.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT and int(np.prod(tensor.dims)) >= MIN_ELEMENTS:
+            values = numpy_helper.to_array(tensor).astype(np.float16).astype(np.float32)
+            tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+
+
 def export_ensemble(
-    members: Sequence[Path], mark_offsets: Sequence[float], scores: dict, out: Path
+    members: Sequence[Path],
+    mark_offsets: Sequence[float],
+    scores: dict,
+    out: Path,
+    weights: str = "float32",
 ) -> WordList:
     """Write one tagger file that runs every exported tagger in `members` (exported alike:
     the same opsets) on the same tokens and averages their log-probabilities (marks, then
     `mark_offsets` added, and cases): the runtime loads it as any tagger. Its word list is
     the members' together (the first's in its order, then each next one's new words: no
     longer most frequent first); each member reads its own ids of them through a lookup
-    table. ONNX Runtime is checked against the members run one by one
-    before the file is written. Returns the word list."""
+    table. With `weights="float16"` the members' large weights are rounded to float16 and
+    stored so (`echoic.model.nn.half.store_half`: half the file; ONNX Runtime folds the
+    casts at load and computes in float32). ONNX Runtime is checked against the members
+    (rounded alike) run one by one before the file is written. Returns the word list."""
+    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, compose, helper, numpy_helper
 
+    from echoic.model.nn.half import WEIGHT_DTYPES, store_half
+
+    if weights not in WEIGHT_DTYPES:
+        raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, not {weights!r}")
     read = [_read_tagger(path) for path in members]
+    if weights == "float16":
+        for proto, _ in read:
+            _round_to_half(proto)
     opsets = {tuple(sorted((o.domain or "ai.onnx", o.version) for o in proto.opset_import))
               for proto, _ in read}  # fmt: skip
     if len(opsets) != 1:
@@ -200,6 +227,8 @@ def export_ensemble(
     )  # fmt: skip
     proto = helper.make_model(graph, opset_imports=list(read[0][0].opset_import))
     proto.ir_version = max(p.ir_version for p, _ in read)
+    if weights == "float16":
+        proto = onnx.load_from_string(store_half(proto.SerializeToString())[0])
     data, session = _with_metadata(proto, {"ensemble": configs}, union, scores)
     alone = [(ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]),
               WordList(tuple(m["words"]))) for p, m in read]  # fmt: skip
