@@ -1,6 +1,7 @@
 """Training throughput: audio seconds trained per wall-second, and the fraction of peak.
 
     python bench/train_throughput.py [--config training/recipes/default.toml] [--steps 6]
+    python bench/train_throughput.py --config librispeech --utt-seconds 16 --levers
 
 Runs full training steps (forward, CTC loss, backward, AdamW) of the recipe's
 model on batches shaped like the recipe's (batch_seconds of audio, transcripts at
@@ -10,7 +11,16 @@ It adds the achieved TFLOP/s (analytic count, training = 3x forward) as a fracti
 of the device's dense bf16 peak on a GPU, and on a CPU of its float32 peak measured
 first as a large matrix product on the same threads. On a GPU it also gives the
 peak memory the steps held (weights, optimizer state, activations): what a
-recipe's batch_seconds must fit.
+recipe's batch_seconds must fit. Each step's time is split into its phases, measured
+with the device synchronised between them: forward, the CTC loss (on the CPU, as
+training computes it: the copy there included), backward (the gradient's copy back
+included) and the optimizer.
+
+--levers measures the recipe's chunked model again with one change at a time, side by
+side: a larger batch (x2, x3: what the memory allows), the persistent RNN kernels
+(`rnn_impl=auto` and `persistent`), and the CTC loss on the device (torch's CUDA CTC,
+not deterministic: to measure what the CPU loss costs, not to train with). A lever
+that does not fit is reported so.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ from echoic.training.train import load_recipe
 BF16_PEAK = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
 
 
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
 def measure(
     cfg: ModelConfig,
     batch_seconds: float,
@@ -46,9 +59,12 @@ def measure(
     steps: int,
     device: torch.device,
     bf16: bool,
+    rnn_impl: str = "cudnn",
+    loss_on_device: bool = False,
 ) -> dict[str, float]:
     torch.manual_seed(0)
     model = DeepSpeech2(cfg).to(device).train()
+    model.set_rnn_impl(rnn_impl)
     opt = make_optimizer(model, OptimConfig())
     b = max(1, min(max_batch, int(batch_seconds // utt_seconds)))
     frames = int(utt_seconds * 1000 / cfg.features.hop_ms)
@@ -57,24 +73,37 @@ def measure(
     lengths = torch.full((b,), frames, device=device)
     targets = torch.randint(1, len(cfg.vocabulary), (b * chars,))
     target_len = torch.full((b,), chars)
-    times = []
+    if loss_on_device:
+        targets, target_len = targets.to(device), target_len.to(device)
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    times: list[list[float]] = []  # per measured step: each phase's seconds
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(steps + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = now()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             log_probs, out_len = model(x, lengths)
-        loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), targets, target_len)
+        t1 = now()
+        if loss_on_device:
+            loss = ctc_loss(log_probs.float(), out_len, targets, target_len)
+        else:
+            loss = ctc_loss(log_probs.float().cpu(), out_len.cpu(), targets, target_len)
+        t2 = now()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        t3 = now()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        t4 = now()
         if i >= 2:  # two warm-up steps
-            times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
+            times.append([t1 - t0, t2 - t1, t3 - t2, t4 - t3])
+    totals = [sum(t) for t in times]
+    step = statistics.median(totals)
+    median = times[totals.index(sorted(totals)[len(totals) // 2])]  # the median step's phases
     return {
         "params_m": count_parameters(model) / 1e6,
         "batch": b,
@@ -83,6 +112,7 @@ def measure(
         "tflops": 3 * b * forward_flops(cfg, frames) / step / 1e12,
         # GB the caching allocator held at most (weights, AdamW state, activations)
         "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0,
+        **{f"{name}_ms": 1e3 * t for name, t in zip(PHASES, median, strict=True)},
     }
 
 
@@ -92,6 +122,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="measured steps (median reported)")
     p.add_argument("--utt-seconds", type=float, default=4.0, help="utterance length, s")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--levers",
+        action="store_true",
+        help="the recipe's model again with one change at a time (see above)",
+    )
     args = p.parse_args()
     rc = load_recipe(args.config)
     device = torch.device(args.device)
@@ -103,23 +138,44 @@ def main() -> None:
         peak, peak_name = next((v for k, v in BF16_PEAK.items() if k in name), None), "bf16 peak"
     else:  # measured here, on the training threads
         peak, peak_name = cpu_fp32_peak(torch.get_num_threads()) / 1e3, "fp32 peak"
-    variants = [("recipe (chunked)", rc.model)]
+    data = rc.data
+    # (label, model config, batch seconds, max batch, measure's keyword arguments)
+    variants = [("recipe (chunked)", rc.model, data.batch_seconds, data.max_batch, {})]
     if rc.model.chunk_frames:
-        variants.append(("full context", dataclasses.replace(
-            rc.model, chunk_frames=0, context_frames=0)))  # fmt: skip
+        full = dataclasses.replace(rc.model, chunk_frames=0, context_frames=0)
+        variants.append(("full context", full, data.batch_seconds, data.max_batch, {}))
+    if args.levers:
+        for k in (2, 3):
+            variants.append(
+                (f"batch x{k}", rc.model, k * data.batch_seconds, k * data.max_batch, {})
+            )
+        for impl in ("auto", "persistent"):
+            variants.append((f"rnn_impl {impl}", rc.model, data.batch_seconds, data.max_batch,
+                             {"rnn_impl": impl}))  # fmt: skip
+        variants.append(("loss on device", rc.model, data.batch_seconds, data.max_batch,
+                         {"loss_on_device": True}))  # fmt: skip
     print(f"device: {name}; {'bf16 autocast' if bf16 else 'fp32'}; {args.config}"
           + (f"; {peak_name} {peak:.3g} TFLOP/s" if peak else ""))  # fmt: skip
-    header = f"{'model':<18} {'params':>7} {'batch':>5} {'step s':>7}"
+    header = f"{'model':<20} {'params':>7} {'batch':>5} {'step s':>7}"
     header += f" {'audio s/s':>10} {'TFLOP/s':>8} {'peak GB':>8}"
-    print(header + (f" {'% of ' + peak_name:>14}" if peak else ""))
-    for label, cfg in variants:
-        r = measure(cfg, rc.data.batch_seconds, rc.data.max_batch, args.utt_seconds,
-                    args.steps, device, bf16)  # fmt: skip
+    header += f" {'% of ' + peak_name:>14}" if peak else ""
+    header += "".join(f" {name[:8] + ' ms':>11}" for name in PHASES)
+    print(header)
+    for label, cfg, seconds, most, how in variants:
+        try:
+            r = measure(cfg, seconds, most, args.utt_seconds, args.steps, device, bf16, **how)
+        except Exception as e:  # noqa: BLE001 - a lever that cannot run is a row, not the end
+            reason = "out of memory" if "out of memory" in str(e) else f"{type(e).__name__}: {e}"
+            print(f"{label:<20} does not run: {reason.splitlines()[0][:120]}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         peak_gb = f"{r['peak_gb']:.1f}" if r["peak_gb"] else "-"
-        line = (f"{label:<18} {r['params_m']:>6.2f}M {r['batch']:>5d} {r['step_s']:>7.3f}"
+        line = (f"{label:<20} {r['params_m']:>6.2f}M {r['batch']:>5d} {r['step_s']:>7.3f}"
                 f" {r['audio_s_per_s']:>10.1f} {r['tflops']:>8.3f} {peak_gb:>8}")  # fmt: skip
         if peak:
             line += f" {100 * r['tflops'] / peak:>13.2f}%"
+        line += "".join(f" {r[name + '_ms']:>11.1f}" for name in PHASES)
         print(line, flush=True)
 
 
