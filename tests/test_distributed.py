@@ -312,22 +312,28 @@ def test_placement_refuses_what_cannot_run(device_type, backend, gpus: int, mess
         placement(_rank(3), device_type, backend, gpus=gpus)
 
 
-@pytest.mark.slow
-def test_mpirun_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
-    """No MASTER_ADDR/PORT: rank 0 picks a free port and mpi4py broadcasts it, so the
-    ranks meet there and not at the one-node fallback (tests/mutations checks that)."""
+def _mpirun_script(script: str, ranks: int, out: Path) -> list[dict]:
+    """Run `script` (its one argument: `out`) on `ranks` ranks under mpirun, with no
+    launcher variables of the test's own; what each rank wrote to out/rank<r>.json."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun is not installed")
     pytest.importorskip("mpi4py", reason="mpi4py (the train extra) is not installed")
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    cmd = [mpirun, *MPIRUN_ARGS, "-np", "2", sys.executable, str(script), str(tmp_path)]
+    path = out / "rank.py"
+    path.write_text(script)
+    cmd = [mpirun, *MPIRUN_ARGS, "-np", str(ranks), sys.executable, str(path), str(out)]
     proc = subprocess.run(
         cmd, env=_clean_environ(), capture_output=True, text=True, timeout=180, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = _read_ranks(tmp_path, 2)
+    return _read_ranks(out, ranks)
+
+
+@pytest.mark.slow
+def test_mpirun_two_ranks_all_reduce_over_gloo(tmp_path: Path) -> None:
+    """No MASTER_ADDR/PORT: rank 0 picks a free port and mpi4py broadcasts it, so the
+    ranks meet there and not at the one-node fallback (tests/mutations checks that)."""
+    ranks = _mpirun_script(RANK_SCRIPT, 2, tmp_path)
     assert [(r["rank"], r["world_size"], r["launcher"]) for r in ranks] == [
         (0, 2, "openmpi"),
         (1, 2, "openmpi"),
@@ -351,18 +357,7 @@ def test_a_batch_split_over_ranks_has_the_gradient_of_one_rank(tmp_path: Path) -
     weighted by its share, their mean gradient is one rank's on the whole batch to
     float64 rounding, and so are the norms' running statistics; the same shares with
     each rank's own statistics are nowhere near it."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("mpirun is not installed")
-    pytest.importorskip("mpi4py", reason="mpi4py (the train extra) is not installed")
-    script = tmp_path / "split.py"
-    script.write_text(SPLIT_SCRIPT)
-    cmd = [mpirun, *MPIRUN_ARGS, "-np", "3", sys.executable, str(script), str(tmp_path)]
-    proc = subprocess.run(
-        cmd, env=_clean_environ(), capture_output=True, text=True, timeout=180, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = _read_ranks(tmp_path, 3)
+    ranks = _mpirun_script(SPLIT_SCRIPT, 3, tmp_path)
     assert [r["share"] for r in ranks] == [1.2, 1.2, 0.6]  # 3 x 2/5, 3 x 2/5, 3 x 1/5
     assert {r["frames"] for r in ranks} == {97 + 60 + 55 + 43 + 30}
     assert {r["padded"] for r in ranks} == {97}  # every share padded to the longest
