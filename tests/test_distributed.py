@@ -26,7 +26,7 @@ from echoic.training.distributed import (
     init_distributed,
     is_main,
     placement,
-    rendezvous_address,
+    rendezvous,
 )
 
 # Open MPI 4.1 as root in a container: --allow-run-as-root because we are root,
@@ -247,7 +247,7 @@ def test_detect_env_rejects_inconsistent_variables(environ: dict[str, str]) -> N
         ),
     ],
 )
-def test_rendezvous_address(
+def test_rendezvous(
     env: DistEnv,
     environ: dict[str, str],
     expected: tuple[str, int],
@@ -255,7 +255,7 @@ def test_rendezvous_address(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger=distributed.log.name):
-        assert rendezvous_address(env, environ) == expected
+        assert rendezvous(env, environ) == (*expected, None)  # env:// opens the store
     said = [r.getMessage() for r in caplog.records if r.name == distributed.log.name]
     assert len(said) == (1 if warning else 0), said
     assert all(warning in message for message in said), said

@@ -14,9 +14,11 @@ processes and, when needed, tells them where to meet).
     cleanup()
 
 Rendezvous (`MASTER_ADDR`/`MASTER_PORT`): the environment's values when set
-(torchrun always sets them). Under MPI without them, rank 0 picks an address and a
-free port and broadcasts them with mpi4py. Otherwise 127.0.0.1:29500, which only
-works when all ranks share one node.
+(torchrun always sets them). Under MPI without them, rank 0 opens the process group's
+store on a port the system picks and broadcasts its address and port with mpi4py; the
+other ranks connect to it (the port is bound before anyone hears of it, so no other
+process can take it in between). Otherwise 127.0.0.1:29500, which only works when all
+ranks share one node.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -147,8 +149,18 @@ def detect_env(environ: Mapping[str, str] = os.environ) -> DistEnv:
     return DistEnv()
 
 
-def _mpi_rendezvous(env: DistEnv) -> tuple[str, int] | None:
-    """Rank 0 picks an address and a free port; mpi4py broadcasts them. None without mpi4py."""
+class Meeting(NamedTuple):
+    """Where the ranks meet: the store's address and port, and the store itself when the
+    rendezvous opened it already (MPI); None: `init_process_group` opens it (env://)."""
+
+    addr: str
+    port: int
+    store: Any = None
+
+
+def _mpi_rendezvous(env: DistEnv) -> Meeting | None:
+    """Rank 0 opens the store on a port the system picks; mpi4py broadcasts where, and the
+    other ranks connect to it. None without mpi4py."""
     try:
         from mpi4py import MPI  # initialises MPI on import
     except ImportError:
@@ -158,24 +170,27 @@ def _mpi_rendezvous(env: DistEnv) -> tuple[str, int] | None:
         raise DistributedError(
             f"MPI reports {comm.Get_size()} ranks but the environment says {env.world_size}"
         )
-    chosen: tuple[str, int] | None = None
+    timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    store, chosen = None, None
     if comm.Get_rank() == 0:
         # One node: loopback always works. Several: the hostname, which the other
-        # nodes resolve through the cluster's DNS (rank 0 listens on all interfaces).
+        # nodes resolve through the cluster's DNS (the store listens on all interfaces).
         addr = DEFAULT_MASTER_ADDR if env.single_node else socket.gethostname()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        # The port is free now; the store binds it moments later (a small, accepted race).
-        chosen = (addr, port)
-    return comm.bcast(chosen, root=0)
+        # Port 0: the system's choice, bound now. Not waiting for the others: they learn
+        # the port only from the broadcast below.
+        store = dist.TCPStore(addr, 0, env.world_size, True, timeout, wait_for_workers=False)
+        chosen = (addr, store.port)
+    addr, port = comm.bcast(chosen, root=0)
+    if store is None:
+        store = dist.TCPStore(addr, port, env.world_size, False, timeout)
+    return Meeting(addr, port, store)
 
 
-def rendezvous_address(env: DistEnv, environ: Mapping[str, str] = os.environ) -> tuple[str, int]:
-    """(MASTER_ADDR, MASTER_PORT) for this job; see the module docstring for the order."""
+def rendezvous(env: DistEnv, environ: Mapping[str, str] = os.environ) -> Meeting:
+    """Where this job's ranks meet; see the module docstring for the order."""
     addr, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
     if addr and port:
-        return addr, _int_var(environ, "MASTER_PORT")
+        return Meeting(addr, _int_var(environ, "MASTER_PORT"))
     if env.launcher in ("openmpi", "mpich"):
         found = _mpi_rendezvous(env)
         if found is not None:
@@ -188,7 +203,7 @@ def rendezvous_address(env: DistEnv, environ: Mapping[str, str] = os.environ) ->
             DEFAULT_MASTER_ADDR,
             DEFAULT_MASTER_PORT,
         )
-    return addr or DEFAULT_MASTER_ADDR, int(port) if port else DEFAULT_MASTER_PORT
+    return Meeting(addr or DEFAULT_MASTER_ADDR, int(port) if port else DEFAULT_MASTER_PORT)
 
 
 Backend = Literal["auto", "nccl", "gloo"]
@@ -242,8 +257,8 @@ def init_distributed(
         torch.cuda.set_device(device)
     if not env.is_distributed or dist.is_initialized():
         return device
-    addr, port = rendezvous_address(env, environ)
-    # init_method env:// reads these two; rank and world size are passed explicitly.
+    addr, port, store = rendezvous(env, environ)
+    # Where the ranks met, for whoever looks (and env://, which reads these two).
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     log.info(
         "rank %d/%d (local %d/%d, %s) joining %s at %s:%d",
@@ -258,7 +273,8 @@ def init_distributed(
     )
     dist.init_process_group(
         backend,
-        init_method="env://",
+        init_method=None if store is not None else "env://",
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
