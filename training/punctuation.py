@@ -65,6 +65,7 @@ from echoic.model.core.punctuation import (
     tags_of_prose,
     written_cases,
 )
+from echoic.model.nn.half import WEIGHT_DTYPES
 from echoic.model.nn.punctuation import (
     Tagger,
     TaggerConfig,
@@ -683,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="train nothing: write --out as one tagger of these exported ones "
                     "(their log-probabilities averaged, calibrated on the development set), "
                     "and score it")  # fmt: skip
-    ap.add_argument("--weights", choices=("float32", "float16"), default="float32",
+    ap.add_argument("--weights", choices=WEIGHT_DTYPES, default="float32",
                     help="with --ensemble: store the members' large weights as float16 (half "
                     "the file; computed in float32)")  # fmt: skip
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",

@@ -45,6 +45,18 @@ def round_weights(model: nn.Module) -> int:
     return rounded
 
 
+def round_initializers(proto: Any) -> None:
+    """`round_weights` for an exported graph: round each float32 initializer of
+    `MIN_ELEMENTS` values or more to the nearest float16, in place (for graphs whose
+    torch network is gone, such as exported taggers combined into an ensemble)."""
+    from onnx import TensorProto, numpy_helper
+
+    for tensor in proto.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT and int(np.prod(tensor.dims)) >= MIN_ELEMENTS:
+            values = numpy_helper.to_array(tensor).astype(np.float16).astype(np.float32)
+            tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
+
+
 def store_half(onnx_bytes: bytes) -> tuple[bytes, dict[str, int]]:
     """The graph with each large float32 initializer that float16 holds exactly stored as
     float16 behind a Cast (the same values at run time); returns it and how many tensors

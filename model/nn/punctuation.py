@@ -140,19 +140,6 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _round_to_half(proto: Any) -> None:
-    """Round `proto`'s large float32 initializers (`half.MIN_ELEMENTS` values and more:
-    the embeddings, the GRUs' matrices) to the nearest float16, in place."""
-    from onnx import TensorProto, numpy_helper
-
-    from echoic.model.nn.half import MIN_ELEMENTS
-
-    for tensor in proto.graph.initializer:
-        if tensor.data_type == TensorProto.FLOAT and int(np.prod(tensor.dims)) >= MIN_ELEMENTS:
-            values = numpy_helper.to_array(tensor).astype(np.float16).astype(np.float32)
-            tensor.CopyFrom(numpy_helper.from_array(values, tensor.name))
-
-
 def export_ensemble(
     members: Sequence[Path],
     mark_offsets: Sequence[float],
@@ -173,14 +160,14 @@ def export_ensemble(
     import onnxruntime as ort
     from onnx import TensorProto, compose, helper, numpy_helper
 
-    from echoic.model.nn.half import WEIGHT_DTYPES, store_half
+    from echoic.model.nn.half import WEIGHT_DTYPES, round_initializers, store_half
 
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, not {weights!r}")
     read = [_read_tagger(path) for path in members]
     if weights == "float16":
         for proto, _ in read:
-            _round_to_half(proto)
+            round_initializers(proto)
     opsets = {tuple(sorted((o.domain or "ai.onnx", o.version) for o in proto.opset_import))
               for proto, _ in read}  # fmt: skip
     if len(opsets) != 1:
