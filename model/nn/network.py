@@ -108,32 +108,40 @@ class ModelConfig:
 
 def batch_moments(
     x: Tensor, dims: tuple[int, ...], group: object = None
-) -> tuple[Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, int | Tensor]:
     """The mean and (biased) variance of `x` over `dims`, and how many values each is of.
 
     With a process group (`DeepSpeech2.share_norm_statistics`), over every rank's `x`
     together, as if one rank held them all: the sums cross the ranks with autograd, so
     each rank's gradient also carries what its values did to the others' statistics
     (what one rank computing the whole batch would get). Two passes, as a local
-    variance is: the mean first, then the squared distances from it.
+    variance is: the mean first, then the squared distances from it. The count is then a
+    tensor on `x`'s device, so that no GPU waits for the host to read it.
     """
     if group is None:
-        return x.mean(dims), x.var(dims, unbiased=False), _count(x, dims)
+        return x.mean(dims), x.var(dims, unbiased=False), math.prod(x.shape[d] for d in dims)
     import torch.distributed as dist
 
-    count = torch.tensor([_count(x, dims)], dtype=torch.float64, device=x.device)
-    dist.all_reduce(count, group=group)
-    n = int(count.item())
+    n = torch.tensor(math.prod(x.shape[d] for d in dims), dtype=torch.float64, device=x.device)
+    dist.all_reduce(n, group=group)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()  # sums over ranks in float32 under autocast too
     kept = [1 if d in dims else size for d, size in enumerate(x.shape)]  # broadcasts a moment
-    mean = _SumOverRanks.apply(x.sum(dims), group) / n
+    mean = _SumOverRanks.apply(x.sum(dims), group) / n  # float32: n is a 0-d tensor
     var = _SumOverRanks.apply((x - mean.reshape(kept)).square().sum(dims), group) / n
     return mean, var, n
 
 
-def _count(x: Tensor, dims: tuple[int, ...]) -> int:
-    return math.prod(x.shape[d] for d in dims)
+def _update_running(
+    norm: nn.Module, mean: Tensor, var: Tensor, n: int | Tensor, step: float
+) -> None:
+    """Move `norm`'s running statistics `step` of the way to a batch's, the variance made
+    unbiased over its `n` values as torch's batch norms make it (with no host sync when `n`
+    is a tensor)."""
+    with torch.no_grad():
+        less = (n - 1).clamp(min=1) if isinstance(n, Tensor) else max(n - 1, 1)
+        norm.running_mean.lerp_(mean.detach().to(norm.running_mean.dtype), step)
+        norm.running_var.lerp_(var.detach().to(norm.running_var.dtype) * n / less, step)
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -173,12 +181,7 @@ class SequenceBatchNorm(nn.Module):
     def forward(self, x: Tensor, mask: Tensor, *more: Tensor) -> list[Tensor]:
         if self.training:
             mean, var, n = batch_moments(x[mask], (0,), self.group)  # the (N, D) valid rows
-            with torch.no_grad():
-                n = max(n, 2)
-                self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), self.momentum)
-                self.running_var.lerp_(
-                    var.detach().to(self.running_var.dtype) * n / (n - 1), self.momentum
-                )
+            _update_running(self, mean, var, n, self.momentum)
         else:
             mean, var = self.running_mean, self.running_var
         scale = self.weight * torch.rsqrt(var + self.eps)
@@ -199,9 +202,8 @@ class ConvBatchNorm(nn.BatchNorm2d):
         mean, var, n = batch_moments(x, (0, 2, 3), self.group)  # per channel of (B, C, F, T)
         with torch.no_grad():
             self.num_batches_tracked += 1
-            step = self.momentum if self.momentum is not None else 1 / int(self.num_batches_tracked)
-            self.running_mean.lerp_(mean.detach(), step)
-            self.running_var.lerp_(var.detach() * n / max(n - 1, 1), step)
+        step = self.momentum if self.momentum is not None else 1 / int(self.num_batches_tracked)
+        _update_running(self, mean, var, n, step)
         scale = self.weight * torch.rsqrt(var + self.eps)
         shift = self.bias - mean * scale
         return (x * scale[:, None, None] + shift[:, None, None]).to(x.dtype)
