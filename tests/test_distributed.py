@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -312,9 +314,9 @@ def test_placement_refuses_what_cannot_run(device_type, backend, gpus: int, mess
         placement(_rank(3), device_type, backend, gpus=gpus)
 
 
-def _mpirun_script(script: str, ranks: int, out: Path) -> list[dict]:
+def _mpirun(script: str, ranks: int, out: Path) -> subprocess.CompletedProcess:
     """Run `script` (its one argument: `out`) on `ranks` ranks under mpirun, with no
-    launcher variables of the test's own; what each rank wrote to out/rank<r>.json."""
+    launcher variables of the test's own."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("mpirun is not installed")
@@ -322,11 +324,46 @@ def _mpirun_script(script: str, ranks: int, out: Path) -> list[dict]:
     path = out / "rank.py"
     path.write_text(script)
     cmd = [mpirun, *MPIRUN_ARGS, "-np", str(ranks), sys.executable, str(path), str(out)]
-    proc = subprocess.run(
+    return subprocess.run(
         cmd, env=_clean_environ(), capture_output=True, text=True, timeout=180, check=False
     )
+
+
+def _mpirun_script(script: str, ranks: int, out: Path) -> list[dict]:
+    """`_mpirun`, which must succeed: what each rank wrote to out/rank<r>.json."""
+    proc = _mpirun(script, ranks, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _read_ranks(out, ranks)
+
+
+DYING_SCRIPT = """
+import sys, time, torch
+import torch.distributed as dist
+from echoic.training import distributed as d
+env = d.detect_env()
+d.init_distributed(env, "cpu")
+dist.all_reduce(torch.ones(1))
+if env.rank == 1:
+    raise SystemExit("rank 1 gives up after the rendezvous")
+start = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+finally:
+    print(f"rank 0 waited {time.monotonic() - start:.1f} s", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_mpirun_job_in_seconds(tmp_path: Path) -> None:
+    """A rank that exits after the rendezvous does not leave the others waiting at their
+    next collective for the job's timeout (30 minutes): the job ends, with an error."""
+    start = time.monotonic()
+    proc = _mpirun(DYING_SCRIPT, 2, tmp_path)
+    assert proc.returncode != 0
+    assert "gives up after the rendezvous" in proc.stderr
+    assert time.monotonic() - start < 90  # mpirun's start included; the timeout is 1,800 s
+    waited = [float(w) for w in re.findall(r"rank 0 waited ([0-9.]+) s", proc.stdout)]
+    assert all(w < 60 for w in waited), proc.stdout  # killed by mpirun, or an error from gloo
 
 
 @pytest.mark.slow
