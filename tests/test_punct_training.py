@@ -213,6 +213,30 @@ def test_an_ensemble_averages_its_members_each_reading_its_own_word_ids(
     np.testing.assert_allclose(got[1][0], want[1], atol=1e-5)
     assert ensemble.tag(tokens) == (end_sentence(want[0] + offsets), want[1].argmax(-1).tolist())
 
+    # An ensemble is a member like any other (the bundled tagger is one of a pair and a
+    # third): half of the outer one, whose record names the pair's own members.
+    torch.manual_seed(3)
+    third = tmp_path / "member2.onnx"
+    cfg = TaggerConfig(words=2, word_dim=4, char_dim=4, char_filters=4, hidden=5)
+    export_tagger(Tagger(cfg).eval(), WordList(("it", "sat")), {}, third)
+    outer = tmp_path / "outer.onnx"
+    punctuation.main(["--out", str(outer), "--ensemble", str(out), str(third)])
+    nested = Punctuator(outer)
+    assert nested.scores["members"][0] == {"file": "ensemble.onnx",
+                                           "members": ensemble.scores["members"]}  # fmt: skip
+    assert nested.scores["members"][1]["file"] == "member2.onnx"
+    halves = [np.zeros(1), np.zeros(1)]
+    for path in (out, third):
+        alone = Punctuator(path)
+        w, c = encode(tokens, alone.words)
+        for k, x in enumerate(alone.session.run(None, {"word_ids": w[None], "char_ids": c[None]})):
+            halves[k] = halves[k] + _log_softmax(x[0]) / 2
+    w, c = encode(tokens, nested.words)
+    got = nested.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
+    outer_offsets = np.array(nested.scores["mark_offsets"], np.float32)
+    np.testing.assert_allclose(got[0][0], halves[0] + outer_offsets, atol=1e-5)
+    np.testing.assert_allclose(got[1][0], halves[1], atol=1e-5)
+
 
 def test_wesnoth_dialogue_is_read_from_the_campaigns_message_and_story_strings(
     tmp_path: Path,
@@ -333,6 +357,49 @@ def test_held_out_pieces_are_whole_sentences_up_to_the_window() -> None:
     assert [t for p in pieces for t in p] == paragraph
     cut = held_out_windows([paragraph], 5)  # the old scoring: a cut every 5 words
     assert [p[-1].token for p in cut] == ["five", "ten", "end"]
+
+
+def test_a_padded_training_batch_tags_each_row_as_the_row_alone() -> None:
+    """The server tags one unpadded sequence; a training batch pads its rows to the longest.
+    With the rows' lengths the backward GRU starts at each row's last token, so a row's
+    logits in the batch are the row's alone (without them a short row's were not: its
+    backward pass first ran over the padding)."""
+    torch.manual_seed(0)
+    model = Tagger(TaggerConfig(words=50, word_dim=8, char_filters=8, hidden=8)).eval()
+    paragraph = tags_of_prose("One two three. Four five six seven? Eight nine, ten. Eleven.")
+    words = WordList(tuple(t.token for t in paragraph))
+    rng = np.random.default_rng(1)
+    w, c, _, _, lengths = next(punctuation.batches([paragraph] * 3, words, 8, 16, rng))
+    assert len(set(lengths.tolist())) > 1, "rows of one length: nothing padded"
+    with torch.no_grad():
+        packed, _ = model(w, c, lengths)
+        padded, _ = model(w, c)
+        for k, n in enumerate(lengths.tolist()):
+            alone, _ = model(w[k : k + 1, :n], c[k : k + 1, :n])
+            torch.testing.assert_close(packed[k, :n], alone[0], rtol=0, atol=1e-6)
+            if n < w.shape[1]:
+                assert not torch.allclose(padded[k, :n], alone[0], atol=1e-3)
+
+
+def test_utterance_windows_are_whole_sentences_from_a_sentence_start() -> None:
+    """`--utterances 1`: every training window is shaped as a scored final result, whole
+    sentences from a sentence start up to its length, ending at a sentence end (only a
+    first sentence longer than the window is cut); by default windows end anywhere."""
+    paragraph = tags_of_prose(
+        "One two three. Four five six? Seven eight nine ten eleven twelve. End here."
+    )
+    starts, ends = {0, 3, 6, 12}, {3, 6, 12, 14}
+    shaped, default = [], []
+    for seed in range(20):
+        for piece in punctuation.windows(paragraph, 5, np.random.default_rng(seed), 1.0):
+            start = next(i for i, t in enumerate(paragraph) if t is piece[0])
+            shaped.append((start, start + len(piece)))
+        default += punctuation.windows(paragraph, 5, np.random.default_rng(seed))
+    assert {start for start, _ in shaped} <= starts
+    for start, end in shaped:
+        assert end in ends or start == 6 and end - start <= 5, (start, end)  # the long one, cut
+    assert {end for _, end in shaped} >= ends - {12}
+    assert any(piece[-1].mark < 2 for piece in default)
 
 
 def test_calibration_is_folded_into_the_exported_tagger_and_never_scores_worse(

@@ -52,10 +52,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from echoic.model.core.punctuation import (
     CASES,
+    CHARS_PER_WORD,
     MARKS,
     Tagged,
     WordList,
@@ -406,26 +407,39 @@ def word_list(paragraphs: Sequence[list[Tagged]], size: int) -> WordList:
 
 
 def windows(
-    paragraph: list[Tagged], window: int, rng: np.random.Generator
+    paragraph: list[Tagged], window: int, rng: np.random.Generator, utterances: float = 0.0
 ) -> Iterator[list[Tagged]]:
-    """Training windows over one paragraph: from sentence starts and from anywhere."""
+    """Training windows over one paragraph, one per sentence: up to `window` words from the
+    sentence's start or from anywhere, or (a share `utterances` of them) whole sentences
+    from its start, as many as fit, ending at a sentence end as a final result does."""
     starts = [0] + [i + 1 for i, t in enumerate(paragraph[:-1]) if t.mark >= 2]
+    ends = [i + 1 for i, t in enumerate(paragraph) if t.mark >= 2]
     for start in starts:
-        if rng.random() < 0.5:
-            start = int(rng.integers(0, len(paragraph)))
-        piece = paragraph[start : start + int(rng.integers(4, window + 1))]
+        if utterances and rng.random() < utterances:
+            most = start + int(rng.integers(4, window + 1))
+            whole = [e for e in ends if start < e <= most]  # a first sentence too long: cut
+            piece = paragraph[start : whole[-1] if whole else most]
+        else:
+            if rng.random() < 0.5:
+                start = int(rng.integers(0, len(paragraph)))
+            piece = paragraph[start : start + int(rng.integers(4, window + 1))]
         if len(piece) >= 2:
             yield piece
 
 
-def batches(paragraphs, words: WordList, window: int, batch: int, rng: np.random.Generator):
-    pieces = [w for p in paragraphs for w in windows(p, window, rng)]
+def batches(
+    paragraphs, words: WordList, window: int, batch: int, rng: np.random.Generator,
+    utterances: float = 0.0,
+) -> Iterator[tuple[Tensor, ...]]:  # fmt: skip
+    """Shuffled training batches of `windows`, padded: (word ids, char ids, marks, cases,
+    lengths)."""
+    pieces = [w for p in paragraphs for w in windows(p, window, rng, utterances)]
     order = rng.permutation(len(pieces))
     for i in range(0, len(order), batch):
         group = [pieces[j] for j in order[i : i + batch]]
         t = max(len(g) for g in group)
         w = np.zeros((len(group), t), np.int64)
-        c = np.zeros((len(group), t, 12), np.int64)
+        c = np.zeros((len(group), t, CHARS_PER_WORD), np.int64)
         marks = np.full((len(group), t), -100, np.int64)
         cases = np.full((len(group), t), -100, np.int64)
         for k, g in enumerate(group):
@@ -433,7 +447,8 @@ def batches(paragraphs, words: WordList, window: int, batch: int, rng: np.random
             w[k, : len(g)], c[k, : len(g)] = wi, ci
             marks[k, : len(g)] = [x.mark for x in g]
             cases[k, : len(g)] = [x.case if x.case >= 0 else -100 for x in g]
-        yield (torch.from_numpy(a) for a in (w, c, marks, cases))
+        lengths = np.array([len(g) for g in group], np.int64)
+        yield tuple(torch.from_numpy(a) for a in (w, c, marks, cases, lengths))
 
 
 def held_out_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[list[Tagged]]:
@@ -634,6 +649,16 @@ def held_out_report(
     return scores
 
 
+def _member(path: Path) -> dict:
+    """What an ensemble records of a member: its file and training budget, or, for a member
+    that is an ensemble itself, its own members."""
+    scores = exported_runtime(path).scores
+    if "members" in scores:
+        return {"file": path.name, "members": scores["members"]}
+    return {"file": path.name, "cpu_minutes": scores.get("data", {}).get("cpu_minutes"),
+            "utterances": scores.get("data", {}).get("utterances", 0.0)}  # fmt: skip
+
+
 def ensemble(
     members: Sequence[Path],
     data: Corpus,
@@ -657,9 +682,7 @@ def ensemble(
     scores = held_out_report(tag, sets, uncalibrated, offsets.tolist())
     scores["development"] = score(tag, dev)
     scores["data"] = data_summary(data)
-    member_data = [exported_runtime(p).scores.get("data", {}) for p in members]
-    scores["members"] = [{"file": p.name, "cpu_minutes": d.get("cpu_minutes")}
-                         for p, d in zip(members, member_data, strict=True)]  # fmt: skip
+    scores["members"] = [_member(p) for p in members]
     scores["weights"] = weights
     export_ensemble(members, offsets.tolist(), scores, out, weights)
     return scores
@@ -675,6 +698,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="score the held-out set this often (CPU minutes) and at each "
                     "epoch's end; the best scoring weights are kept")  # fmt: skip
     ap.add_argument("--window", type=int, default=48, help="most words per training window")
+    ap.add_argument("--utterances", type=float, default=0.0,
+                    help="the share of training windows that are whole sentences ending at a "
+                    "sentence end, as a final result is (the rest end anywhere)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prose", type=Path, default=PROSE_DIR,
@@ -747,13 +773,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     while (spent := time.process_time() - start) < budget:
         epoch += 1
         total = n = 0
-        for w, c, marks, cases in batches(data.train, words, args.window, args.batch, rng):
+        for w, c, marks, cases, lengths in batches(
+            data.train, words, args.window, args.batch, rng, args.utterances
+        ):
             # The rate falls from lr to nothing over the budget (cosine): the last, quieter
             # steps settle the weights a fixed budget ends on.
             spent = time.process_time() - start
             for group in opt.param_groups:
                 group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * min(spent / budget, 1.0)))
-            ml, cl = model(w, c)
+            ml, cl = model(w, c, lengths)
             loss = mark_loss(ml.reshape(-1, len(MARKS)), marks.reshape(-1)) + loss_fn(
                 cl.reshape(-1, len(CASES)), cases.reshape(-1)
             )
@@ -773,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
     scores = held_out_report(torch_tagger(model.eval(), words), sets, uncalibrated, offsets)
-    scores["data"] = {**summary, "cpu_minutes": args.minutes}
+    scores["data"] = {**summary, "cpu_minutes": args.minutes, "utterances": args.utterances}
     print("held-out scores", json.dumps(scores))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     export_tagger(model, words, scores, args.out)

@@ -67,12 +67,23 @@ class Tagger(nn.Module):
         self.marks = nn.Linear(2 * cfg.hidden, len(MARKS))
         self.cases = nn.Linear(2 * cfg.hidden, len(CASES))
 
-    def forward(self, word_ids: Tensor, char_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, word_ids: Tensor, char_ids: Tensor, lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Tags' logits for a batch; `lengths` (B,) gives each row's tokens when rows are
+        padded (training), so that the backward GRU starts at a row's last token as it does
+        on one unpadded sequence (the server's), not after the padding."""
         b, t, c = char_ids.shape
         chars = self.char(char_ids.reshape(b * t, c)).transpose(1, 2)  # (B*T, D, C)
         chars = torch.relu(self.char_conv(chars)).amax(dim=2).reshape(b, t, -1)  # (B, T, F)
         x = self.drop(torch.cat([self.word(word_ids), chars], dim=2))  # (B, T, E+F)
-        h, _ = self.rnn(x)  # (B, T, 2H)
+        if lengths is None:
+            h, _ = self.rnn(x)  # (B, T, 2H)
+        else:
+            packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                       enforce_sorted=False)  # fmt: skip
+            h, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
+                                                    total_length=t)  # fmt: skip
         return self.marks(h), self.cases(h)  # (B, T, marks), (B, T, cases)
 
 
