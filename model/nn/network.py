@@ -116,18 +116,20 @@ def batch_moments(
     each rank's gradient also carries what its values did to the others' statistics
     (what one rank computing the whole batch would get). Two passes, as a local
     variance is: the mean first, then the squared distances from it. The count is then a
-    tensor on `x`'s device, so that no GPU waits for the host to read it.
+    tensor filled on `x`'s device and never read back, so that the host does not wait for
+    the GPU here (a caller's boolean mask, `SequenceBatchNorm`'s, still makes it wait).
     """
+    count = math.prod(x.shape[d] for d in dims)
     if group is None:
-        return x.mean(dims), x.var(dims, unbiased=False), math.prod(x.shape[d] for d in dims)
+        return x.mean(dims), x.var(dims, unbiased=False), count
     import torch.distributed as dist
 
-    n = torch.tensor(math.prod(x.shape[d] for d in dims), dtype=torch.float64, device=x.device)
+    n = torch.full((), count, dtype=torch.float64, device=x.device)  # a fill, not a copy
     dist.all_reduce(n, group=group)
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()  # sums over ranks in float32 under autocast too
     kept = [1 if d in dims else size for d, size in enumerate(x.shape)]  # broadcasts a moment
-    mean = _SumOverRanks.apply(x.sum(dims), group) / n  # float32: n is a 0-d tensor
+    mean = _SumOverRanks.apply(x.sum(dims), group) / n  # x's dtype: a 0-d n does not promote
     var = _SumOverRanks.apply((x - mean.reshape(kept)).square().sum(dims), group) / n
     return mean, var, n
 
