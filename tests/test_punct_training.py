@@ -174,15 +174,22 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_an_ensemble_averages_its_members_each_reading_its_own_word_ids(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """--ensemble writes one tagger file that the runtime loads as any other: its word list
-    is the members' together, each member reads its own ids of a word (a word only one of
-    them knows is "other" to the rest), and its marks and cases are the members' averaged
-    log-probabilities, the marks shifted by the offsets calibrated on the development set."""
+def _averaged(paths: list[Path], tokens: list[str]) -> list[np.ndarray]:
+    """The taggers' mark and case log-probabilities for `tokens`, averaged: each run alone."""
     from echoic.model.runtime.formatting import Punctuator
 
+    out = [np.zeros(1), np.zeros(1)]
+    for path in paths:
+        alone = Punctuator(path)
+        w, c = encode(tokens, alone.words)
+        for k, x in enumerate(alone.session.run(None, {"word_ids": w[None], "char_ids": c[None]})):
+            out[k] = out[k] + _log_softmax(x[0]) / len(paths)
+    return out
+
+
+def _ensemble_of_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Path], Path]:
+    """Two small exported taggers of different word lists, and `--ensemble` of them (on a
+    corpus of two paragraphs): their files and the ensemble's."""
     members = []
     for i, (known, seed) in enumerate(((("the", "a", "is", "it"), 1), (("cat", "it", "mat"), 2))):
         torch.manual_seed(seed)
@@ -195,47 +202,63 @@ def test_an_ensemble_averages_its_members_each_reading_its_own_word_ids(
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
     out = tmp_path / "ensemble.onnx"
     punctuation.main(["--out", str(out), "--ensemble", *map(str, members)])
+    return members, out
+
+
+ENSEMBLE_TOKENS = ["the", "cat", "sat", "on", "a", "mat", "it", "is"]
+
+
+def test_an_ensemble_averages_its_members_each_reading_its_own_word_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ensemble writes one tagger file that the runtime loads as any other: its word list
+    is the members' together, each member reads its own ids of a word (a word only one of
+    them knows is "other" to the rest), and its marks and cases are the members' averaged
+    log-probabilities, the marks shifted by the offsets calibrated on the development set."""
+    from echoic.model.runtime.formatting import Punctuator
+
+    members, out = _ensemble_of_two(tmp_path, monkeypatch)
     assert f"wrote {out}" in capsys.readouterr().out
     ensemble = Punctuator(out)
     assert ensemble.words.words == ("the", "a", "is", "it", "cat", "mat")
     assert [m["file"] for m in ensemble.scores["members"]] == ["member0.onnx", "member1.onnx"]
     offsets = np.array(ensemble.scores["mark_offsets"], np.float32)
-    tokens = ["the", "cat", "sat", "on", "a", "mat", "it", "is"]
-    want = [np.zeros(1), np.zeros(1)]
-    for path in members:
-        alone = Punctuator(path)
-        w, c = encode(tokens, alone.words)
-        for k, x in enumerate(alone.session.run(None, {"word_ids": w[None], "char_ids": c[None]})):
-            want[k] = want[k] + _log_softmax(x[0]) / len(members)
-    w, c = encode(tokens, ensemble.words)
+    want = _averaged(members, ENSEMBLE_TOKENS)
+    w, c = encode(ENSEMBLE_TOKENS, ensemble.words)
     got = ensemble.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
     np.testing.assert_allclose(got[0][0], want[0] + offsets, atol=1e-5)
     np.testing.assert_allclose(got[1][0], want[1], atol=1e-5)
-    assert ensemble.tag(tokens) == (end_sentence(want[0] + offsets), want[1].argmax(-1).tolist())
+    assert ensemble.tag(ENSEMBLE_TOKENS) == (
+        end_sentence(want[0] + offsets),
+        want[1].argmax(-1).tolist(),
+    )
 
-    # An ensemble is a member like any other (the bundled tagger is one of a pair and a
-    # third): half of the outer one, whose record names the pair's own members.
+
+def test_an_ensemble_is_a_member_like_any_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled tagger is an ensemble of a pair and a third: the pair counts for half,
+    and the record of its members names the pair's own."""
+    from echoic.model.runtime.formatting import Punctuator
+
+    _, pair = _ensemble_of_two(tmp_path, monkeypatch)
     torch.manual_seed(3)
     third = tmp_path / "member2.onnx"
     cfg = TaggerConfig(words=2, word_dim=4, char_dim=4, char_filters=4, hidden=5)
     export_tagger(Tagger(cfg).eval(), WordList(("it", "sat")), {}, third)
     outer = tmp_path / "outer.onnx"
-    punctuation.main(["--out", str(outer), "--ensemble", str(out), str(third)])
+    punctuation.main(["--out", str(outer), "--ensemble", str(pair), str(third)])
     nested = Punctuator(outer)
-    assert nested.scores["members"][0] == {"file": "ensemble.onnx",
-                                           "members": ensemble.scores["members"]}  # fmt: skip
-    assert nested.scores["members"][1]["file"] == "member2.onnx"
-    halves = [np.zeros(1), np.zeros(1)]
-    for path in (out, third):
-        alone = Punctuator(path)
-        w, c = encode(tokens, alone.words)
-        for k, x in enumerate(alone.session.run(None, {"word_ids": w[None], "char_ids": c[None]})):
-            halves[k] = halves[k] + _log_softmax(x[0]) / 2
-    w, c = encode(tokens, nested.words)
+    assert nested.scores["members"] == [
+        {"file": "ensemble.onnx", "members": Punctuator(pair).scores["members"]},
+        {"file": "member2.onnx", "cpu_minutes": None, "utterances": None},
+    ]
+    want = _averaged([pair, third], ENSEMBLE_TOKENS)
+    w, c = encode(ENSEMBLE_TOKENS, nested.words)
     got = nested.session.run(None, {"word_ids": w[None], "char_ids": c[None]})
-    outer_offsets = np.array(nested.scores["mark_offsets"], np.float32)
-    np.testing.assert_allclose(got[0][0], halves[0] + outer_offsets, atol=1e-5)
-    np.testing.assert_allclose(got[1][0], halves[1], atol=1e-5)
+    offsets = np.array(nested.scores["mark_offsets"], np.float32)
+    np.testing.assert_allclose(got[0][0], want[0] + offsets, atol=1e-5)
+    np.testing.assert_allclose(got[1][0], want[1], atol=1e-5)
 
 
 def test_wesnoth_dialogue_is_read_from_the_campaigns_message_and_story_strings(
@@ -381,25 +404,39 @@ def test_a_padded_training_batch_tags_each_row_as_the_row_alone() -> None:
                 assert not torch.allclose(padded[k, :n], alone[0], atol=1e-3)
 
 
-def test_utterance_windows_are_whole_sentences_from_a_sentence_start() -> None:
-    """`--utterances 1`: every training window is shaped as a scored final result, whole
-    sentences from a sentence start up to its length, ending at a sentence end (only a
-    first sentence longer than the window is cut); by default windows end anywhere."""
-    paragraph = tags_of_prose(
-        "One two three. Four five six? Seven eight nine ten eleven twelve. End here."
-    )
-    starts, ends = {0, 3, 6, 12}, {3, 6, 12, 14}
-    shaped, default = [], []
-    for seed in range(20):
-        for piece in punctuation.windows(paragraph, 5, np.random.default_rng(seed), 1.0):
+class _Draws:
+    """A random generator whose every draw is given: `random()` gives `share`, `integers()`
+    gives `length` (how `windows` picks the shape and length of each window)."""
+
+    def __init__(self, share: float, length: int) -> None:
+        self.share, self.length = share, length
+
+    def random(self) -> float:
+        return self.share
+
+    def integers(self, low: int, high: int) -> int:
+        assert low <= self.length < high
+        return self.length
+
+
+def test_utterance_windows_are_the_whole_sentences_that_fit() -> None:
+    """`--utterances`: a window shaped as a scored final result is the whole sentences from a
+    sentence start that fit in the length drawn, ending at a sentence end; a first sentence
+    longer than that is cut there. Other windows end wherever the length falls."""
+    paragraph = tags_of_prose("One two. Three four? Five six seven. Eight nine ten eleven twelve.")
+
+    def shaped(length: int) -> list[tuple[int, int]]:
+        out = []
+        for piece in punctuation.windows(paragraph, 8, _Draws(0.0, length), utterances=0.5):
             start = next(i for i, t in enumerate(paragraph) if t is piece[0])
-            shaped.append((start, start + len(piece)))
-        default += punctuation.windows(paragraph, 5, np.random.default_rng(seed))
-    assert {start for start, _ in shaped} <= starts
-    for start, end in shaped:
-        assert end in ends or start == 6 and end - start <= 5, (start, end)  # the long one, cut
-    assert {end for _, end in shaped} >= ends - {12}
-    assert any(piece[-1].mark < 2 for piece in default)
+            out.append((start, start + len(piece)))
+        return out
+
+    # Sentences end after words 2, 4, 7 and 12.
+    assert shaped(8) == [(0, 7), (2, 7), (4, 12), (7, 12)]  # as many as fit
+    assert shaped(4) == [(0, 4), (2, 4), (4, 7), (7, 11)]  # the last: 5 words, cut at 4
+    plain = list(punctuation.windows(paragraph, 8, _Draws(0.9, 4), utterances=0.5))
+    assert [p[-1].token for p in plain] == ["four", "six", "eight", "eleven"]  # from each start
 
 
 def test_calibration_is_folded_into_the_exported_tagger_and_never_scores_worse(

@@ -21,7 +21,9 @@ Each paragraph becomes its words with tags (`model/core/punctuation.py:tags_of_p
 Paragraphs are split into training, development and held-out sets by a hash of their
 text, so the held-out scores are on text never seen in training nor used to choose
 anything. Training examples are windows of up to `window` words, half of them starting
-at a sentence start (as a final result does) and half anywhere. The development set
+at a sentence start (as a final result does) and half anywhere, or (`--utterances`) a
+share of them whole sentences ending at a sentence end, as a final result does; a batch
+is padded, and the GRU reads each window packed to its own length. The development set
 chooses the weights kept and calibrates the marks (`calibrate`: offsets to their logits,
 folded into the exported weights). Held-out and development paragraphs are scored as
 utterances, whole sentences up to 60 words at a time (`sentence_windows`), tagged as the
@@ -409,15 +411,17 @@ def word_list(paragraphs: Sequence[list[Tagged]], size: int) -> WordList:
 def windows(
     paragraph: list[Tagged], window: int, rng: np.random.Generator, utterances: float = 0.0
 ) -> Iterator[list[Tagged]]:
-    """Training windows over one paragraph, one per sentence: up to `window` words from the
-    sentence's start or from anywhere, or (a share `utterances` of them) whole sentences
-    from its start, as many as fit, ending at a sentence end as a final result does."""
-    starts = [0] + [i + 1 for i, t in enumerate(paragraph[:-1]) if t.mark >= 2]
+    """Training windows over one paragraph, one per sentence, each of a length drawn from 4
+    to `window` words: that many from the sentence's start or from anywhere, or (a share
+    `utterances` of them) the whole sentences from its start that fit in it, ending at a
+    sentence end as a final result does (a first sentence longer than the length drawn is
+    cut there)."""
     ends = [i + 1 for i, t in enumerate(paragraph) if t.mark >= 2]
+    starts = [0] + [e for e in ends if e < len(paragraph)]
     for start in starts:
         if utterances and rng.random() < utterances:
             most = start + int(rng.integers(4, window + 1))
-            whole = [e for e in ends if start < e <= most]  # a first sentence too long: cut
+            whole = [e for e in ends if start < e <= most]  # none: the first sentence, cut
             piece = paragraph[start : whole[-1] if whole else most]
         else:
             if rng.random() < 0.5:
@@ -655,8 +659,9 @@ def _member(path: Path) -> dict:
     scores = exported_runtime(path).scores
     if "members" in scores:
         return {"file": path.name, "members": scores["members"]}
-    return {"file": path.name, "cpu_minutes": scores.get("data", {}).get("cpu_minutes"),
-            "utterances": scores.get("data", {}).get("utterances", 0.0)}  # fmt: skip
+    data = scores.get("data", {})
+    return {"file": path.name, "cpu_minutes": data.get("cpu_minutes"),
+            "utterances": data.get("utterances")}  # fmt: skip
 
 
 def ensemble(

@@ -5,8 +5,9 @@ One sequence of lower-case written tokens in, two tags per token out
 embedding (its id in the model's word list) beside a small character CNN over its
 first and last characters; one bidirectional GRU reads them all; two linear heads
 give the tags. Small on purpose: it runs on the server's CPU after each final
-result, and its file stays under 10 MB. The bundled file is an ensemble of two
-(`export_ensemble`): the same inputs and outputs, their log-probabilities averaged.
+result, and its file stays under 10 MB. The bundled file is an ensemble
+(`export_ensemble`: the same inputs and outputs, the members' log-probabilities
+averaged) of an ensemble of two and a third tagger: a quarter, a quarter and a half.
 
     punct.onnx   word_ids (1, T) int64, char_ids (1, T, C) int64
                  -> mark_logits (1, T, len(MARKS)), case_logits (1, T, len(CASES))
@@ -83,7 +84,7 @@ class Tagger(nn.Module):
             packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
                                                        enforce_sorted=False)  # fmt: skip
             h, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True,
-                                                    total_length=t)  # fmt: skip
+                                                    total_length=t)  # (B, T, 2H)  # fmt: skip
         return self.marks(h), self.cases(h)  # (B, T, marks), (B, T, cases)
 
 
@@ -194,7 +195,7 @@ def export_ensemble(
     for i, (proto, meta) in enumerate(read):
         own = WordList(tuple(meta["words"]))
         remap = np.array([0, 1, *(own.id(w) for w in union)], dtype=np.int64)
-        m = f"member{i}/"  # a prefix no exported name starts with
+        m = f"member{i}/"  # unique here: a member that is an ensemble gets member{i}/member{j}/
         member = compose.add_prefix(proto, m)
         inits += [numpy_helper.from_array(remap, f"{m}remap"), *member.graph.initializer]
         nodes += [helper.make_node("Gather", [f"{m}remap", "word_ids"], [f"{m}word_ids"]),
