@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from echoic.model.core.configs import ConfigError, from_dict
 from echoic.model.core.features import FeatureConfig, num_frames
 from echoic.model.core.text import Vocabulary
 from echoic.training.data import (
+    BatchLoader,
     BucketBatchSampler,
     DataConfig,
     ManifestError,
@@ -445,6 +447,35 @@ def test_loader_position_counts_delivered_batches_and_resumes(
     resumed_sampler.load_state_dict(state)
     assert [b.targets.tolist() for b in resumed] == everything[2:]
     assert len(resumed) == len(everything)
+
+
+_HELD_IN_THE_TRAINER = threading.Lock()
+
+
+class _LockTakingDataset(SpeechDataset):
+    """Takes and gives back a lock for each utterance, as library code does inside."""
+
+    def __getitem__(self, index: int):  # type: ignore[no-untyped-def]
+        if not _HELD_IN_THE_TRAINER.acquire(timeout=5):
+            raise RuntimeError("the worker inherited a lock held in the training process")
+        _HELD_IN_THE_TRAINER.release()
+        return super().__getitem__(index)
+
+
+def test_loader_workers_inherit_no_lock_held_in_the_training_process(corpus: Path) -> None:
+    """A worker forked from the trainer gets a copy of every lock held there at that
+    moment, held by a thread it does not have (a gRPC call's, a collective's): it waits
+    forever or crashes. Workers start from a clean process and only get the dataset."""
+    utts = _utterances(corpus, [0.2, 0.3, 0.4])
+    cfg = _cfg(batch_seconds=0.7, max_batch=2)
+    sampler = BucketBatchSampler([u.duration for u in utts], cfg, seed=0)
+    in_process = [
+        b.targets.tolist() for b in BatchLoader(_LockTakingDataset(utts, FEATURES), sampler)
+    ]
+    sampler.set_epoch(0)
+    with _HELD_IN_THE_TRAINER:
+        loader = BatchLoader(_LockTakingDataset(utts, FEATURES), sampler, num_workers=2)
+        assert [b.targets.tolist() for b in loader] == in_process
 
 
 def test_loader_counts_substituted_rows(corpus: Path) -> None:

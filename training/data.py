@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -487,6 +488,21 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Loader workers start from a fork server, never by forking the training process.
+
+    A process forked while other threads run inherits their locks and native state
+    mid-use: gRPC's (a child forked while a gRPC call was in flight died of a segfault),
+    a collective's, CUDA's. The fork server is a fresh interpreter with this module
+    imported, started once; each worker is forked from it, so it starts quickly and
+    inherits nothing of the trainer but the pickled dataset. The batches are the same
+    bits either way: workers are seeded from the loader's generator, not from the fork.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 class BatchLoader:
     """A DataLoader over a SpeechDataset and a BucketBatchSampler; yields `Batch`.
 
@@ -523,6 +539,7 @@ class BatchLoader:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             generator=torch.Generator().manual_seed(int(seed.generate_state(1)[0])),
+            multiprocessing_context=_worker_context() if self.num_workers else None,
         )
         for batch, indices, substituted in loader:
             delivered += 1
