@@ -7,7 +7,8 @@ first and last characters; one bidirectional GRU reads them all; two linear head
 give the tags. Small on purpose: it runs on the server's CPU after each final
 result, and its file stays under 10 MB. The bundled file is an ensemble
 (`export_ensemble`: the same inputs and outputs, the members' log-probabilities
-averaged) of an ensemble of two and a third tagger: a quarter, a quarter and a half.
+averaged) of the three bundled before it and a fourth tagger: the three's ensemble of a
+pair and a third weighs an eighth, an eighth and a quarter, the fourth a half.
 
     punct.onnx   word_ids (1, T) int64, char_ids (1, T, C) int64
                  -> mark_logits (1, T, len(MARKS)), case_logits (1, T, len(CASES))
