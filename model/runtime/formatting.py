@@ -27,6 +27,7 @@ import numpy as np
 from echoic.model.core.inverse_text import Token, inverse_normalize
 from echoic.model.core.punctuation import (
     ABBREVIATIONS,
+    PieceList,
     WordList,
     apply_tags,
     encode,
@@ -36,6 +37,8 @@ from echoic.model.core.punctuation import (
 
 PUNCT_FILE = Path(__file__).resolve().parent.parent / "punct" / "punct.onnx"
 PUNCT_KEY = "echoic.punct"  # the ONNX metadata entry model/nn/punctuation.py writes
+# (format, config kind) of the taggers this runtime reads: words, and word pieces
+KINDS = ((1, None), (2, "pieces"))
 
 
 class FormattingUnavailable(RuntimeError):
@@ -62,15 +65,51 @@ class Punctuator:
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         meta = json.loads(self.session.get_modelmeta().custom_metadata_map[PUNCT_KEY])
+        config = meta.get("config", {})
+        kind = (meta.get("format"), config.get("kind"))
+        if kind not in KINDS:
+            raise FormattingUnavailable(
+                f"punctuation is unavailable: the tagger at {path} is of format "
+                f"{kind[0]!r}, kind {kind[1]!r}, which this echoic does not read (a newer "
+                "echoic wrote it: upgrade, or give --punctuation-model another tagger)"
+            )
         self.words = WordList(tuple(meta["words"]))
         self.scores = meta.get("scores", {})
+        # A pretrained tagger reads word pieces (`PieceList`) at most `positions` at a time.
+        self.pieces = PieceList(tuple(meta["words"])) if kind[1] == "pieces" else None
+        self.positions = int(config.get("positions", 0))
 
     def logits(self, tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Mark and case logits, (T, len(MARKS)) and (T, len(CASES))."""
-        word_ids, char_ids = encode([t.lower() for t in tokens], self.words)
+        tokens = [t.lower() for t in tokens]
+        if self.pieces is not None:
+            return self._piece_logits(tokens)
+        word_ids, char_ids = encode(tokens, self.words)
         feeds = {"word_ids": word_ids[None], "char_ids": char_ids[None]}
         marks, cases = self.session.run(None, feeds)
         return marks[0], cases[0]
+
+    def _piece_logits(self, tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """A pretrained tagger's logits: the tokens in runs of at most `positions` pieces
+        (a final result of a few hundred words is more than one), each tagged alone."""
+        assert self.pieces is not None
+        runs: list[list[str]] = [[]]
+        held = 2  # [CLS] and [SEP]
+        for token in tokens:
+            n = len(self.pieces.ids(token))
+            if runs[-1] and held + n > self.positions:
+                runs.append([])
+                held = 2
+            runs[-1].append(token)
+            held += n
+        marks, cases = [], []
+        for run in runs:
+            ids, first, last = self.pieces.encode(run)
+            feeds = {"piece_ids": ids[None], "first": first[None], "last": last[None]}
+            m, c = self.session.run(None, feeds)
+            marks.append(m[0])
+            cases.append(c[0])
+        return np.concatenate(marks), np.concatenate(cases)
 
     def tag(self, tokens: Sequence[str]) -> tuple[list[int], list[int]]:
         marks, cases = self.logits(tokens)
