@@ -572,8 +572,8 @@ def _tiny_encoder(directory: Path, layers: int = 2) -> Path:
 
     letters = "abcdefghijklmnopqrstuvwxyz0123456789"
     vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", *letters, *"'$.,?", *(f"##{c}" for c in letters),
-              "the", "cat", "sat", "it", "is", "mat", "end", "of", "course", "did", "##s",
-              "and", "slept", "on", "##at"])  # fmt: skip
+              "the", "cat", "sat", "it", "is", "mat", "end", "of", "course", "did", "and",
+              "slept", "on", "##at"])  # fmt: skip
     h, ff, positions = 8, 16, 40
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -673,7 +673,10 @@ def test_a_pretrained_encoder_is_fine_tuned_into_an_int8_tagger_the_server_runs(
     pieces, fine-tuned, calibrated, written as int8 with its pieces and the scores of the
     file as written; the server's runtime loads it as any tagger and tags through it, a
     result longer than the encoder's positions in runs."""
+    from echoic.model.runtime import formatting
     from echoic.model.runtime.formatting import Formatter, Punctuator, punctuator, use_tagger
+
+    monkeypatch.setattr(formatting, "_tagger_file", formatting._tagger_file)  # put back after
 
     directory = _tiny_encoder(tmp_path / "encoder", layers=2)
     prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
@@ -682,7 +685,8 @@ def test_a_pretrained_encoder_is_fine_tuned_into_an_int8_tagger_the_server_runs(
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
     out = tmp_path / "tagger.onnx"
     punctuation.main(["--out", str(out), "--minutes", "0.01", "--pretrained", str(directory),
-                      "--keep-layers", "1", "--pieces", "90", "--batch", "4"])  # fmt: skip
+                      "--keep-layers", "1", "--pieces", "90", "--batch", "4",
+                      "--window", "4"])  # fmt: skip
     assert f"wrote {out}" in capsys.readouterr().out
     tagger = Punctuator(out)
     meta = json.loads(tagger.session.get_modelmeta().custom_metadata_map[PUNCT_KEY])
@@ -708,12 +712,13 @@ def test_a_pretrained_encoder_is_fine_tuned_into_an_int8_tagger_the_server_runs(
     runs = [tagger.logits(long[i : i + n]) for i in range(0, len(long), n)]
     for got, want in zip(tagger.logits(long), zip(*runs, strict=True), strict=True):
         np.testing.assert_allclose(got, np.concatenate(want), rtol=0, atol=1e-6)
+    # A token of several pieces is never cut between two runs: 37 one-piece words and a
+    # two-piece one do not fit in 38 pieces, so the second run starts with it.
+    two = next(w for w in ("cats", "mats", "sats") if len(tagger.pieces.ids(w)) == 2)
+    assert tagger.pieces.runs([whole[0]] * 37 + [two], tagger.positions) == [[whole[0]] * 37, [two]]
     use_tagger(out)
-    try:
-        assert punctuator().session is not None and punctuator().pieces is not None
-        assert Formatter().format(long)
-    finally:
-        use_tagger(None)
+    assert punctuator().pieces is not None
+    assert Formatter().format(long)
 
 
 def test_an_ensemble_refuses_a_tagger_that_reads_word_pieces(tmp_path: Path) -> None:
@@ -749,7 +754,7 @@ def test_a_word_too_long_to_match_is_one_unknown_piece() -> None:
         (lambda d: (d / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nThe\n"), "cased"),
         (
             lambda d: (d / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\nthe\n"),
-            "has 5 pieces and config.json 96",
+            "has 5 pieces and config.json 95",
         ),
         (None, "has 2 layers: keep 1 to 2, not 3"),
     ],
@@ -772,14 +777,31 @@ def test_a_pretrained_encoder_that_cannot_serve_is_refused_before_the_corpus_loa
     assert re.search(why, capsys.readouterr().err)
 
 
-def test_piece_options_without_an_encoder_or_too_few_pieces_are_refused(
+def test_piece_options_that_cannot_work_are_refused_before_the_corpus_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from echoic.model.nn.punctuation import (
+        export_piece_tagger,
+        pretrained_pieces,
+        pretrained_tagger,
+    )
+
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: 1 / 0)
     directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    base = len(punctuation.kept_pieces([], pretrained_pieces(directory), 0))
+    pieces_file = tmp_path / "pieces.onnx"
+    export_piece_tagger(pretrained_tagger(directory), pretrained_pieces(directory), {},
+                        pieces_file)  # fmt: skip
     for argv, why in ((["--keep-layers", "1"], "give --pretrained DIR"),
-                      (["--pretrained", str(directory), "--pieces", "82"],
-                       "single characters alone are 82; keep more")):  # fmt: skip
+                      (["--pretrained", str(directory), "--window", "4", "--pieces", str(base)],
+                       f"single characters alone are {base}; keep more"),
+                      (["--pretrained", str(directory)], "--window 48: 48 words of up to 8 pieces "
+                       "pass the encoder's 40 positions"),
+                      (["--ensemble", str(pieces_file), str(pieces_file)], "read word pieces"),
+        (["--score-only", "x.onnx"], "no such tagger: x.onnx"),
+                      (["--pretrained", str(directory), "--score-only", str(pieces_file)],
+                       "--ensemble and --score-only take exported files"),
+                      (["--lr", "0"], "--lr 0.0: a learning rate is above 0")):  # fmt: skip
         with pytest.raises(SystemExit):
             punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
         assert why in capsys.readouterr().err
@@ -808,7 +830,9 @@ def test_the_runtime_refuses_a_tagger_of_a_kind_it_does_not_read(tmp_path: Path)
         Punctuator(tmp_path / "newer.onnx")
 
 
-def test_a_server_given_a_piece_tagger_formats_with_it(tmp_path: Path) -> None:
+def test_a_server_given_a_piece_tagger_formats_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`echoic serve --punctuation-model` with a tagger of word pieces: a real server's
     formatted final is what that tagger writes for the words it heard (a random tagger's
     marks and capitals, so nothing else could have written them)."""
@@ -818,6 +842,7 @@ def test_a_server_given_a_piece_tagger_formats_with_it(tmp_path: Path) -> None:
     grpc = pytest.importorskip("grpc")
     from echoic.model.core.punctuation import PieceList
     from echoic.model.nn.punctuation import export_piece_tagger, pretrained_tagger
+    from echoic.model.runtime import formatting
     from echoic.model.runtime.formatting import Formatter, use_tagger
     from echoic.protos.v1 import transcriber_pb2 as pb
     from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc
@@ -838,12 +863,35 @@ def test_a_server_given_a_piece_tagger_formats_with_it(tmp_path: Path) -> None:
         (result,) = stub.Recognize(request, timeout=60).results
         return result.alternatives[0].transcript
 
-    try:
-        with http_server(punctuation_model=tagger) as s, grpc.insecure_channel(s.address) as ch:
-            stub = pb_grpc.TranscriberStub(ch)
-            raw, formatted = recognize(stub), recognize(stub, punctuation=True)
-        use_tagger(tagger)
-        want = " ".join(t.text for t in Formatter(inverse=False).format(raw.split()))
-    finally:
-        use_tagger(None)
+    # The server is in this process: the tagger it was given is put back afterwards.
+    monkeypatch.setattr(formatting, "_tagger_file", formatting._tagger_file)
+    with http_server(punctuation_model=tagger) as s, grpc.insecure_channel(s.address) as ch:
+        stub = pb_grpc.TranscriberStub(ch)
+        raw, formatted = recognize(stub), recognize(stub, punctuation=True)
+    use_tagger(tagger)
+    want = " ".join(t.text for t in Formatter(inverse=False).format(raw.split()))
     assert len(raw.split()) >= 5 and formatted == want != raw
+
+
+BERT_CASES = ["$2 million", "£5", "€20", "°C", "x\u200by", "日本語", "don't", "Café",
+              "a\tb", "\x00", "naïve-ish", "well...", "«quoted»", "50%", "x" * 101]  # fmt: skip
+
+
+def test_word_pieces_are_those_of_berts_own_tokenizer(tmp_path: Path) -> None:
+    """A written token is split into the pieces BERT's uncased tokenizer gives the same
+    text (spaces, control characters, symbols kept in a word, punctuation split off, CJK,
+    accents), so the server reads what the encoder was pretrained on."""
+    transformers = pytest.importorskip("transformers")
+    from echoic.model.core.punctuation import PieceList
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "$", "2", "million", "£", "##5", "€", "##20",
+             "°", "##c", "x", "##y", "y", "日", "本", "語", "don", "'", "t", "cafe", "a", "b",
+             "naive", "-", "ish", ".", "well", "«", "»", "quoted", "50", "%"]  # fmt: skip
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    theirs = transformers.BertTokenizer(str(tmp_path / "vocab.txt"), do_lower_case=True)
+    ours = PieceList(tuple(vocab))
+    for text in BERT_CASES:
+        want = theirs.convert_tokens_to_ids(theirs.tokenize(text)) or [ours.index["[UNK]"]]
+        if len(want) > 8:  # a token keeps its first four pieces and its last four
+            want = want[:4] + want[-4:]
+        assert ours.ids(text) == want, text

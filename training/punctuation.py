@@ -56,10 +56,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from echoic.model.core.inverse_text import CURRENCIES, UNITS
 from echoic.model.core.punctuation import (
     CASES,
     CHARS_PER_WORD,
     MARKS,
+    PIECES_PER_WORD,
     PieceList,
     Tagged,
     WordList,
@@ -83,6 +85,7 @@ from echoic.model.nn.punctuation import (
     pretrained_pieces,
     pretrained_record,
     pretrained_tagger,
+    reads_pieces,
 )
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
 
@@ -488,12 +491,15 @@ def piece_batches(
 
 def kept_pieces(paragraphs: Sequence[list[Tagged]], pieces: PieceList, size: int) -> list[int]:
     """The rows of a pretrained encoder's vocabulary a tagger keeps (`--pieces`): the
-    special ones, every single ASCII character (alone and continuing a word, so that any
-    word still splits into pieces), then the pieces most frequent in `paragraphs`' words,
-    up to `size` in all. A word whose pieces were dropped splits into smaller ones."""
+    special ones, every single ASCII character and symbol inverse normalization writes
+    ("£", "°": alone and continuing a word, so that any word still splits into pieces),
+    then the pieces most frequent in `paragraphs`' words, up to `size` in all. A word
+    whose pieces were dropped splits into smaller ones."""
+    written = {c for form in (*CURRENCIES.values(), *UNITS.values()) for c in form
+               if not c.isascii()}  # fmt: skip
     keep = [pieces.index[p] for p in SPECIAL_PIECES]
     keep += [i for i, p in enumerate(pieces.pieces)
-             if len(p.removeprefix("##")) == 1 and p.removeprefix("##").isascii()]  # fmt: skip
+             if len(c := p.removeprefix("##")) == 1 and (c.isascii() or c in written)]  # fmt: skip
     counts: Counter = Counter()
     for token, n in Counter(t.token for p in paragraphs for t in p).items():
         counts.update({i: n for i in pieces.ids(token)})
@@ -546,11 +552,15 @@ Tag = Callable[[Sequence[str]], tuple[list[int], list[int]]]  # tokens -> (marks
 def torch_logits(
     model: Tagger, words: WordList, tokens: Sequence[str]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The mark and case logits of `model` for one sequence, (T, len(MARKS)), (T, len(CASES))."""
-    inputs = words.encode(tokens) if isinstance(words, PieceList) else encode(tokens, words)
+    """The mark and case logits of `model` for one sequence, (T, len(MARKS)), (T, len(CASES));
+    a pretrained tagger's in runs that fit its positions, as the runtime's."""
+    if isinstance(words, PieceList):
+        inputs = [words.encode(run) for run in words.runs(tokens, model.cfg.positions)]
+    else:
+        inputs = [encode(tokens, words)]
     with torch.no_grad():
-        ml, cl = model(*(torch.from_numpy(a)[None] for a in inputs))
-    return ml[0].numpy(), cl[0].numpy()
+        out = [model(*(torch.from_numpy(a)[None] for a in run)) for run in inputs]
+    return tuple(np.concatenate([o[k][0].numpy() for o in out]) for k in (0, 1))  # type: ignore[return-value]
 
 
 def torch_tagger(model: Tagger, words: WordList) -> Tag:
@@ -746,6 +756,36 @@ def ensemble(
     return scores
 
 
+def _refused(args: argparse.Namespace) -> str | None:
+    """Why these options cannot work, in one line; None when they can (checked before the
+    corpus loads, which takes minutes)."""
+    if args.lr is not None and args.lr <= 0:
+        return f"--lr {args.lr}: a learning rate is above 0"
+    if missing := [str(p) for p in (args.ensemble or []) + (args.score_only or [])
+                   if not p.is_file()]:  # fmt: skip
+        return f"no such tagger: {', '.join(missing)}"
+    if not args.pretrained:
+        if args.keep_layers is not None or args.pieces:
+            return "--keep-layers and --pieces shape a pretrained encoder: give --pretrained DIR"
+        if args.ensemble and (pieces := [str(p) for p in args.ensemble if reads_pieces(p)]):
+            return (f"{', '.join(pieces)} read word pieces: an ensemble's members read words "
+                    "(a pretrained tagger is used alone)")  # fmt: skip
+        return None
+    if args.ensemble or args.score_only:
+        return "--pretrained trains a tagger: --ensemble and --score-only take exported files"
+    if why := check_pretrained(args.pretrained, args.keep_layers):
+        return why
+    conf = json.loads((args.pretrained / "config.json").read_text(encoding="utf-8"))
+    if args.window * PIECES_PER_WORD + 2 > (positions := conf["max_position_embeddings"]):
+        return (f"--window {args.window}: {args.window} words of up to {PIECES_PER_WORD} "
+                f"pieces pass the encoder's {positions} positions")  # fmt: skip
+    base = len(kept_pieces([], pretrained_pieces(args.pretrained), 0))
+    if args.pieces and args.pieces <= base:
+        return (f"--pieces {args.pieces}: the special pieces and single characters alone are "
+                f"{base}; keep more")  # fmt: skip
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
@@ -795,15 +835,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         size.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
                           help=f"default: %(default)s ({f.metadata['help']})")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.pretrained and (why := check_pretrained(args.pretrained, args.keep_layers)):
+    if why := _refused(args):
         ap.error(why)
-    if not args.pretrained and (args.keep_layers or args.pieces):
-        ap.error("--keep-layers and --pieces shape a pretrained encoder: give --pretrained DIR")
-    if args.pieces and args.pieces <= (
-        base := len(kept_pieces([], pretrained_pieces(args.pretrained), 0))
-    ):
-        ap.error(f"--pieces {args.pieces}: the special pieces and single characters alone are "
-                 f"{base}; keep more")  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -832,7 +865,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = pretrained_tagger(args.pretrained, args.keep_layers, rows)
         if rows is not None:
             words = PieceList(tuple(words.pieces[i] for i in rows))
-        lr = args.lr or 1e-4
+        lr = 1e-4 if args.lr is None else args.lr
         heads = [p for n, p in model.named_parameters() if n.startswith(("marks.", "cases."))]
         body = [p for n, p in model.named_parameters() if not n.startswith(("marks.", "cases."))]
         groups = [{"params": body, "peak": lr}, {"params": heads, "peak": 10 * lr}]
@@ -842,7 +875,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = TaggerConfig(**{f.name: getattr(args, f.name) for f in fields(TaggerConfig)})
         words = word_list(data.train, cfg.words)
         model = Tagger(cfg)
-        lr = args.lr or 3e-3
+        lr = 3e-3 if args.lr is None else args.lr
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
         opt.param_groups[0]["peak"] = lr
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)

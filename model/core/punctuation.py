@@ -208,15 +208,14 @@ class PieceList:
         return out
 
     def ids(self, token: str) -> list[int]:
-        """One token's piece ids: split before and after each character that is not a
-        letter or digit ("don't" -> don ' t, "$25" -> $ 25), accents dropped, each part
-        matched to pieces; at most PIECES_PER_WORD (its first and last halves)."""
+        """One token's piece ids, split as BERT's uncased tokenizer splits text
+        (`bert_words`: "don't" -> don ' t, "$2 million" -> $ 2 million), each part matched
+        to pieces; at most PIECES_PER_WORD (its first and last halves); a token with
+        nothing to read (spaces, control characters) is [UNK]."""
         if (seen := self._seen.get(token)) is not None:
             return seen
-        plain = "".join(c for c in unicodedata.normalize("NFD", token.lower())
-                        if unicodedata.category(c) != "Mn")  # fmt: skip
-        parts = re.findall(r"[^\W_]+|[\W_]", plain)
-        ids = [i for part in parts for i in self._word(part)] or [self.index["[UNK]"]]
+        ids = [i for part in bert_words(token) for i in self._word(part)]
+        ids = ids or [self.index["[UNK]"]]
         if len(ids) > PIECES_PER_WORD:
             half = PIECES_PER_WORD // 2
             ids = ids[:half] + ids[-half:]
@@ -224,6 +223,21 @@ class PieceList:
             self._seen.clear()
         self._seen[token] = ids
         return ids
+
+    def runs(self, tokens: Sequence[str], positions: int) -> list[list[str]]:
+        """`tokens` in runs whose pieces, with [CLS] and [SEP], fit an encoder's `positions`
+        (a token is never split across two; one of more than PIECES_PER_WORD pieces cannot
+        be, as positions hold at least 2 + PIECES_PER_WORD)."""
+        runs: list[list[str]] = [[]]
+        held = 2  # [CLS] and [SEP]
+        for token in tokens:
+            n = len(self.ids(token))
+            if runs[-1] and held + n > positions:
+                runs.append([])
+                held = 2
+            runs[-1].append(token)
+            held += n
+        return runs
 
     def encode(self, tokens: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The tagger's inputs for one sequence: piece ids (S,) from [CLS] to [SEP], and each
@@ -235,6 +249,50 @@ class PieceList:
             last.append(len(ids) - 1)
         ids.append(self.index["[SEP]"])
         return (np.array(ids, np.int64), np.array(first, np.int64), np.array(last, np.int64))
+
+
+def _cjk(c: str) -> bool:
+    """A CJK ideograph: BERT's tokenizer reads each as a word of its own."""
+    cp = ord(c)
+    return any(lo <= cp <= hi for lo, hi in (
+        (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+        (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)))  # fmt: skip
+
+
+def _bert_punctuation(c: str) -> bool:
+    """What BERT's tokenizer splits off as a word of its own: every ASCII character that
+    is not a letter, digit or space ("$" too), and Unicode punctuation (P*); other symbols
+    ("£", "°") stay inside the word."""
+    cp = ord(c)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(c).startswith("P")
+
+
+def bert_words(text: str) -> list[str]:
+    """`text` as BERT's uncased BasicTokenizer splits it, for its WordPiece vocabulary:
+    control and format characters dropped, every space a break, each CJK ideograph and
+    each punctuation character a word of its own, lower case, accents dropped."""
+    kept = []
+    for c in unicodedata.normalize("NFC", text):
+        if c in " \t\n\r" or unicodedata.category(c) == "Zs":
+            kept.append(" ")
+        elif ord(c) in (0, 0xFFFD) or unicodedata.category(c).startswith("C"):
+            continue
+        else:
+            kept.append(f" {c} " if _cjk(c) else c)
+    words: list[str] = []
+    for word in "".join(kept).split():
+        plain = "".join(ch for ch in unicodedata.normalize("NFD", word.lower())
+                        if unicodedata.category(ch) != "Mn")  # fmt: skip
+        start = 0
+        for i, ch in enumerate(plain):
+            if _bert_punctuation(ch):
+                words += [w for w in (plain[start:i], ch) if w]
+                start = i + 1
+        if start < len(plain):
+            words.append(plain[start:])
+    return words
 
 
 def end_sentence(mark_logits: np.ndarray) -> list[int]:

