@@ -5,10 +5,10 @@ One sequence of lower-case written tokens in, two tags per token out
 embedding (its id in the model's word list) beside a small character CNN over its
 first and last characters; one bidirectional GRU reads them all; two linear heads
 give the tags. Small on purpose: it runs on the server's CPU after each final
-result, and its file stays under 10 MB. The bundled file is an ensemble
+result, and its file stays under 10 MB. Taggers can be averaged as an ensemble
 (`export_ensemble`: the same inputs and outputs, the members' log-probabilities
-averaged) of the three bundled before it and a fourth tagger: the three's ensemble of a
-pair and a third weighs an eighth, an eighth and a quarter, the fourth a half.
+averaged); the GRU ensemble of four bundled before weighed a pair an eighth each, a third
+a quarter and a fourth a half. The bundled file is a `PieceTagger` (below).
 
     punct.onnx   word_ids (1, T) int64, char_ids (1, T, C) int64
                  -> mark_logits (1, T, len(MARKS)), case_logits (1, T, len(CASES))

@@ -6,7 +6,7 @@ Riva's `enable_automatic_punctuation` / `verbatim_transcripts`, the OpenAI door 
 default, the realtime WebSocket's `transcription_session.update`). `Session.advance`
 formats its final results after the batch step, never inside it (`format_finals`). Up to
 `FORMAT_ON_LOOP_WORDS` words it does so on the event loop: a final result of 20 words
-costs 2.1 ms (80 words: 6.2 ms; bench/formatting_cost.py), about what a hop to a worker
+costs 1.5 ms (80 words: 4.2 ms; bench/formatting_cost.py), about what a hop to a worker
 thread and back costs in waiting for the interpreter lock on a busy server, so the hop
 would add latency without taking work off the loop. A longer final (Recognize without
 endpointing gives one final for up to --max-audio-seconds of audio) goes to a worker
@@ -114,7 +114,7 @@ def format_results(results: Sequence[Result], formatter: Formatter) -> list[Resu
 
 # Words of final results formatted on the event loop (more: a thread), about 4 ms of the
 # bundled tagger: the most the loop waits on one formatting.
-FORMAT_ON_LOOP_WORDS = 55
+FORMAT_ON_LOOP_WORDS = 75
 
 
 async def format_finals(results: Sequence[Result], formatter: Formatter) -> list[Result]:
