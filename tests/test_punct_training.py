@@ -895,3 +895,69 @@ def test_word_pieces_are_those_of_berts_own_tokenizer(tmp_path: Path) -> None:
         if len(want) > 8:  # a token keeps its first four pieces and its last four
             want = want[:4] + want[-4:]
         assert ours.ids(text) == want, text
+
+
+class _Stopped(Exception):
+    """The session ended (in a test: the optimizer's Nth step)."""
+
+
+@pytest.mark.parametrize("kind", ["words", "pieces"])
+def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_weights(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--checkpoint: a run stopped between two scorings resumes from the last one, part way
+    through an epoch, and ends on the weights of a run never stopped, a GRU tagger or a
+    pretrained encoder's. CPU time is a clock of the optimizer's steps here (a second
+    each), so that the two spend the same budget step for step."""
+    texts = ("Is it the end? It is, of course. We stay.",
+             "The cat sat on a mat, and it slept. Did it? No.",
+             "Where are you going? Home, then out. Come along.")  # fmt: skip
+    prose = [tags_of_prose(p) for p in texts]
+    data = Corpus(train=prose * 3, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    clock = {"steps": 0, "stop_at": 0}
+    step = torch.optim.AdamW.step
+
+    def counted(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        out = step(self, *args, **kwargs)
+        clock["steps"] += 1
+        if clock["steps"] == clock["stop_at"]:
+            raise _Stopped
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    monkeypatch.setattr(punctuation.time, "process_time", lambda: float(clock["steps"]))
+    size = ["--words", "30", "--word-dim", "6", "--char-dim", "5", "--char-filters", "7",
+            "--hidden", "5", "--layers", "1", "--dropout", "0.3", "--batch", "4",
+            "--window", "6", "--minutes", "0.5", "--eval-minutes", "0.1"]  # fmt: skip
+    if kind == "pieces":
+        encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
+        size = ["--pretrained", str(encoder), "--keep-layers", "1", "--pieces", "90", "--batch",
+                "4", "--window", "4", "--minutes", "0.5", "--eval-minutes", "0.1"]  # fmt: skip
+
+    whole = tmp_path / "whole.onnx"
+    punctuation.main(["--out", str(whole), *size])
+    assert clock["steps"] >= 30
+    checkpoint, out = tmp_path / "run.pt", tmp_path / "resumed.onnx"
+    clock.update(steps=0, stop_at=16)
+    with pytest.raises(_Stopped):
+        punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
+    saved = torch.load(checkpoint, weights_only=True)
+    assert 6 <= saved["steps"] < 16 and saved["done"] > 0  # part way through an epoch
+    assert not out.exists()
+    capsys.readouterr()
+    clock["stop_at"] = 0
+    punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
+    printed = capsys.readouterr().out
+    where = f"epoch {saved['epoch']}, {saved['done']} batches into it"
+    assert f"resumed {checkpoint}: {where}" in printed
+    assert out.read_bytes() == whole.read_bytes()
+
+    # Other options cannot resume it, and say which.
+    with pytest.raises(SystemExit):
+        punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size,
+                          "--seed", "3"])  # fmt: skip
+    assert "was saved by a training with --seed 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        punctuation.main(["--out", str(out), "--checkpoint", str(out), *size])
+    assert "not a training checkpoint" in capsys.readouterr().err

@@ -32,7 +32,11 @@ end) and cased as it writes one. No recording or transcript of a person is used.
 
 The tagger's size is `TaggerConfig`'s, each field settable here (`--words`, `--hidden`,
 ...); the exported file carries its config, so the server loads any size as it is.
-Torch gets one thread: the machine it was trained on is shared.
+Torch gets one thread: the machine it was trained on is shared. `--checkpoint FILE` saves
+the training's state at every scoring of the development set and resumes from it: a run
+cut off (a session's end) goes on from its last scoring, dealt the same batches and
+drawing the same dropout, to the weights it would have reached in one go on the same
+CPU time.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import argparse
 import gzip
 import itertools
 import json
+import math
 import re
 import tempfile
 import time
@@ -761,6 +766,8 @@ def _refused(args: argparse.Namespace) -> str | None:
     corpus loads, which takes minutes)."""
     if args.lr is not None and args.lr <= 0:
         return f"--lr {args.lr}: a learning rate is above 0"
+    if args.checkpoint and (args.ensemble or args.score_only):
+        return "--checkpoint keeps a training's state: --ensemble and --score-only train nothing"
     if missing := [str(p) for p in (args.ensemble or []) + (args.score_only or [])
                    if not p.is_file()]:  # fmt: skip
         return f"no such tagger: {', '.join(missing)}"
@@ -786,6 +793,32 @@ def _refused(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _options(args: argparse.Namespace) -> dict[str, str]:
+    """What a checkpoint's training was asked for: every option but where it writes and how
+    often it scores, which a resumed run may change."""
+    skip = {"out", "checkpoint", "eval_minutes"}
+    return {k: str(v) for k, v in sorted(vars(args).items()) if k not in skip}
+
+
+def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
+    """The state `--checkpoint` holds (None when there is none yet), or why it cannot be
+    resumed with these options, in one line."""
+    if not args.checkpoint or not args.checkpoint.exists():
+        return None, None
+    try:
+        state = torch.load(args.checkpoint, weights_only=True)
+        assert isinstance(state, dict) and isinstance(state["options"], dict)
+    except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, f"--checkpoint {args.checkpoint}: not a training checkpoint ({why})"
+    ours = _options(args)
+    if differ := [k for k in ours if state["options"].get(k) != ours[k]]:
+        saved = ", ".join(f"--{k.replace('_', '-')} {state['options'].get(k)}" for k in differ)
+        return None, (f"--checkpoint {args.checkpoint} was saved by a training with {saved}: "
+                      "give the same options to resume it, or another file")  # fmt: skip
+    return state, None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
@@ -795,6 +828,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--eval-minutes", type=float, default=5.0,
                     help="score the held-out set this often (CPU minutes) and at each "
                     "epoch's end; the best scoring weights are kept")  # fmt: skip
+    ap.add_argument("--checkpoint", type=Path, metavar="FILE",
+                    help="save the training's state to FILE at every scoring of the "
+                    "development set, and resume from FILE when it exists (the same options): "
+                    "a run stopped part way goes on from its last scoring")  # fmt: skip
     ap.add_argument("--window", type=int, default=48, help="most words per training window")
     ap.add_argument("--utterances", type=float, default=0.0,
                     help="the share of training windows that are whole sentences ending at a "
@@ -836,6 +873,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                           help=f"default: %(default)s ({f.metadata['help']})")  # fmt: skip
     args = ap.parse_args(argv)
     if why := _refused(args):
+        ap.error(why)
+    resumed, why = _resumed(args)
+    if why:
         ap.error(why)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -881,8 +921,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
     # Rare marks matter as much as the common "no mark": weigh them up a little.
     mark_loss = nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([1.0, 2.0, 2.0, 3.0]))
-    budget, start = 60 * args.minutes, time.process_time()
-    best, best_state, epoch, next_eval = -1.0, None, 0, 60 * args.eval_minutes
+    budget = 60 * args.minutes
+    best, best_state, next_eval = -1.0, None, 60 * args.eval_minutes
+    # Where the training stands: epochs begun, batches of the current one taken, and the
+    # data generator's state at its start (so that a resumed epoch deals the same batches).
+    steps, epoch, done, total, n, spent = 0, 0, 0, 0.0, 0, 0.0
+    epoch_rng = rng.bit_generator.state
+    if resumed:
+        model.load_state_dict(resumed["model"])
+        opt.load_state_dict(resumed["optimizer"])
+        torch.set_rng_state(resumed["torch_rng"])
+        best, best_state, next_eval = resumed["best"], resumed["best_state"], resumed["next_eval"]
+        steps, epoch, done = resumed["steps"], resumed["epoch"], resumed["done"]
+        total, n, spent = resumed["total"], resumed["n"], resumed["spent"]
+        epoch_rng = json.loads(resumed["epoch_rng"])
+        del resumed  # its weights are in the model now
+        print(f"resumed {args.checkpoint}: epoch {epoch}, {done} batches into it, step {steps}, "
+              f"{spent / 60:.1f} of {args.minutes:g} CPU minutes", flush=True)  # fmt: skip
+    start = time.process_time() - spent
+
+    def save(spent: float) -> None:
+        """The training's state to --checkpoint, whole or not at all."""
+        if not args.checkpoint:
+            return
+        args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        part = args.checkpoint.with_name(args.checkpoint.name + ".part")
+        torch.save({"options": _options(args), "model": model.state_dict(),
+                    "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "best": float(best), "best_state": best_state,
+                    "next_eval": float(next_eval), "steps": steps, "epoch": epoch, "done": done,
+                    "total": float(total), "n": n, "spent": float(spent),
+                    "epoch_rng": json.dumps(epoch_rng)}, part)  # fmt: skip
+        part.replace(args.checkpoint)
 
     dev = sentence_windows(data.dev, SCORE_WINDOW)
     if not dev:
@@ -914,11 +984,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             ):
                 yield (w, c, lengths), marks, cases
 
-    steps = 0
     while (spent := time.process_time() - start) < budget:
-        epoch += 1
-        total = n = 0
-        for inputs, marks, cases in epoch_batches():
+        if done:  # resumed part way through an epoch: deal it again, skip what was taken
+            rng.bit_generator.state = epoch_rng
+        else:
+            epoch, total, n = epoch + 1, 0.0, 0
+            epoch_rng = rng.bit_generator.state
+        for i, (inputs, marks, cases) in enumerate(epoch_batches()):
+            if i < done:
+                continue
             # The rate falls from lr to nothing over the budget (cosine): the last, quieter
             # steps settle the weights a fixed budget ends on. A pretrained encoder's first
             # WARMUP_STEPS rise to it, so that the new heads' first gradients do not undo
@@ -927,7 +1001,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             warm = min(1.0, (steps + 1) / WARMUP_STEPS) if args.pretrained else 1.0
             for group in opt.param_groups:
                 group["lr"] = group["peak"] * warm * 0.5 * (
-                    1 + np.cos(np.pi * min(spent / budget, 1.0)))  # fmt: skip
+                    1 + math.cos(math.pi * min(spent / budget, 1.0)))  # fmt: skip
             steps += 1
             ml, cl = model(*inputs)
             loss = mark_loss(ml.reshape(-1, len(MARKS)), marks.reshape(-1)) + loss_fn(
@@ -937,14 +1011,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            total, n = total + loss.item(), n + 1
+            total, n, done = total + loss.item(), n + 1, i + 1
             if spent > budget:
                 break
             if spent > next_eval:
                 next_eval += 60 * args.eval_minutes
                 evaluate(f"epoch {epoch} ({spent / 60:.1f} min)", total / n)
+                save(time.process_time() - start)
+        done = 0
         evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min)",
                  total / max(n, 1))  # fmt: skip
+        save(time.process_time() - start)
     model.load_state_dict(best_state)
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
