@@ -902,13 +902,18 @@ class _Stopped(Exception):
 
 
 @pytest.mark.parametrize("kind", ["words", "pieces"])
+@pytest.mark.parametrize("where", ["part way through an epoch", "at an epoch's end"])
 def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_weights(
-    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    kind: str,
+    where: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """--checkpoint: a run stopped between two scorings resumes from the last one, part way
-    through an epoch, and ends on the weights of a run never stopped, a GRU tagger or a
-    pretrained encoder's. CPU time is a clock of the optimizer's steps here (a second
-    each), so that the two spend the same budget step for step."""
+    through an epoch or at its end, and ends on the weights of a run never stopped, a GRU
+    tagger or a pretrained encoder's. CPU time is a clock of the optimizer's steps here (a
+    second each), so that the two spend the same budget step for step."""
     texts = ("Is it the end? It is, of course. We stay.",
              "The cat sat on a mat, and it slept. Did it? No.",
              "Where are you going? Home, then out. Come along.")  # fmt: skip
@@ -935,29 +940,48 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
         size = ["--pretrained", str(encoder), "--keep-layers", "1", "--pieces", "90", "--batch",
                 "4", "--window", "4", "--minutes", "0.5", "--eval-minutes", "0.1"]  # fmt: skip
 
+    # The run never stopped, its saves noted: (steps taken, batches of the epoch taken).
+    saves: list[tuple[int, int]] = []
+    save = torch.save
+
+    def noted(state: object, *args: object, **kwargs: object) -> None:
+        if isinstance(state, dict) and "done" in state:
+            saves.append((state["steps"], state["done"]))
+        save(state, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", noted)
     whole = tmp_path / "whole.onnx"
-    punctuation.main(["--out", str(whole), *size])
+    punctuation.main(["--out", str(whole), "--checkpoint", str(tmp_path / "whole.pt"), *size])
     assert clock["steps"] >= 30
+    mid = where == "part way through an epoch"
+    # Stopped at the step after a save of the kind asked for (not the first: some training
+    # before it), the last save is that one.
+    last = next((s, d) for s, d in saves if s >= 6 and (d > 0) == mid)
     checkpoint, out = tmp_path / "run.pt", tmp_path / "resumed.onnx"
-    clock.update(steps=0, stop_at=16)
+    clock.update(steps=0, stop_at=last[0] + 1)
     with pytest.raises(_Stopped):
         punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
     saved = torch.load(checkpoint, weights_only=True)
-    assert 6 <= saved["steps"] < 16 and saved["done"] > 0  # part way through an epoch
+    assert (saved["steps"], saved["done"]) == last
     assert not out.exists()
     capsys.readouterr()
     clock["stop_at"] = 0
     punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
     printed = capsys.readouterr().out
-    where = f"epoch {saved['epoch']}, {saved['done']} batches into it"
-    assert f"resumed {checkpoint}: {where}" in printed
+    place = f"epoch {saved['epoch']}, {saved['done']} batches into it"
+    assert f"resumed {checkpoint}: {place}" in printed
     assert out.read_bytes() == whole.read_bytes()
 
     # Other options cannot resume it, and say which.
     with pytest.raises(SystemExit):
         punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size,
                           "--seed", "3"])  # fmt: skip
-    assert "was saved by a training with --seed 0" in capsys.readouterr().err
+    assert "was saved by a training with --seed 0 (given: 3)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         punctuation.main(["--out", str(out), "--checkpoint", str(out), *size])
     assert "not a training checkpoint" in capsys.readouterr().err
+    other = Corpus(train=prose * 2, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: other)
+    with pytest.raises(SystemExit):
+        punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
+    assert "was saved by a training on other prose" in capsys.readouterr().err

@@ -35,8 +35,9 @@ The tagger's size is `TaggerConfig`'s, each field settable here (`--words`, `--h
 Torch gets one thread: the machine it was trained on is shared. `--checkpoint FILE` saves
 the training's state at every scoring of the development set and resumes from it: a run
 cut off (a session's end) goes on from its last scoring, dealt the same batches and
-drawing the same dropout, to the weights it would have reached in one go on the same
-CPU time.
+drawing the same dropout at the same place in the rate schedule. The schedule follows
+the CPU time measured, which varies from run to run, so a resumed run ends where an
+uninterrupted one would only as closely as two uninterrupted runs agree.
 """
 
 from __future__ import annotations
@@ -795,9 +796,15 @@ def _refused(args: argparse.Namespace) -> str | None:
 
 def _options(args: argparse.Namespace) -> dict[str, str]:
     """What a checkpoint's training was asked for: every option but where it writes and how
-    often it scores, which a resumed run may change."""
+    often it scores, which a resumed run may change ("not given" for an option left out
+    that has no default)."""
     skip = {"out", "checkpoint", "eval_minutes"}
-    return {k: str(v) for k, v in sorted(vars(args).items()) if k not in skip}
+    return {k: "not given" if v is None else str(v)
+            for k, v in sorted(vars(args).items()) if k not in skip}  # fmt: skip
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
@@ -807,14 +814,16 @@ def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
         return None, None
     try:
         state = torch.load(args.checkpoint, weights_only=True)
-        assert isinstance(state, dict) and isinstance(state["options"], dict)
+        if not isinstance(state, dict) or not isinstance(state.get("options"), dict):
+            raise ValueError("no training options in it")
     except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         return None, f"--checkpoint {args.checkpoint}: not a training checkpoint ({why})"
     ours = _options(args)
     if differ := [k for k in ours if state["options"].get(k) != ours[k]]:
-        saved = ", ".join(f"--{k.replace('_', '-')} {state['options'].get(k)}" for k in differ)
-        return None, (f"--checkpoint {args.checkpoint} was saved by a training with {saved}: "
+        both = "; ".join(f"{_flag(k)} {state['options'].get(k, 'not given')} (given: {ours[k]})"
+                         for k in differ)  # fmt: skip
+        return None, (f"--checkpoint {args.checkpoint} was saved by a training with {both}: "
                       "give the same options to resume it, or another file")  # fmt: skip
     return state, None
 
@@ -886,6 +895,10 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"words: train {summary['train_words']}, development "
           f"{summary['development_words']}, held out {summary['held_out_words']}",
           flush=True)  # fmt: skip
+    if resumed and resumed.get("data") != json.dumps(summary, sort_keys=True):
+        ap.error(f"--checkpoint {args.checkpoint} was saved by a training on other prose "
+                 f"({resumed.get('data')}; now {json.dumps(summary, sort_keys=True)}): "
+                 "resume it on the prose it began on, or give another file")  # fmt: skip
     sets = held_out_sets(data)
     if args.ensemble:
         scores = ensemble(args.ensemble, data, sets, args.out, args.weights)
@@ -924,7 +937,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     budget = 60 * args.minutes
     best, best_state, next_eval = -1.0, None, 60 * args.eval_minutes
     # Where the training stands: epochs begun, batches of the current one taken, and the
-    # data generator's state at its start (so that a resumed epoch deals the same batches).
+    # data generator's state at its start, or at the next one's between epochs (so that a
+    # resumed epoch deals the same batches, and the next epoch the next ones).
     steps, epoch, done, total, n, spent = 0, 0, 0, 0.0, 0, 0.0
     epoch_rng = rng.bit_generator.state
     if resumed:
@@ -935,6 +949,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         steps, epoch, done = resumed["steps"], resumed["epoch"], resumed["done"]
         total, n, spent = resumed["total"], resumed["n"], resumed["spent"]
         epoch_rng = json.loads(resumed["epoch_rng"])
+        rng.bit_generator.state = epoch_rng
         del resumed  # its weights are in the model now
         print(f"resumed {args.checkpoint}: epoch {epoch}, {done} batches into it, step {steps}, "
               f"{spent / 60:.1f} of {args.minutes:g} CPU minutes", flush=True)  # fmt: skip
@@ -946,7 +961,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             return
         args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         part = args.checkpoint.with_name(args.checkpoint.name + ".part")
-        torch.save({"options": _options(args), "model": model.state_dict(),
+        torch.save({"options": _options(args), "data": json.dumps(summary, sort_keys=True),
+                    "model": model.state_dict(),
                     "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
                     "best": float(best), "best_state": best_state,
                     "next_eval": float(next_eval), "steps": steps, "epoch": epoch, "done": done,
@@ -984,10 +1000,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             ):
                 yield (w, c, lengths), marks, cases
 
-    while (spent := time.process_time() - start) < budget:
-        if done:  # resumed part way through an epoch: deal it again, skip what was taken
-            rng.bit_generator.state = epoch_rng
-        else:
+    # A run resumed part way through an epoch finishes it, as the run saved would have
+    # (its last scoring may have spent the budget, but not the epoch's last step and score).
+    while done or (spent := time.process_time() - start) < budget:
+        if not done:  # a new epoch; else resumed part way: deal it again, skip what was taken
             epoch, total, n = epoch + 1, 0.0, 0
             epoch_rng = rng.bit_generator.state
         for i, (inputs, marks, cases) in enumerate(epoch_batches()):
@@ -1018,7 +1034,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 next_eval += 60 * args.eval_minutes
                 evaluate(f"epoch {epoch} ({spent / 60:.1f} min)", total / n)
                 save(time.process_time() - start)
-        done = 0
+        done, epoch_rng = 0, rng.bit_generator.state
         evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min)",
                  total / max(n, 1))  # fmt: skip
         save(time.process_time() - start)
