@@ -27,7 +27,8 @@ from tests.streaming import stream_all
 
 # int8 vs fp32 on speech the calibration did not see, per utterance (measured on the
 # bundled model: worst posterior difference 0.21, worst frame agreement 95.6%, transcripts
-# 1.6% CER apart on 30 held-out utterances; docs/benchmarks.md, "Benchmarks" has its WER).
+# 1.6% CER apart on 30 held-out utterances; with 7-bit weights on a CPU without VNNI,
+# 0.26 and 96.3%; docs/benchmarks.md, "Benchmarks" has its WER).
 MAX_POSTERIOR_DIFF = 0.35  # max |p_int8 - p_fp32| of any symbol in any frame
 MIN_FRAME_AGREEMENT = 0.90  # share of frames whose most likely symbol is the same
 MAX_TRANSCRIPT_CER = 0.05  # CER of the int8 transcripts against the fp32 ones
@@ -135,16 +136,27 @@ def test_int32_biases_follow_the_shared_input_scales(int8_dir: Path) -> None:
     assert min(_bias_scale_errors(proto)) > 0.4  # what a fused conv would read: half off
     _rescale_biases(proto)
     assert max(_bias_scale_errors(proto)) < 1e-6
+    # Each bias re-rounded to its new step (the input scale doubled, it is twice as coarse):
+    # within half a step of what it was.
+    steps = _bias_scales(proto)
     for name, value in _dequantized_biases(proto).items():
-        np.testing.assert_allclose(value, before[name], atol=np.abs(before[name]).max() * 1e-3)
+        assert np.all(np.abs(value - before[name]) <= steps[name] * (0.5 + 1e-6)), name
 
 
 def _dequantized_biases(proto) -> dict[str, np.ndarray]:
     from onnx import numpy_helper
 
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    return {name: inits[name] * scale for name, scale in _bias_scales(proto).items()}
+
+
+def _bias_scales(proto) -> dict[str, np.ndarray]:
+    """Each int32 bias's scale (its step), by the bias's initializer name."""
+    from onnx import numpy_helper
+
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     return {
-        n.input[0]: inits[n.input[0]] * inits[n.input[1]].astype(np.float64)
+        n.input[0]: inits[n.input[1]].astype(np.float64)
         for n in proto.graph.node
         if n.op_type == "DequantizeLinear" and inits.get(n.input[0], np.zeros(0)).dtype == np.int32
     }
