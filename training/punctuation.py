@@ -803,10 +803,6 @@ def _options(args: argparse.Namespace) -> dict[str, str]:
             for k, v in sorted(vars(args).items()) if k not in skip}  # fmt: skip
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     """The state `--checkpoint` holds (None when there is none yet), or why it cannot be
     resumed with these options, in one line."""
@@ -821,8 +817,8 @@ def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
         return None, f"--checkpoint {args.checkpoint}: not a training checkpoint ({why})"
     ours = _options(args)
     if differ := [k for k in ours if state["options"].get(k) != ours[k]]:
-        both = "; ".join(f"{_flag(k)} {state['options'].get(k, 'not given')} (given: {ours[k]})"
-                         for k in differ)  # fmt: skip
+        both = "; ".join(f"--{k.replace('_', '-')} {state['options'].get(k, 'not given')} "
+                         f"(given: {ours[k]})" for k in differ)  # fmt: skip
         return None, (f"--checkpoint {args.checkpoint} was saved by a training with {both}: "
                       "give the same options to resume it, or another file")  # fmt: skip
     return state, None
@@ -895,9 +891,10 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"words: train {summary['train_words']}, development "
           f"{summary['development_words']}, held out {summary['held_out_words']}",
           flush=True)  # fmt: skip
-    if resumed and resumed.get("data") != json.dumps(summary, sort_keys=True):
+    prose = json.dumps(summary, sort_keys=True)  # what a checkpoint was trained on
+    if resumed and resumed.get("data") != prose:
         ap.error(f"--checkpoint {args.checkpoint} was saved by a training on other prose "
-                 f"({resumed.get('data')}; now {json.dumps(summary, sort_keys=True)}): "
+                 f"({resumed.get('data')}; now {prose}): "
                  "resume it on the prose it began on, or give another file")  # fmt: skip
     sets = held_out_sets(data)
     if args.ensemble:
@@ -961,7 +958,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             return
         args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         part = args.checkpoint.with_name(args.checkpoint.name + ".part")
-        torch.save({"options": _options(args), "data": json.dumps(summary, sort_keys=True),
+        torch.save({"options": _options(args), "data": prose,
                     "model": model.state_dict(),
                     "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
                     "best": float(best), "best_state": best_state,
@@ -1003,9 +1000,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A run resumed part way through an epoch finishes it, as the run saved would have
     # (its last scoring may have spent the budget, but not the epoch's last step and score).
     while done or (spent := time.process_time() - start) < budget:
-        if not done:  # a new epoch; else resumed part way: deal it again, skip what was taken
+        if not done:  # a new epoch (rng at epoch_rng); else resumed part way: deal it again
             epoch, total, n = epoch + 1, 0.0, 0
-            epoch_rng = rng.bit_generator.state
         for i, (inputs, marks, cases) in enumerate(epoch_batches()):
             if i < done:
                 continue
