@@ -903,17 +903,20 @@ class _Stopped(Exception):
 
 @pytest.mark.parametrize("kind", ["words", "pieces"])
 @pytest.mark.parametrize("where", ["part way through an epoch", "at an epoch's end"])
+@pytest.mark.parametrize("budget", ["minutes", "steps"])
 def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_weights(
     kind: str,
     where: str,
+    budget: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """--checkpoint: a run stopped between two scorings resumes from the last one, part way
     through an epoch or at its end, and ends on the weights of a run never stopped, a GRU
-    tagger or a pretrained encoder's. CPU time is a clock of the optimizer's steps here (a
-    second each), so that the two spend the same budget step for step."""
+    tagger or a pretrained encoder's, on a budget of CPU minutes or of steps. CPU time is
+    a clock of the optimizer's steps here (a second each), so that the two spend the same
+    budget step for step."""
     texts = ("Is it the end? It is, of course. We stay.",
              "The cat sat on a mat, and it slept. Did it? No.",
              "Where are you going? Home, then out. Come along.")  # fmt: skip
@@ -939,6 +942,8 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
         encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
         size = ["--pretrained", str(encoder), "--keep-layers", "1", "--pieces", "90", "--batch",
                 "4", "--window", "4", "--minutes", "0.5", "--eval-minutes", "0.1"]  # fmt: skip
+    if budget == "steps":  # the same 30 steps, scored every 6
+        size[size.index("--minutes") :] = ["--steps", "30", "--eval-steps", "6"]
 
     # The run never stopped, its saves noted: (steps taken, batches of the epoch taken).
     saves: list[tuple[int, int]] = []
@@ -955,8 +960,10 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
     assert clock["steps"] >= 30
     mid = where == "part way through an epoch"
     # Stopped at the step after a save of the kind asked for (not the first: some training
-    # before it), the last save is that one.
-    last = next((s, d) for s, d in saves if s >= 6 and (d > 0) == mid)
+    # before it; nor one followed at the same step by the epoch's end), the last save is
+    # that one.
+    last = next((s, d) for k, (s, d) in enumerate(saves)
+                if s >= 6 and (d > 0) == mid and saves[k + 1 :][:1] != [(s, 0)])  # fmt: skip
     checkpoint, out = tmp_path / "run.pt", tmp_path / "resumed.onnx"
     clock.update(steps=0, stop_at=last[0] + 1)
     with pytest.raises(_Stopped):
@@ -985,3 +992,125 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
     with pytest.raises(SystemExit):
         punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
     assert "was saved by a training on other prose" in capsys.readouterr().err
+
+
+def test_an_exported_piece_tagger_reads_back_as_the_weights_it_was_written_from(
+    tmp_path: Path,
+) -> None:
+    """read_piece_tagger: every weight of an int8 piece tagger back in its place, each
+    within a quantization step of the float weight it was written from (a matrix read into
+    another's place would be off by the weights' own size), and the runtime's int8 file
+    and the tagger read back tag alike."""
+    from echoic.model.nn.punctuation import (
+        export_piece_tagger,
+        pretrained_pieces,
+        pretrained_tagger,
+        read_piece_tagger,
+    )
+    from echoic.model.runtime.formatting import Punctuator
+
+    directory = _tiny_encoder(tmp_path / "encoder", layers=2)
+    torch.manual_seed(0)
+    model, pieces = pretrained_tagger(directory).eval(), pretrained_pieces(directory)
+    path = tmp_path / "pieces.onnx"
+    export_piece_tagger(model, pieces, {"development": {"case_accuracy": 0.5}}, path)
+    back, back_pieces, scores = read_piece_tagger(path)
+    assert back.cfg == model.cfg and back_pieces.pieces == pieces.pieces
+    assert scores == {"development": {"case_accuracy": 0.5}}
+    want = model.state_dict()
+    assert back.state_dict().keys() == want.keys()
+    for name, got in back.state_dict().items():
+        w = want[name]
+        if name.endswith((".bias", "segment")) or "norm" in name:
+            assert torch.equal(got, w), name  # kept as float32
+        else:  # 7 bits (reduce_range): a step is at most the largest weight's 63rd
+            step = float(w.abs().max()) / 63
+            assert float((got - w).abs().max()) <= step / 2 + 1e-6, name
+    tokens = "the cat sat on the mat and it slept did it".split()
+    ids, first, last = pieces.encode(tokens)
+    with torch.no_grad():
+        ml, cl = back.eval()(*(torch.from_numpy(a)[None] for a in (ids, first, last)))
+    onnx_ml, onnx_cl = Punctuator(path).logits(tokens)
+    np.testing.assert_allclose(ml[0].numpy(), onnx_ml, atol=0.1)
+    np.testing.assert_allclose(cl[0].numpy(), onnx_cl, atol=0.1)
+
+
+def test_a_piece_tagger_goes_on_training_from_its_file_for_a_budget_of_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--init FILE --steps N: an exported piece tagger trained N more steps, its record
+    naming the file it began from (and that file's own record); --steps makes the run the
+    same whatever the CPU's speed: a machine ten times slower writes the same bytes."""
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    first = tmp_path / "first.onnx"
+    encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
+    punctuation.main(["--out", str(first), "--minutes", "0.01", "--pretrained", str(encoder),
+                      "--keep-layers", "1", "--pieces", "90", "--batch", "4",
+                      "--window", "4"])  # fmt: skip
+    clock = {"steps": 0, "seconds": 1.0}
+    step = torch.optim.AdamW.step
+
+    def counted(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        clock["steps"] += 1
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    monkeypatch.setattr(punctuation.time, "process_time",
+                        lambda: clock["steps"] * clock["seconds"])  # fmt: skip
+    capsys.readouterr()
+    outs = []
+    for seconds in (1.0, 10.0):  # CPU seconds a step takes
+        clock.update(steps=0, seconds=seconds)
+        outs.append(tmp_path / f"more-{seconds:g}.onnx")
+        punctuation.main(["--out", str(outs[-1]), "--init", str(first), "--steps", "7",
+                          "--eval-steps", "3", "--batch", "4", "--window", "4",
+                          "--seed", "2"])  # fmt: skip
+        assert clock["steps"] == 7
+        printed = capsys.readouterr().out
+        assert "step 3)" in printed and "step 6)" in printed  # scored every 3 steps
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    from echoic.model.nn.punctuation import file_sha256, read_piece_tagger
+
+    _, _, before = read_piece_tagger(first)
+    _, pieces, after = read_piece_tagger(outs[0])
+    record = after["data"]
+    assert record["steps"] == 7 and record["steps_budget"] == 7 and "cpu_minutes" not in record
+    assert record["init"] == {"sha256": file_sha256(first), "data": before["data"]}
+    assert record["pretrained"] == before["data"]["pretrained"]
+    assert record["keep_layers"] == 1 and len(pieces.pieces) == 90
+    assert outs[0].read_bytes() != first.read_bytes()
+
+
+def test_init_and_step_options_that_cannot_work_are_refused_before_the_corpus_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from echoic.model.nn.punctuation import (
+        export_piece_tagger,
+        pretrained_pieces,
+        pretrained_tagger,
+    )
+
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: 1 / 0)
+    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    pieces_file, words_file = tmp_path / "pieces.onnx", tmp_path / "words.onnx"
+    export_piece_tagger(pretrained_tagger(directory), pretrained_pieces(directory), {},
+                        pieces_file)  # fmt: skip
+    export_tagger(Tagger(TaggerConfig(words=3, word_dim=4, char_dim=4, char_filters=4, hidden=4)),
+                  WordList(("the", "a", "is")), {}, words_file)  # fmt: skip
+    init = ["--init", str(pieces_file), "--window", "4"]
+    for argv, why in ((["--init", "x.onnx"], "no such tagger: x.onnx"),
+                      ([*init, "--pretrained", str(directory)], "not with --pretrained"),
+                      ([*init, "--pieces", "50"], "keeps its layers and pieces"),
+                      (["--init", str(words_file)], "is a tagger of words"),
+                      (["--init", str(tmp_path / "encoder" / "vocab.txt")],
+                       "not an exported tagger"),
+                      (["--steps", "0"], "--steps 0: a budget of steps is above 0"),
+                      (["--eval-steps", "5"], "give --steps"),
+                      ([*init[:2]], "--window 48: 48 words of up to 8 pieces pass the "
+                       "tagger's 40 positions")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
+        assert why in capsys.readouterr().err, argv

