@@ -923,7 +923,7 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
     prose = [tags_of_prose(p) for p in texts]
     data = Corpus(train=prose * 3, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
-    clock = {"steps": 0, "stop_at": 0}
+    clock = {"steps": 0, "stop_at": 0, "seconds": 1.0}
     step = torch.optim.AdamW.step
 
     def counted(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
@@ -934,7 +934,8 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", counted)
-    monkeypatch.setattr(punctuation.time, "process_time", lambda: float(clock["steps"]))
+    monkeypatch.setattr(punctuation.time, "process_time",
+                        lambda: clock["steps"] * clock["seconds"])  # fmt: skip
     size = ["--words", "30", "--word-dim", "6", "--char-dim", "5", "--char-filters", "7",
             "--hidden", "5", "--layers", "1", "--dropout", "0.3", "--batch", "4",
             "--window", "6", "--minutes", "0.5", "--eval-minutes", "0.1"]  # fmt: skip
@@ -972,12 +973,20 @@ def test_a_training_stopped_part_way_resumes_from_its_checkpoint_to_the_same_wei
     assert (saved["steps"], saved["done"]) == last
     assert not out.exists()
     capsys.readouterr()
-    clock["stop_at"] = 0
+    # On a budget of steps, the CPU's speed is nothing to the run: resumed ten times slower.
+    clock.update(stop_at=0, seconds=10.0 if budget == "steps" else 1.0)
     punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
     printed = capsys.readouterr().out
     place = f"epoch {saved['epoch']}, {saved['done']} batches into it"
     assert f"resumed {checkpoint}: {place}" in printed
     assert out.read_bytes() == whole.read_bytes()
+    if budget == "minutes":  # one saved before --steps and --init were options resumes too
+        old = torch.load(checkpoint, weights_only=True)
+        for option in ("steps", "init"):
+            del old["options"][option]
+        torch.save(old, checkpoint)
+        punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *size])
+        assert "resumed" in capsys.readouterr().out
 
     # Other options cannot resume it, and say which.
     with pytest.raises(SystemExit):
@@ -1070,7 +1079,8 @@ def test_a_piece_tagger_goes_on_training_from_its_file_for_a_budget_of_steps(
                           "--seed", "2"])  # fmt: skip
         assert clock["steps"] == 7
         printed = capsys.readouterr().out
-        assert "step 3)" in printed and "step 6)" in printed  # scored every 3 steps
+        scored = re.findall(r"epoch \d+ \([\d.]+ min, step (\d+)\)", printed)  # not epoch ends
+        assert scored == ["3", "6"]
     assert outs[0].read_bytes() == outs[1].read_bytes()
     from echoic.model.nn.punctuation import file_sha256, read_piece_tagger
 
@@ -1082,6 +1092,16 @@ def test_a_piece_tagger_goes_on_training_from_its_file_for_a_budget_of_steps(
     assert record["pretrained"] == before["data"]["pretrained"]
     assert record["keep_layers"] == 1 and len(pieces.pieces) == 90
     assert outs[0].read_bytes() != first.read_bytes()
+    # It starts from the file's weights: at a rate too small to move them, the tagger
+    # written is the file's but for the calibration in the mark head's bias.
+    still = tmp_path / "still.onnx"
+    punctuation.main(["--out", str(still), "--init", str(first), "--steps", "2", "--batch", "4",
+                      "--window", "4", "--lr", "1e-12"])  # fmt: skip
+    a, b = read_piece_tagger(first)[0].state_dict(), read_piece_tagger(still)[0].state_dict()
+    for name in a:
+        if name != "marks.bias":
+            step = float(a[name].abs().max()) / 63  # requantized: within a 7-bit step
+            assert float((a[name] - b[name]).abs().max()) <= step, name
 
 
 def test_init_and_step_options_that_cannot_work_are_refused_before_the_corpus_loads(
@@ -1106,11 +1126,15 @@ def test_init_and_step_options_that_cannot_work_are_refused_before_the_corpus_lo
                       ([*init, "--pieces", "50"], "keeps its layers and pieces"),
                       (["--init", str(words_file)], "is a tagger of words"),
                       (["--init", str(tmp_path / "encoder" / "vocab.txt")],
-                       "not an exported tagger"),
+                       f"--init {tmp_path / 'encoder' / 'vocab.txt'}: "),
+                      (["--init", str(pieces_file), "--out", str(pieces_file)],
+                       "is the --init file"),
                       (["--steps", "0"], "--steps 0: a budget of steps is above 0"),
+                      (["--steps", "9", "--minutes", "5"], "no --minutes or --eval-minutes"),
+                      (["--steps", "9", "--eval-minutes", "1"], "no --minutes or --eval-minutes"),
                       (["--eval-steps", "5"], "give --steps"),
                       ([*init[:2]], "--window 48: 48 words of up to 8 pieces pass the "
                        "tagger's 40 positions")):  # fmt: skip
         with pytest.raises(SystemExit):
-            punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
+            punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])  # a second --out wins
         assert why in capsys.readouterr().err, argv

@@ -38,8 +38,9 @@ cut off (a session's end) goes on from its last scoring, dealt the same batches 
 drawing the same dropout at the same place in the rate schedule. With `--minutes` the
 schedule follows the CPU time measured, which varies from run to run and from machine to
 machine, so a resumed run ends where an uninterrupted one would only as closely as two
-uninterrupted runs agree; `--steps N` budgets optimizer steps instead, and the run is the
-same on any machine (and a resumed one ends on the uninterrupted one's weights).
+uninterrupted runs agree; `--steps N` budgets optimizer steps instead, and the run does
+not depend on the CPU's speed or load (a resumed one ends on the uninterrupted one's
+weights; the same hardware and libraries write the same bytes).
 `--init FILE` goes on fine-tuning an exported piece tagger (the bundled one, say) from
 its int8 weights (`read_piece_tagger`), its record naming the file it began from.
 """
@@ -735,8 +736,8 @@ def _member(path: Path) -> dict:
     if "members" in scores:
         return {"file": path.name, "members": scores["members"]}
     data = scores.get("data", {})
-    return {"file": path.name, "cpu_minutes": data.get("cpu_minutes"),
-            "utterances": data.get("utterances")}  # fmt: skip
+    budget = {k: data[k] for k in ("cpu_minutes", "steps_budget") if k in data}
+    return {"file": path.name, **budget, "utterances": data.get("utterances")}
 
 
 def ensemble(
@@ -782,6 +783,8 @@ def _refused(args: argparse.Namespace) -> str | None:
         return f"--steps {args.steps}: a budget of steps is above 0"
     if args.eval_steps is not None and (args.steps is None or args.eval_steps <= 0):
         return "--eval-steps N scores every N of a --steps budget: give --steps, and N above 0"
+    if args.steps is not None and (args.minutes is not None or args.eval_minutes is not None):
+        return "--steps N is the budget instead of CPU minutes: no --minutes or --eval-minutes"
     if args.init:
         return _refused_init(args)
     if not args.pretrained:
@@ -796,13 +799,20 @@ def _refused(args: argparse.Namespace) -> str | None:
     if why := check_pretrained(args.pretrained, args.keep_layers):
         return why
     conf = json.loads((args.pretrained / "config.json").read_text(encoding="utf-8"))
-    if args.window * PIECES_PER_WORD + 2 > (positions := conf["max_position_embeddings"]):
-        return (f"--window {args.window}: {args.window} words of up to {PIECES_PER_WORD} "
-                f"pieces pass the encoder's {positions} positions")  # fmt: skip
+    if why := _window_refused(args.window, conf["max_position_embeddings"], "the encoder's"):
+        return why
     base = len(kept_pieces([], pretrained_pieces(args.pretrained), 0))
     if args.pieces and args.pieces <= base:
         return (f"--pieces {args.pieces}: the special pieces and single characters alone are "
                 f"{base}; keep more")  # fmt: skip
+    return None
+
+
+def _window_refused(window: int, positions: int, whose: str) -> str | None:
+    """Why training windows of `window` words cannot fit `positions` pieces; None if they can."""
+    if window * PIECES_PER_WORD + 2 > positions:
+        return (f"--window {window}: {window} words of up to {PIECES_PER_WORD} pieces pass "
+                f"{whose} {positions} positions")  # fmt: skip
     return None
 
 
@@ -813,13 +823,8 @@ def _refused_init(args: argparse.Namespace) -> str | None:
                 "--ensemble or --score-only")  # fmt: skip
     if args.keep_layers is not None or args.pieces:
         return "--init FILE keeps its layers and pieces: no --keep-layers or --pieces with it"
-    try:
-        pieces = reads_pieces(args.init)
-    except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
-        return f"--init {args.init}: not an exported tagger ({str(e).splitlines()[0]})"
-    if not pieces:
-        return (f"--init {args.init} is a tagger of words: --init goes on training a piece "
-                "tagger (a GRU tagger trains from scratch)")  # fmt: skip
+    if args.init.resolve() == args.out.resolve():
+        return f"--out {args.out} is the --init file: write the new tagger to another file"
     return None
 
 
@@ -828,8 +833,16 @@ def _options(args: argparse.Namespace) -> dict[str, str]:
     often it scores, which a resumed run may change ("not given" for an option left out
     that has no default)."""
     skip = {"out", "checkpoint", "eval_minutes", "eval_steps"}
-    return {k: "not given" if v is None else str(v)
-            for k, v in sorted(vars(args).items()) if k not in skip}  # fmt: skip
+    options = {k: "not given" if v is None else str(v)
+               for k, v in sorted(vars(args).items()) if k not in skip}  # fmt: skip
+    if args.init:  # the file, not only its name
+        options["init_sha256"] = file_sha256(args.init)
+    return options
+
+
+def _reason(e: Exception) -> str:
+    """An exception in one line: its message's first, or its kind when it has none."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
@@ -842,10 +855,10 @@ def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
         if not isinstance(state, dict) or not isinstance(state.get("options"), dict):
             raise ValueError("no training options in it")
     except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return None, f"--checkpoint {args.checkpoint}: not a training checkpoint ({why})"
+        return None, f"--checkpoint {args.checkpoint}: not a training checkpoint ({_reason(e)})"
     ours = _options(args)
-    if differ := [k for k in ours if state["options"].get(k) != ours[k]]:
+    # An option a checkpoint does not name is one added since it was saved: not given then.
+    if differ := [k for k in ours if state["options"].get(k, "not given") != ours[k]]:
         both = "; ".join(f"--{k.replace('_', '-')} {state['options'].get(k, 'not given')} "
                          f"(given: {ours[k]})" for k in differ)  # fmt: skip
         return None, (f"--checkpoint {args.checkpoint} was saved by a training with {both}: "
@@ -856,16 +869,16 @@ def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("model/punct/punct.onnx"))
-    ap.add_argument("--minutes", type=float, default=20.0,
-                    help="training budget in CPU minutes (time the process is paused or "
-                    "waits for a shared CPU does not count)")  # fmt: skip
-    ap.add_argument("--eval-minutes", type=float, default=5.0,
-                    help="score the development set this often (CPU minutes) and at each "
-                    "epoch's end; the best scoring weights are kept")  # fmt: skip
+    ap.add_argument("--minutes", type=float,
+                    help="training budget in CPU minutes (default 20; time the process is "
+                    "paused or waits for a shared CPU does not count)")  # fmt: skip
+    ap.add_argument("--eval-minutes", type=float,
+                    help="score the development set this often (CPU minutes, default 5) and "
+                    "at each epoch's end; the best scoring weights are kept")  # fmt: skip
     ap.add_argument("--steps", type=int,
                     help="training budget in optimizer steps instead of --minutes: the rate "
-                    "schedule and the scorings follow the steps taken, so that the run is "
-                    "the same however fast the machine")  # fmt: skip
+                    "schedule and the scorings follow the steps taken, so that the run does "
+                    "not depend on the CPU's speed or load")  # fmt: skip
     ap.add_argument("--eval-steps", type=int,
                     help="with --steps: score the development set every N steps (default: a "
                     "tenth of --steps) and at each epoch's end")  # fmt: skip
@@ -893,8 +906,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
     ap.add_argument("--lr", type=float,
-                    help="peak learning rate (default: 3e-3; 1e-4 with --pretrained, its new "
-                    "heads ten times that)")  # fmt: skip
+                    help="peak learning rate (default: 3e-3; 1e-4 with --pretrained or --init, "
+                    "the two heads ten times that, reached over the first 200 steps)")  # fmt: skip
     tuned = ap.add_argument_group(
         "a pretrained encoder fine-tuned as the tagger (instead of a GRU tagger from scratch)"
     )
@@ -919,13 +932,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if why := _refused(args):
         ap.error(why)
+    if args.steps is None:  # a budget of CPU minutes, and its scorings' period
+        args.minutes = 20.0 if args.minutes is None else args.minutes
+        args.eval_minutes = 5.0 if args.eval_minutes is None else args.eval_minutes
     resumed, why = _resumed(args)
     if why:
         ap.error(why)
-    init = read_piece_tagger(args.init) if args.init else None
-    if init and args.window * PIECES_PER_WORD + 2 > init[0].cfg.positions:
-        ap.error(f"--window {args.window}: {args.window} words of up to {PIECES_PER_WORD} "
-                 f"pieces pass the tagger's {init[0].cfg.positions} positions")  # fmt: skip
+    init = None
+    if args.init:
+        try:
+            init = read_piece_tagger(args.init)
+        except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
+            ap.error(f"--init {args.init}: {_reason(e)}")
+        if why := _window_refused(args.window, init[0].cfg.positions, "the tagger's"):
+            ap.error(why)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -953,8 +973,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{path}: {json.dumps(report)}", flush=True)
         return
     words: WordList | PieceList
-    tuned = bool(args.pretrained or init)  # a pretrained encoder's training, new or going on
-    if tuned:
+    fine_tuning = bool(args.pretrained or init)  # a pretrained encoder's, new or going on
+    if fine_tuning:
         if init:
             model, words, init_scores = init
         else:
@@ -1070,7 +1090,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # what it learnt.
             spent = time.process_time() - start
             used = min((steps if args.steps else spent) / budget, 1.0)  # before this step
-            warm = min(1.0, (steps + 1) / WARMUP_STEPS) if tuned else 1.0
+            warm = min(1.0, (steps + 1) / WARMUP_STEPS) if fine_tuning else 1.0
             for group in opt.param_groups:
                 group["lr"] = group["peak"] * warm * 0.5 * (1 + math.cos(math.pi * used))
             steps += 1

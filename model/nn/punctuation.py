@@ -502,7 +502,7 @@ def pretrained_tagger(
 def read_piece_tagger(path: Path) -> tuple[PieceTagger, PieceList, dict]:
     """An exported piece tagger (`export_piece_tagger`) back as a PieceTagger, its pieces
     and its scores, to fine-tune it further: its int8 weights as the server computes with
-    them (each times its scale, less its zero point). Its marks' calibration offsets are in
+    them (each less its zero point, times its scale). Its marks' calibration offsets are in
     the mark head's bias. Each matrix is found by the bias added to its product, so the
     reader does not depend on how the exporter named the matrices."""
     from onnx import numpy_helper
@@ -513,9 +513,6 @@ def read_piece_tagger(path: Path) -> tuple[PieceTagger, PieceList, dict]:
         raise ValueError(f"{path} is a tagger of words: only a piece tagger is read back")
     cfg = PieceTaggerConfig(**config)
     init = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
-    for node in proto.graph.node:  # small constants (scales, zero points) may be nodes
-        if node.op_type == "Constant" and node.attribute[0].name == "value":
-            init[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
 
     def plain(name: str) -> np.ndarray:
         """An initializer as float32: a quantized one times its scale, less its zero point."""
@@ -559,13 +556,14 @@ def read_piece_tagger(path: Path) -> tuple[PieceTagger, PieceList, dict]:
 def export_piece_tagger(model: PieceTagger, pieces: PieceList, scores: dict, out: Path) -> None:
     """Write `model` as ONNX with its weights quantized to int8 (ONNX Runtime's dynamic
     quantization: a quarter of the file) and its pieces, config and scores in the metadata.
-    Each matrix's output channels get a scale of their own (one scale a matrix cost a 105
-    CPU-minute tagger 1.7 points of development score, its question marks 3.4 of F1 there;
-    a scale a channel 0.2 and none: docs/formatting.md, "Quantization"), and the weights take 7 bits (`reduce_range`), so that a CPU
-    without VNNI, which adds two u8 x s8 products in 16 bits, cannot saturate them: the
-    same integers on every CPU. The float32 graph is checked against torch before it is
-    quantized; what quantization changes is scored, not bounded here (training scores the
-    written file)."""
+    Each multiplied matrix gets a scale for each output channel (one scale a matrix cost a
+    105 CPU-minute tagger 1.7 points of development score and 3.9 of held-out question F1;
+    a scale a channel 0.2 and 1.0: docs/formatting.md, "Quantization") and 7 bits of range
+    (`reduce_range`), so that a CPU without VNNI, which adds pairs of u8 x s8 products in
+    16 bits, cannot saturate them: the same integer sums on every CPU. The embedding tables
+    keep one 8-bit scale each (ONNX Runtime's Gather). The float32 graph is checked against
+    torch before it is quantized; what quantization changes is scored, not bounded here
+    (training scores the written file)."""
     import tempfile
 
     import onnx
