@@ -777,9 +777,11 @@ def test_a_pretrained_encoder_that_cannot_serve_is_refused_before_the_corpus_loa
     assert re.search(why, capsys.readouterr().err)
 
 
-def test_piece_options_that_cannot_work_are_refused_before_the_corpus_loads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _refusing_corpus_and_a_piece_tagger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path]:
+    """A corpus that fails if loaded (options are refused before it), a one-layer tiny
+    encoder and a piece tagger exported from it: the encoder's directory and the file."""
     from echoic.model.nn.punctuation import (
         export_piece_tagger,
         pretrained_pieces,
@@ -788,10 +790,19 @@ def test_piece_options_that_cannot_work_are_refused_before_the_corpus_loads(
 
     monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: 1 / 0)
     directory = _tiny_encoder(tmp_path / "encoder", layers=1)
-    base = len(punctuation.kept_pieces([], pretrained_pieces(directory), 0))
     pieces_file = tmp_path / "pieces.onnx"
     export_piece_tagger(pretrained_tagger(directory), pretrained_pieces(directory), {},
                         pieces_file)  # fmt: skip
+    return directory, pieces_file
+
+
+def test_piece_options_that_cannot_work_are_refused_before_the_corpus_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from echoic.model.nn.punctuation import pretrained_pieces
+
+    directory, pieces_file = _refusing_corpus_and_a_piece_tagger(tmp_path, monkeypatch)
+    base = len(punctuation.kept_pieces([], pretrained_pieces(directory), 0))
     for argv, why in ((["--keep-layers", "1"], "give --pretrained DIR"),
                       (["--pretrained", str(directory), "--window", "4", "--pieces", str(base)],
                        f"single characters alone are {base}; keep more"),
@@ -1107,17 +1118,8 @@ def test_a_piece_tagger_goes_on_training_from_its_file_for_a_budget_of_steps(
 def test_init_and_step_options_that_cannot_work_are_refused_before_the_corpus_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from echoic.model.nn.punctuation import (
-        export_piece_tagger,
-        pretrained_pieces,
-        pretrained_tagger,
-    )
-
-    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: 1 / 0)
-    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
-    pieces_file, words_file = tmp_path / "pieces.onnx", tmp_path / "words.onnx"
-    export_piece_tagger(pretrained_tagger(directory), pretrained_pieces(directory), {},
-                        pieces_file)  # fmt: skip
+    directory, pieces_file = _refusing_corpus_and_a_piece_tagger(tmp_path, monkeypatch)
+    words_file = tmp_path / "words.onnx"
     export_tagger(Tagger(TaggerConfig(words=3, word_dim=4, char_dim=4, char_filters=4, hidden=4)),
                   WordList(("the", "a", "is")), {}, words_file)  # fmt: skip
     init = ["--init", str(pieces_file), "--window", "4"]

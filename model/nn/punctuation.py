@@ -515,7 +515,7 @@ def read_piece_tagger(path: Path) -> tuple[PieceTagger, PieceList, dict]:
     init = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
 
     def plain(name: str) -> np.ndarray:
-        """An initializer as float32: a quantized one times its scale, less its zero point."""
+        """An initializer as float32: a quantized one less its zero point, times its scale."""
         if name in init and init[name].dtype == np.float32:
             return init[name]
         stem = name.removesuffix("_quantized")
