@@ -1140,3 +1140,93 @@ def test_init_and_step_options_that_cannot_work_are_refused_before_the_corpus_lo
         with pytest.raises(SystemExit):
             punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])  # a second --out wins
         assert why in capsys.readouterr().err, argv
+
+
+def test_a_soup_is_the_mean_of_its_members_weights_calibrated_on_top(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--soup A B: one piece tagger whose every weight is the mean of A's and B's (within a
+    7-bit step: written as int8 again), but the mark head's bias, which is their mean plus
+    the offsets its calibration found; its record names each member (file, SHA-256 and the
+    member's own record), and the same files write the same bytes."""
+    from echoic.model.nn.punctuation import file_sha256, read_piece_tagger
+    from echoic.model.runtime.formatting import Punctuator
+
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    first = tmp_path / "first.onnx"
+    punctuation.main(["--out", str(first), "--minutes", "0.01", "--pretrained",
+                      str(_tiny_encoder(tmp_path / "encoder", layers=2)), "--keep-layers", "1",
+                      "--pieces", "90", "--batch", "4", "--window", "4"])  # fmt: skip
+    members = [tmp_path / "run1.onnx", tmp_path / "run2.onnx"]
+    monkeypatch.setattr(punctuation, "WARMUP_STEPS", 1)  # a few steps that move the weights
+    for seed, member in enumerate(members, 1):  # two runs on from one file
+        punctuation.main(["--out", str(member), "--init", str(first), "--steps", "8",
+                          "--batch", "4", "--window", "4", "--seed", str(seed),
+                          "--lr", "5e-2"])  # fmt: skip
+    capsys.readouterr()
+    out = tmp_path / "soup.onnx"
+    punctuation.main(["--out", str(out), "--soup", *map(str, members)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    (a, _, a_scores), (b, _, b_scores) = map(read_piece_tagger, members)
+    got, pieces, scores = read_piece_tagger(out)
+    assert got.cfg == a.cfg and len(pieces.pieces) == 90
+    a, b, got = a.state_dict(), b.state_dict(), got.state_dict()
+    offsets = torch.tensor(scores["mark_offsets"])
+    apart = 0
+    for name, mean in ((k, (a[k] + b[k]) / 2) for k in a):
+        step = float(mean.abs().max()) / 63  # written again as int8: a 7-bit step
+        if name == "marks.bias":  # float32, the calibration added to the members' mean
+            torch.testing.assert_close(got[name], mean + offsets)
+        else:
+            assert float((got[name] - mean).abs().max()) <= step / 2 + 1e-6, name
+        apart += float((a[name] - b[name]).abs().max()) > 2 * step
+    assert apart == len(a)  # every weight of the members differs: the mean is neither's
+    record = scores["data"]
+    assert record["soup"] == [{"file": "run1.onnx", "sha256": file_sha256(members[0]),
+                               "data": a_scores["data"]},
+                              {"file": "run2.onnx", "sha256": file_sha256(members[1]),
+                               "data": b_scores["data"]}]  # fmt: skip
+    assert record["pretrained"] == a_scores["data"]["pretrained"]
+    assert record["keep_layers"] == 1 and record["pieces"] == 90
+    assert set(scores) >= {",", ".", "?", "development", "uncalibrated", "mark_offsets"}
+    marks, cases = Punctuator(out).tag(["is", "it", "the", "end"])
+    assert len(marks) == len(cases) == 4
+    again = tmp_path / "again.onnx"
+    punctuation.main(["--out", str(again), "--soup", *map(str, members)])
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_soup_options_that_cannot_work_are_refused_before_the_corpus_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from echoic.model.nn.punctuation import (
+        export_piece_tagger,
+        pretrained_pieces,
+        pretrained_tagger,
+    )
+
+    directory, pieces_file = _refusing_corpus_and_a_piece_tagger(tmp_path, monkeypatch)
+    words_file = tmp_path / "words.onnx"
+    export_tagger(Tagger(TaggerConfig(words=3, word_dim=4, char_dim=4, char_filters=4, hidden=4)),
+                  WordList(("the", "a", "is")), {}, words_file)  # fmt: skip
+    deeper = _tiny_encoder(tmp_path / "deeper", layers=2)
+    two_layers = tmp_path / "two-layers.onnx"
+    export_piece_tagger(pretrained_tagger(deeper), pretrained_pieces(deeper), {}, two_layers)
+    both = ["--soup", str(pieces_file), str(pieces_file)]
+    for argv, why in ((["--soup", str(pieces_file)], "a mean of one tagger is that tagger"),
+                      ([*both, "--init", str(pieces_file)], "not with --pretrained, --init"),
+                      ([*both, "--pretrained", str(directory)], "not with --pretrained, --init"),
+                      ([*both, "--out", str(pieces_file)], "is one of the --soup files"),
+                      ([*both, "--checkpoint", str(tmp_path / "c.pt")],
+                       "--ensemble, --soup and --score-only train nothing"),
+                      (["--soup", str(pieces_file), "x.onnx"], "no such tagger: x.onnx"),
+                      (["--soup", str(pieces_file), str(words_file)],
+                       f"--soup: {words_file}: "),
+                      (["--soup", str(pieces_file), str(two_layers)],
+                       f"--soup: {two_layers} is not shaped as {pieces_file}")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
+        assert why in capsys.readouterr().err, argv

@@ -42,7 +42,8 @@ uninterrupted runs agree; `--steps N` budgets optimizer steps instead, and the r
 not depend on the CPU's speed or load (a resumed one ends on the uninterrupted one's
 weights; the same hardware and libraries write the same bytes).
 `--init FILE` goes on fine-tuning an exported piece tagger (the bundled one, say) from
-its int8 weights (`read_piece_tagger`), its record naming the file it began from.
+its int8 weights (`read_piece_tagger`), its record naming the file it began from;
+`--soup FILE FILE ...` writes the mean of the weights of such runs (`mean_tagger`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ from echoic.model.core.punctuation import (
 from echoic.model.nn.half import WEIGHT_DTYPES
 from echoic.model.nn.punctuation import (
     SPECIAL_PIECES,
+    PieceTagger,
     Tagger,
     TaggerConfig,
     check_pretrained,
@@ -769,16 +771,89 @@ def ensemble(
     return scores
 
 
+def mean_tagger(paths: Sequence[Path]) -> tuple[PieceTagger, PieceList, list[dict]]:
+    """The piece taggers exported at `paths` read back (`read_piece_tagger`) as one whose
+    every weight is the mean of theirs, with each one's record: a "model soup" (Wortsman
+    et al., 2022). Taggers fine-tuned from one file stay near it, and the mean of their
+    weights often tags better than each, at one tagger's cost (an ensemble runs them all).
+    Raises ValueError, in a line, for a file that cannot be read or is not shaped as the
+    first (its config or pieces)."""
+    read = []
+    for path in paths:
+        try:
+            read.append(read_piece_tagger(path))
+        except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
+            raise ValueError(f"{path}: {_reason(e)}") from e
+    model, pieces, _ = read[0]
+    for path, (other, other_pieces, _) in zip(paths[1:], read[1:], strict=True):
+        if other.cfg != model.cfg or other_pieces.pieces != pieces.pieces:
+            raise ValueError(f"{path} is not shaped as {paths[0]} (its config or pieces "
+                             "differ): only taggers fine-tuned from one file average")  # fmt: skip
+    states = [m.state_dict() for m, _, _ in read]
+    model.load_state_dict({k: sum(s[k] for s in states) / len(states) for k in states[0]})
+    return model, pieces, [scores for _, _, scores in read]
+
+
+def soup(
+    read: tuple[PieceTagger, PieceList, list[dict]],
+    members: Sequence[Path],
+    data: Corpus,
+    sets: dict[str, list[list[Tagged]]],
+    out: Path,
+) -> dict:
+    """`mean_tagger`'s tagger of `members` (`read`), its marks calibrated on the development
+    set on top of the mean of theirs, written as int8 with its scores; returns them."""
+    model, pieces, records = read
+    dev = sentence_windows(data.dev, SCORE_WINDOW)
+    uncalibrated = score_model(model, sets["all"], pieces)
+    offsets = calibrate(model, dev, pieces)
+    record = {**data_summary(data), "pretrained": records[0].get("data", {}).get("pretrained"),
+              "soup": [{"file": p.name, "sha256": file_sha256(p), "data": r.get("data")}
+                       for p, r in zip(members, records, strict=True)],
+              "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
+              "weights": "int8"}  # fmt: skip
+    return export_scored_pieces(model, pieces, sets, dev, uncalibrated, offsets, record, out)
+
+
+def export_scored_pieces(
+    model: PieceTagger,
+    pieces: PieceList,
+    sets: dict[str, list[list[Tagged]]],
+    dev: Sequence[list[Tagged]],
+    uncalibrated: dict,
+    offsets: list[float],
+    record: dict,
+    out: Path,
+) -> dict:
+    """Write a calibrated piece tagger to `out` with its scores (`held_out_report`, the
+    development set's and `record`, what it was made from), scored as written: int8, on
+    ONNX Runtime (quantization is deterministic, so the file written again with its scores
+    tags as the one scored). Prints the scores and returns them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        export_piece_tagger(model, pieces, {}, Path(tmp) / "int8.onnx")
+        tag = exported_tagger(Path(tmp) / "int8.onnx")
+        scores = held_out_report(tag, sets, uncalibrated, offsets)
+        scores["development"] = score(tag, dev)
+    scores["data"] = record
+    print("held-out scores", json.dumps(scores))
+    export_piece_tagger(model, pieces, scores, out)
+    return scores
+
+
 def _refused(args: argparse.Namespace) -> str | None:
     """Why these options cannot work, in one line; None when they can (checked before the
     corpus loads, which takes minutes)."""
     if args.lr is not None and args.lr <= 0:
         return f"--lr {args.lr}: a learning rate is above 0"
-    if args.checkpoint and (args.ensemble or args.score_only):
-        return "--checkpoint keeps a training's state: --ensemble and --score-only train nothing"
+    if args.checkpoint and (args.ensemble or args.score_only or args.soup):
+        return ("--checkpoint keeps a training's state: --ensemble, --soup and --score-only "
+                "train nothing")  # fmt: skip
     if missing := [str(p) for p in (args.ensemble or []) + (args.score_only or [])
-                   + ([args.init] if args.init else []) if not p.is_file()]:  # fmt: skip
+                   + (args.soup or []) + ([args.init] if args.init else [])
+                   if not p.is_file()]:  # fmt: skip
         return f"no such tagger: {', '.join(missing)}"
+    if args.soup:
+        return _refused_soup(args)
     if args.steps is not None and args.steps <= 0:
         return f"--steps {args.steps}: a budget of steps is above 0"
     if args.eval_steps is not None and (args.steps is None or args.eval_steps <= 0):
@@ -805,6 +880,19 @@ def _refused(args: argparse.Namespace) -> str | None:
     if args.pieces and args.pieces <= base:
         return (f"--pieces {args.pieces}: the special pieces and single characters alone are "
                 f"{base}; keep more")  # fmt: skip
+    return None
+
+
+def _refused_soup(args: argparse.Namespace) -> str | None:
+    """Why `--soup` cannot average its files with these options; None when it can (whether
+    the files are piece taggers of one shape is `mean_tagger`'s to say)."""
+    if args.pretrained or args.init or args.ensemble or args.score_only:
+        return ("--soup averages exported piece taggers: not with --pretrained, --init, "
+                "--ensemble or --score-only")  # fmt: skip
+    if len(args.soup) < 2:
+        return f"--soup {args.soup[0]}: a mean of one tagger is that tagger; give two or more"
+    if args.out.resolve() in {p.resolve() for p in args.soup}:
+        return f"--out {args.out} is one of the --soup files: write the mean elsewhere"
     return None
 
 
@@ -902,6 +990,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--weights", choices=WEIGHT_DTYPES, default="float32",
                     help="with --ensemble: store the members' large weights as float16 (half "
                     "the file; computed in float32)")  # fmt: skip
+    ap.add_argument("--soup", type=Path, nargs="+", metavar="MODEL",
+                    help="write one piece tagger whose weights are the mean of these exported "
+                    "ones' (runs fine-tuned from one file: --init), its marks calibrated on "
+                    "the development set; trains nothing")  # fmt: skip
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
@@ -946,6 +1038,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             ap.error(f"--init {args.init}: {_reason(e)}")
         if why := _window_refused(args.window, init[0].cfg.positions, "the tagger's"):
             ap.error(why)
+    souped = None
+    if args.soup:
+        try:
+            souped = mean_tagger(args.soup)
+        except ValueError as e:
+            ap.error(f"--soup: {e}")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -964,6 +1062,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.ensemble:
         scores = ensemble(args.ensemble, data, sets, args.out, args.weights)
         print("held-out scores", json.dumps(scores))
+        print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+        return
+    if souped:
+        soup(souped, args.soup, data, sets, args.out)
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return
     if args.score_only:
@@ -1121,21 +1223,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                    **({"steps_budget": args.steps} if args.steps else
                       {"cpu_minutes": args.minutes})}  # fmt: skip
     if isinstance(words, PieceList):
-        # Scored as written: int8, on ONNX Runtime (quantization is deterministic, so the
-        # file written again with its scores tags as the one scored).
-        with tempfile.TemporaryDirectory() as tmp:
-            export_piece_tagger(model, words, {}, Path(tmp) / "int8.onnx")
-            tag = exported_tagger(Path(tmp) / "int8.onnx")
-            scores = held_out_report(tag, sets, uncalibrated, offsets)
-            scores["development"] = score(tag, dev)
-        scores["data"] = {**data_record, **(
+        record = {**data_record, **(
             {"pretrained": init_scores.get("data", {}).get("pretrained"),
              "init": {"sha256": file_sha256(args.init), "data": init_scores.get("data")}}
             if init else {"pretrained": pretrained_record(args.pretrained)}),
-                          "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
-                          "steps": steps, "weights": "int8"}  # fmt: skip
-        print("held-out scores", json.dumps(scores))
-        export_piece_tagger(model, words, scores, args.out)
+                  "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
+                  "steps": steps, "weights": "int8"}  # fmt: skip
+        export_scored_pieces(model, words, sets, dev, uncalibrated, offsets, record, args.out)
     else:
         scores = held_out_report(torch_tagger(model.eval(), words), sets, uncalibrated, offsets)
         scores["data"] = data_record
