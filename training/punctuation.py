@@ -746,15 +746,13 @@ def ensemble(
     members: Sequence[Path],
     data: Corpus,
     sets: dict[str, list[list[Tagged]]],
+    dev: Sequence[list[Tagged]],
     out: Path,
     weights: str = "float32",
 ) -> dict:
     """One tagger file of the exported `members` (`export_ensemble`: their averaged
-    log-probabilities), its marks calibrated on the development set (`best_offsets`) and
-    scored on the held-out sets; returns the scores it carries."""
-    if out.resolve() in {m.resolve() for m in members}:
-        raise SystemExit(f"--out {out} is one of the members: write the ensemble elsewhere")
-    dev = sentence_windows(data.dev, SCORE_WINDOW)
+    log-probabilities), its marks calibrated on the development set `dev` (`best_offsets`)
+    and scored on the held-out sets; returns the scores it carries."""
     with tempfile.TemporaryDirectory() as tmp:
         plain = Path(tmp) / "uncalibrated.onnx"
         export_ensemble(members, [0.0] * len(MARKS), {}, plain, weights)
@@ -773,7 +771,7 @@ def ensemble(
 
 def mean_tagger(paths: Sequence[Path]) -> tuple[PieceTagger, PieceList, list[dict]]:
     """The piece taggers exported at `paths` read back (`read_piece_tagger`) as one whose
-    every weight is the mean of theirs, with each one's record: a "model soup" (Wortsman
+    every weight is the mean of theirs, with each one's scores: a "model soup" (Wortsman
     et al., 2022). Taggers fine-tuned from one file stay near it, and the mean of their
     weights often tags better than each, at one tagger's cost (an ensemble runs them all).
     Raises ValueError, in a line, for a file that cannot be read or is not shaped as the
@@ -799,17 +797,21 @@ def soup(
     members: Sequence[Path],
     data: Corpus,
     sets: dict[str, list[list[Tagged]]],
+    dev: Sequence[list[Tagged]],
     out: Path,
 ) -> dict:
     """`mean_tagger`'s tagger of `members` (`read`), its marks calibrated on the development
-    set on top of the mean of theirs, written as int8 with its scores; returns them."""
-    model, pieces, records = read
-    dev = sentence_windows(data.dev, SCORE_WINDOW)
+    set `dev` on top of the mean of the members' own offsets, written as int8 with its
+    scores; returns them. Its "uncalibrated" scores are the mean's in float32 before this
+    calibration (the members' offsets, averaged, already in its bias), as a run that went
+    on from a file (`--init`) scores before its own."""
+    model, pieces, members_scores = read
     uncalibrated = score_model(model, sets["all"], pieces)
     offsets = calibrate(model, dev, pieces)
-    record = {**data_summary(data), "pretrained": records[0].get("data", {}).get("pretrained"),
-              "soup": [{"file": p.name, "sha256": file_sha256(p), "data": r.get("data")}
-                       for p, r in zip(members, records, strict=True)],
+    record = {**data_summary(data),
+              "pretrained": members_scores[0].get("data", {}).get("pretrained"),
+              "soup": [{"file": p.name, "sha256": file_sha256(p), "data": m.get("data")}
+                       for p, m in zip(members, members_scores, strict=True)],
               "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
               "weights": "int8"}  # fmt: skip
     return export_scored_pieces(model, pieces, sets, dev, uncalibrated, offsets, record, out)
@@ -852,6 +854,8 @@ def _refused(args: argparse.Namespace) -> str | None:
                    + (args.soup or []) + ([args.init] if args.init else [])
                    if not p.is_file()]:  # fmt: skip
         return f"no such tagger: {', '.join(missing)}"
+    if why := _out_refused(args):
+        return why
     if args.soup:
         return _refused_soup(args)
     if args.steps is not None and args.steps <= 0:
@@ -889,10 +893,28 @@ def _refused_soup(args: argparse.Namespace) -> str | None:
     if args.pretrained or args.init or args.ensemble or args.score_only:
         return ("--soup averages exported piece taggers: not with --pretrained, --init, "
                 "--ensemble or --score-only")  # fmt: skip
+    training = [f"--{k.replace('_', '-')}" for k in ("steps", "eval_steps", "minutes",
+                "eval_minutes", "lr", "keep_layers", "pieces") if getattr(args, k)]  # fmt: skip
+    if training:
+        return (f"{', '.join(training)}: --soup trains nothing, and keeps its members' layers "
+                "and pieces")  # fmt: skip
     if len(args.soup) < 2:
         return f"--soup {args.soup[0]}: a mean of one tagger is that tagger; give two or more"
-    if args.out.resolve() in {p.resolve() for p in args.soup}:
-        return f"--out {args.out} is one of the --soup files: write the mean elsewhere"
+    seen: set[Path] = set()
+    for path in args.soup:
+        if path.resolve() in seen:
+            return f"--soup {path} is given twice: give each member once"
+        seen.add(path.resolve())
+    return None
+
+
+def _out_refused(args: argparse.Namespace) -> str | None:
+    """Why the tagger cannot be written to `--out`: it is a file the run reads."""
+    read = (("--init", [args.init] if args.init else []), ("--ensemble", args.ensemble or []),
+            ("--soup", args.soup or []))  # fmt: skip
+    for option, files in read:
+        if args.out.resolve() in {p.resolve() for p in files}:
+            return f"--out {args.out} is read by {option}: write the new tagger to another file"
     return None
 
 
@@ -911,8 +933,6 @@ def _refused_init(args: argparse.Namespace) -> str | None:
                 "--ensemble or --score-only")  # fmt: skip
     if args.keep_layers is not None or args.pieces:
         return "--init FILE keeps its layers and pieces: no --keep-layers or --pieces with it"
-    if args.init.resolve() == args.out.resolve():
-        return f"--out {args.out} is the --init file: write the new tagger to another file"
     return None
 
 
@@ -1059,13 +1079,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                  f"({resumed.get('data')}; now {prose}): "
                  "resume it on the prose it began on, or give another file")  # fmt: skip
     sets = held_out_sets(data)
+    dev = sentence_windows(data.dev, SCORE_WINDOW)
+    if not dev and not args.score_only:
+        raise SystemExit(
+            "punctuation: the development set is empty: nothing to choose the "
+            "weights or calibrate the marks on (more prose, or a larger dev share)"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.ensemble:
-        scores = ensemble(args.ensemble, data, sets, args.out, args.weights)
+        scores = ensemble(args.ensemble, data, sets, dev, args.out, args.weights)
         print("held-out scores", json.dumps(scores))
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return
     if souped:
-        soup(souped, args.soup, data, sets, args.out)
+        soup(souped, args.soup, data, sets, dev, args.out)
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return
     if args.score_only:
@@ -1148,13 +1175,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "epoch_rng": json.dumps(epoch_rng)}, part)  # fmt: skip
         part.replace(args.checkpoint)
 
-    dev = sentence_windows(data.dev, SCORE_WINDOW)
-    if not dev:
-        raise SystemExit(
-            "punctuation: the development set is empty: nothing to choose the "
-            "weights or calibrate the marks on (more prose, or a larger dev share)"
-        )
-
     def evaluate(label: str, loss: float) -> None:
         nonlocal best, best_state
         scores = score_model(model, dev, words)
@@ -1218,7 +1238,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.load_state_dict(best_state)
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     data_record = {**summary, "utterances": args.utterances,
                    **({"steps_budget": args.steps} if args.steps else
                       {"cpu_minutes": args.minutes})}  # fmt: skip
