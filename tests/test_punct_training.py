@@ -1143,6 +1143,26 @@ def test_init_and_step_options_that_cannot_work_are_refused_before_the_corpus_lo
         assert why in capsys.readouterr().err, argv
 
 
+def _runs_on_from_one_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int) -> list[Path]:
+    """`n` piece taggers trained on (`--init`) from one file, seeds 1 to n, on a tiny corpus
+    that `punctuation.corpus` then returns: members for --soup."""
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    first = tmp_path / "first.onnx"
+    punctuation.main(["--out", str(first), "--minutes", "0.01", "--pretrained",
+                      str(_tiny_encoder(tmp_path / "encoder", layers=2)), "--keep-layers", "1",
+                      "--pieces", "90", "--batch", "4", "--window", "4"])  # fmt: skip
+    members = [tmp_path / f"run{seed}.onnx" for seed in range(1, n + 1)]
+    monkeypatch.setattr(punctuation, "WARMUP_STEPS", 1)  # a few steps that move the weights
+    for seed, member in enumerate(members, 1):
+        punctuation.main(["--out", str(member), "--init", str(first), "--steps", "8",
+                          "--batch", "4", "--window", "4", "--seed", str(seed),
+                          "--lr", "5e-2"])  # fmt: skip
+    return members
+
+
 def test_a_soup_is_the_mean_of_its_members_weights_calibrated_on_top(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1153,20 +1173,7 @@ def test_a_soup_is_the_mean_of_its_members_weights_calibrated_on_top(
     from echoic.model.nn.punctuation import file_sha256, read_piece_tagger
     from echoic.model.runtime.formatting import Punctuator
 
-    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
-                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
-    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
-    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
-    first = tmp_path / "first.onnx"
-    punctuation.main(["--out", str(first), "--minutes", "0.01", "--pretrained",
-                      str(_tiny_encoder(tmp_path / "encoder", layers=2)), "--keep-layers", "1",
-                      "--pieces", "90", "--batch", "4", "--window", "4"])  # fmt: skip
-    members = [tmp_path / "run1.onnx", tmp_path / "run2.onnx"]
-    monkeypatch.setattr(punctuation, "WARMUP_STEPS", 1)  # a few steps that move the weights
-    for seed, member in enumerate(members, 1):  # two runs on from one file
-        punctuation.main(["--out", str(member), "--init", str(first), "--steps", "8",
-                          "--batch", "4", "--window", "4", "--seed", str(seed),
-                          "--lr", "5e-2"])  # fmt: skip
+    members = _runs_on_from_one_file(tmp_path, monkeypatch, 2)
     capsys.readouterr()
     out = tmp_path / "soup.onnx"
     punctuation.main(["--out", str(out), "--soup", *map(str, members)])
@@ -1199,6 +1206,53 @@ def test_a_soup_is_the_mean_of_its_members_weights_calibrated_on_top(
     again = tmp_path / "again.onnx"
     punctuation.main(["--out", str(again), "--soup", *map(str, members)])
     assert again.read_bytes() == out.read_bytes()
+
+
+def test_a_greedy_soup_keeps_a_member_only_where_the_development_score_rises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--soup ... --greedy: the files scored alone, the best first, then each kept only if the
+    soup with it scores higher on the development set; a file of noise is left out, and the
+    file written is the plain --soup of the files kept, its record holding the trail. The
+    members are a run and the run moved either way along one random direction."""
+    from echoic.model.nn.punctuation import export_piece_tagger, read_piece_tagger
+
+    (run,) = _runs_on_from_one_file(tmp_path, monkeypatch, 1)
+    model, pieces, _ = read_piece_tagger(run)
+    state = {name: weight.clone() for name, weight in model.state_dict().items()}
+    files = [tmp_path / f"{name}.onnx" for name in ("noise", "plus", "minus")]
+    for path, sign in zip(files, (0, 1, -1), strict=True):
+        torch.manual_seed(0 if sign else 1)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                away = torch.randn_like(weight) * (state[name].std() if weight.numel() > 1 else 0)
+                weight.copy_(state[name] + sign * away / 2 if sign else torch.randn_like(weight))
+        export_piece_tagger(model, pieces, {}, path)
+    files.append(run)
+    capsys.readouterr()
+    out = tmp_path / "greedy.onnx"
+    punctuation.main(["--out", str(out), "--soup", *map(str, files), "--greedy"])
+    printed = capsys.readouterr().out
+    scores = read_piece_tagger(out)[2]
+    trail = scores["data"]["greedy"]
+    assert sorted(line["file"] for line in trail) == sorted(p.name for p in files)
+    assert trail[0]["alone"] == max(line["alone"] for line in trail)  # the best alone first
+    assert trail[0]["kept"] and trail[0]["soup"] == trail[0]["alone"]
+    best = trail[0]["soup"]
+    for line in trail:
+        assert f"greedy soup: {tmp_path / line['file']} alone {line['alone']:.4f}" in printed
+    for line in trail[1:]:
+        assert line["kept"] == (line["soup"] > best), trail
+        best = line["soup"] if line["kept"] else best
+    assert [line["kept"] for line in trail if line["file"] == "noise.onnx"] == [False], trail
+    assert round(punctuation._selection(scores["development"]), 4) == best
+    kept = [tmp_path / line["file"] for line in trail if line["kept"]]
+    assert [m["file"] for m in scores["data"]["soup"]] == [p.name for p in kept]
+    assert 1 < len(kept) < len(files), trail  # this case keeps some and leaves some out
+    plain = tmp_path / "plain.onnx"  # the files kept, souped without --greedy
+    punctuation.main(["--out", str(plain), "--soup", *map(str, kept)])
+    a, b = read_piece_tagger(out)[0].state_dict(), read_piece_tagger(plain)[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_soup_options_that_cannot_work_are_refused_before_the_corpus_loads(
@@ -1234,6 +1288,7 @@ def test_soup_options_that_cannot_work_are_refused_before_the_corpus_loads(
                       ([*both, "--out", str(copy)], f"--out {copy} is read by --soup"),
                       ([*both, "--checkpoint", str(tmp_path / "c.pt")],
                        "--ensemble, --soup and --score-only train nothing"),
+                      (["--greedy"], "--greedy chooses --soup's members"),
                       (["--soup", str(pieces_file), "x.onnx"], "no such tagger: x.onnx"),
                       (["--soup", str(pieces_file), str(words_file)], "is a tagger of words"),
                       (["--soup", str(pieces_file), str(two_layers)],

@@ -43,12 +43,14 @@ not depend on the CPU's speed or load (a resumed one ends on the uninterrupted o
 weights; the same hardware and libraries write the same bytes).
 `--init FILE` goes on fine-tuning an exported piece tagger (the bundled one, say) from
 its int8 weights (`read_piece_tagger`), its record naming the file it began from;
-`--soup FILE FILE ...` writes the mean of the weights of such runs (`mean_tagger`).
+`--soup FILE FILE ...` writes the mean of the weights of such runs (`mean_tagger`), and
+with `--greedy` only of those that raise its development score (`greedy_soup`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import itertools
 import json
@@ -799,12 +801,14 @@ def soup(
     sets: dict[str, list[list[Tagged]]],
     dev: Sequence[list[Tagged]],
     out: Path,
+    greedy: list[dict] | None = None,
 ) -> dict:
     """`mean_tagger`'s tagger of `members` (`read`), its marks calibrated on the development
     set `dev` on top of the mean of the members' own offsets, written as int8 with its
     scores; returns them. Its "uncalibrated" scores are the mean's in float32 before this
     calibration (the members' offsets, averaged, already in its bias), as a run that went
-    on from a file (`--init`) scores before its own."""
+    on from a file (`--init`) scores before its own. `greedy` is `greedy_soup`'s trail, for
+    the record, when it chose the members."""
     model, pieces, members_scores = read
     uncalibrated = score_model(model, sets["all"], pieces)
     offsets = calibrate(model, dev, pieces)
@@ -814,7 +818,51 @@ def soup(
                        for p, m in zip(members, members_scores, strict=True)],
               "keep_layers": model.cfg.layers, "pieces": model.cfg.pieces,
               "weights": "int8"}  # fmt: skip
+    if greedy is not None:
+        record["greedy"] = greedy
     return export_scored_pieces(model, pieces, sets, dev, uncalibrated, offsets, record, out)
+
+
+def greedy_soup(
+    paths: Sequence[Path], dev: Sequence[list[Tagged]]
+) -> tuple[list[Path], list[dict]]:
+    """Which of `paths` a greedy soup keeps (Wortsman et al., 2022): each file is scored alone,
+    then, from the best alone down, each is kept only if the soup with it scores higher on
+    the development set `dev` than the soup without it; each score is of the soup as `soup`
+    writes it (calibrated on `dev`, int8). Returns the files kept, best first, and the trail:
+    a line per file with its score alone, the soup's with it, and whether it was kept."""
+
+    def scored(members: Sequence[Path]) -> float:
+        model, pieces, _ = mean_tagger(members)
+        calibrate(model, dev, pieces)
+        with _as_written(model, pieces) as tag:
+            return _selection(score(tag, dev))
+
+    def line(path: Path, got: float, keep: bool) -> dict:
+        print(f"greedy soup: {path} alone {alone[path]:.4f}, the soup with it {got:.4f}: "
+              f"{'kept' if keep else 'left out'}", flush=True)  # fmt: skip
+        return {"file": path.name, "alone": round(alone[path], 4), "soup": round(got, 4),
+                "kept": keep}  # fmt: skip
+
+    alone = {path: scored([path]) for path in paths}
+    ranked = sorted(paths, key=lambda p: -alone[p])  # stable: ties keep the order given
+    kept, best = [ranked[0]], alone[ranked[0]]
+    trail = [line(ranked[0], best, True)]
+    for path in ranked[1:]:
+        got = scored([*kept, path])
+        trail.append(line(path, got, got > best))
+        if got > best:
+            kept.append(path)
+            best = got
+    return kept, trail
+
+
+@contextlib.contextmanager
+def _as_written(model: PieceTagger, pieces: PieceList) -> Iterator[Tag]:
+    """`model` as a file written of it tags (int8, on ONNX Runtime), while the block runs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        export_piece_tagger(model, pieces, {}, Path(tmp) / "int8.onnx")
+        yield exported_tagger(Path(tmp) / "int8.onnx")
 
 
 def export_scored_pieces(
@@ -831,9 +879,7 @@ def export_scored_pieces(
     development set's and `record`, what it was made from), scored as written: int8, on
     ONNX Runtime (quantization is deterministic, so the file written again with its scores
     tags as the one scored). Prints the scores and returns them."""
-    with tempfile.TemporaryDirectory() as tmp:
-        export_piece_tagger(model, pieces, {}, Path(tmp) / "int8.onnx")
-        tag = exported_tagger(Path(tmp) / "int8.onnx")
+    with _as_written(model, pieces) as tag:
         scores = held_out_report(tag, sets, uncalibrated, offsets)
         scores["development"] = score(tag, dev)
     scores["data"] = record
@@ -858,6 +904,8 @@ def _refused(args: argparse.Namespace) -> str | None:
         return why
     if args.soup:
         return _refused_soup(args)
+    if args.greedy:
+        return "--greedy chooses --soup's members: give --soup FILE FILE ..."
     if args.steps is not None and args.steps <= 0:
         return f"--steps {args.steps}: a budget of steps is above 0"
     if args.eval_steps is not None and (args.steps is None or args.eval_steps <= 0):
@@ -1014,6 +1062,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="write one piece tagger whose weights are the mean of these exported "
                     "ones' (runs fine-tuned from one file: --init), its marks calibrated on "
                     "the development set; trains nothing")  # fmt: skip
+    ap.add_argument("--greedy", action="store_true",
+                    help="with --soup: keep a file only if the soup with it scores higher on "
+                    "the development set than without (from the best file alone down)")  # fmt: skip
     ap.add_argument("--score-only", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: score these exported taggers on the held-out "
                     "sets")  # fmt: skip
@@ -1092,7 +1143,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return
     if souped:
-        soup(souped, args.soup, data, sets, dev, args.out)
+        members, trail = args.soup, None
+        if args.greedy:  # only the files the development set keeps
+            members, trail = greedy_soup(args.soup, dev)
+            souped = mean_tagger(members)
+        soup(souped, members, data, sets, dev, args.out, trail)
         print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
         return
     if args.score_only:
