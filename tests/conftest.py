@@ -69,7 +69,7 @@ def _running_in_ci() -> bool:
 
 
 def missing_neural_engine(engine: str) -> str | None:
-    """Why `echoic synth --engines ENGINE` (piper, hibari) cannot run here, or None."""
+    """Why `echoic synth --engines ENGINE` (piper, hibari, kokoro) cannot run here, or None."""
     from echoic.training import neural_tts
 
     try:
@@ -92,7 +92,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             f" would skip). Install: bash scripts/bootstrap.sh"
             f" (or: sudo apt-get install -y {packages})"
         )
-    engines = [e for e in ("piper", "hibari") if missing_neural_engine(e)]
+    engines = [e for e in ("piper", "hibari", "kokoro") if missing_neural_engine(e)]
     if engines:
         raise pytest.UsageError(
             f"CI is set and not installed: the neural voices of {', '.join(engines)} (the"

