@@ -32,7 +32,7 @@ from echoic.model.core.audio import decode_audio  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2 as pb  # noqa: E402
 from echoic.protos.v1 import transcriber_pb2_grpc as pb_grpc  # noqa: E402
 from echoic.server.process.background import BackgroundServer  # noqa: E402
-from tests.test_http import http_server, multipart, post  # noqa: E402
+from tests.test_http import TIMEOUT, http_server, multipart, post  # noqa: E402
 from tests.test_server import wait_until  # noqa: E402
 
 # s a call may take before the test calls it hung: far above what any of them needs on a
@@ -47,12 +47,14 @@ def _encoded(samples: np.ndarray, fmt: str, subtype: str) -> bytes:
     return buf.getvalue()
 
 
-def _transcribe(server: BackgroundServer, audio: bytes) -> tuple[int, dict]:
+def _transcribe(
+    server: BackgroundServer, audio: bytes, timeout: float = TIMEOUT
+) -> tuple[int, dict]:
     """An upload, its transcript the words as spoken (formatting=false), as gRPC gives them."""
     body, content_type = multipart(
         [("model", "whisper-1"), ("formatting", "false")], [("file", audio)]
     )
-    return post(server, body, content_type)
+    return post(server, body, content_type, timeout)
 
 
 def _grpc_recognize(server: BackgroundServer, audio: bytes) -> str:

@@ -112,9 +112,11 @@ def multipart(
     return out.getvalue(), f"multipart/form-data; boundary={boundary}"
 
 
-def post(server: BackgroundServer, body: bytes, content_type: str) -> tuple[int, dict]:
+def post(
+    server: BackgroundServer, body: bytes, content_type: str, timeout: float = TIMEOUT
+) -> tuple[int, dict]:
     """POST body to the transcription route: (status, JSON body)."""
-    conn = http.client.HTTPConnection(*_host_port(server), timeout=TIMEOUT)
+    conn = http.client.HTTPConnection(*_host_port(server), timeout=timeout)
     try:
         conn.request("POST", ROUTE, body, {"Content-Type": content_type})
         response = conn.getresponse()
