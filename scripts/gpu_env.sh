@@ -16,7 +16,8 @@ fetch_wheels() {
 
 # PYTHONPATH to echoic in this checkout (through .gpu-path/echoic/<part> links, what
 # pyproject's package-dir does for an install), and the wheels installed into .gpu-site/
-# when an import fails.
+# when an import fails (GPU_IMPORTS, default those of the wheels; empty for a part that
+# needs none of them: the punctuation tagger's training, scripts/gpu_punct.sh).
 import_root() {
     mkdir -p "$WORK/.gpu-path/echoic"
     local name
@@ -26,7 +27,8 @@ import_root() {
     # echoic and tests/ first, the fetched wheels (once installed) last
     export PYTHONPATH="$WORK/.gpu-path:$ROOT${PYTHONPATH:+:$PYTHONPATH}:$WORK/.gpu-site"
     export TRITON_CACHE_DIR="$WORK/.gpu-cache"
-    if ! "$PYTHON" -c "import soundfile, soxr, jiwer" 2>/dev/null; then
+    local imports=${GPU_IMPORTS-soundfile, soxr, jiwer}
+    if [[ -n $imports ]] && ! "$PYTHON" -c "import $imports" 2>/dev/null; then
         if [[ ! -d .gpu-wheels ]]; then
             echo "gpu: soundfile, soxr or jiwer is missing and there is no .gpu-wheels/:" \
                 "run 'bash scripts/gpu_check.sh fetch' (or gpu_train.sh pack) where there" \

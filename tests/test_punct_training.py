@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -56,6 +58,7 @@ from echoic.training.punctuation import (  # noqa: E402
     wesnoth_paragraphs,
     wordnet_paragraphs,
 )
+from tests.conftest import ROOT  # noqa: E402
 
 PAGE = """<html><head><title>Not a paragraph.</title></head><body>
 <div class="navheader"><a href="x.html">Prev</a> Next chapter, on the way out.</div>
@@ -1298,3 +1301,124 @@ def test_soup_options_that_cannot_work_are_refused_before_the_corpus_loads(
         with pytest.raises(SystemExit):
             punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
         assert why in capsys.readouterr().err, argv
+
+
+def test_written_prose_is_read_back_as_the_same_corpus(tmp_path: Path) -> None:
+    """--write-prose FILE: every source's paragraphs in one file that --prose FILE reads as
+    the same corpus (the split, the held-out sets, the counts), on a machine without the
+    packages or the system's prose (a lent GPU); the same sources write the same bytes."""
+    wordnet = next(s for s in PROSE_SOURCES if s.name == "wordnet")
+    (tmp_path / "prose" / wordnet.package / wordnet.where).mkdir(parents=True)
+    (tmp_path / "prose" / wordnet.package / wordnet.where / "data.verb").write_text(
+        '00001 29 v 01 go 0 | move; "Did he go home?"; "she went home, and then slept."\n'
+    )
+    packed, again = tmp_path / "prose.json.gz", tmp_path / "again.json.gz"
+    punctuation.main(["--prose", str(tmp_path / "prose"), "--write-prose", str(packed)])
+    punctuation.main(["--prose", str(tmp_path / "prose"), "--write-prose", str(again)])
+    assert packed.read_bytes() == again.read_bytes()
+    assert 0 < packed.stat().st_size < 10_000_000
+    unpacked, read = punctuation.corpus(tmp_path / "prose"), punctuation.corpus(packed)
+    assert read == unpacked
+    assert read.counts["fortunes"] > 1000 and read.held["wordnet"] + read.dev + read.train
+    # A file that is not one is refused in a line, naming what to give instead.
+    with pytest.raises(SystemExit, match="is not a file --write-prose wrote"):
+        punctuation.corpus(tmp_path / "prose" / wordnet.package / wordnet.where / "data.verb")
+
+
+def test_a_run_trained_only_is_written_from_its_checkpoint_as_a_whole_run_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--train-only (what a lent GPU runs, scripts/gpu_punct.sh): the run leaves only its
+    best weights in the checkpoint (no optimizer, no weights to go on from: what comes back
+    from the GPU is small) and writes no tagger; the same command without it writes from
+    the checkpoint the file a run never split writes, byte for byte."""
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
+    argv = ["--pretrained", str(encoder), "--keep-layers", "1", "--pieces", "90", "--batch", "4",
+            "--window", "4", "--steps", "9", "--eval-steps", "4", "--seed", "3"]  # fmt: skip
+    whole, split = tmp_path / "whole.onnx", tmp_path / "split.onnx"
+    punctuation.main(["--out", str(whole), "--checkpoint", str(tmp_path / "whole.pt"), *argv])
+    checkpoint = tmp_path / "split.pt"
+    punctuation.main(["--out", str(split), "--checkpoint", str(checkpoint), "--train-only",
+                      *argv])  # fmt: skip
+    assert "the same command without --train-only writes the tagger" in capsys.readouterr().out
+    assert not split.exists()
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["model"] is None and saved["optimizer"] is None and saved["steps"] == 9
+    assert checkpoint.stat().st_size < (tmp_path / "whole.pt").stat().st_size / 2
+    punctuation.main(["--out", str(split), "--checkpoint", str(checkpoint), *argv])
+    assert split.read_bytes() == whole.read_bytes()
+
+
+def test_device_and_train_only_options_that_cannot_work_are_refused_before_the_corpus_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, _ = _refusing_corpus_and_a_piece_tagger(tmp_path, monkeypatch)
+    tuned = ["--pretrained", str(directory), "--window", "4", "--steps", "5"]
+    cases = [(["--train-only", "--steps", "5"], "give --checkpoint FILE and a budget of --steps"),
+             (["--train-only", "--checkpoint", "c.pt"], "give --checkpoint FILE and a budget"),
+             (["--device", "cuda", "--steps", "5"], "a tagger of words trains on the CPU"),
+             (["--device", "cuda", "--pretrained", str(directory), "--window", "4"],
+              "give a budget of --steps"),
+             (["--write-prose", "p.gz", "--steps", "5"], "--steps: --write-prose trains nothing"),
+             (["--write-prose", str(tmp_path / "p.gz"), "--prose", str(tmp_path / "p.gz")],
+              "is the --prose it reads")]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda", *tuned], "torch sees no CUDA GPU here"))
+    for argv, why in cases:
+        with pytest.raises(SystemExit):
+            punctuation.main(["--out", str(tmp_path / "t.onnx"), *argv])
+        assert why in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow
+def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_here(
+    tmp_path: Path,
+) -> None:
+    """scripts/gpu_punct.sh proved on the CPU (DEVICE=cpu), its three parts as a lent GPU's
+    session runs them: pack (the prose in one file, the tagger to go on from, the options),
+    run (a probe sizes the steps to the budget, the run trains them and sends back its best
+    weights in parts under a call's limits) and finish (the parts joined; the same command
+    writes the tagger, its record naming the file it went on from)."""
+    from echoic.model.nn.punctuation import (
+        export_piece_tagger,
+        file_sha256,
+        pretrained_pieces,
+        pretrained_tagger,
+        read_piece_tagger,
+    )
+
+    encoder = _tiny_encoder(tmp_path / "encoder", layers=1)
+    init = tmp_path / "init.onnx"
+    export_piece_tagger(pretrained_tagger(encoder), pretrained_pieces(encoder), {}, init)
+    (tmp_path / "prose").mkdir()  # the system's fortunes and manuals are the prose
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "PYTHON": sys.executable,
+           "PACK": str(tmp_path / "pack"), "WORK": str(tmp_path / "work"),
+           "OUT": str(tmp_path / "out"), "PROSE": str(tmp_path / "prose"), "DEVICE": "cpu",
+           "PROBE_STEPS": "40", "BUDGET_S": "150"}  # fmt: skip
+
+    def script(*args: str) -> str:
+        run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_punct.sh"), *args], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return run.stdout + run.stderr
+
+    script("pack", str(init), "--window", "4", "--batch", "4", "--lr", "5e-3", "--seed", "3")
+    assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == [
+        "init.onnx", "options", "prose.json.gz"]  # fmt: skip
+    printed = script("run")
+    out = tmp_path / "out"
+    steps = int((out / "steps").read_text())
+    assert f"gpu_punct: {steps} steps" in printed and "s a step" in printed
+    assert steps > 40  # the budget holds more than the probe
+    sent = sorted(p.name for p in out.iterdir())
+    assert sent[0] == "ckpt.pt.part-00" and sent[-2:] == ["steps", "train.log"]
+    assert len(sent) <= 8 and all((out / f).stat().st_size < 16_000_000 for f in sent)
+    assert "training ended with status 0" in (out / "train.log").read_text()
+    script("finish", str(out), str(tmp_path / "tagger.onnx"))
+    _, _, scores = read_piece_tagger(tmp_path / "tagger.onnx")
+    assert scores["data"]["steps"] == steps == scores["data"]["steps_budget"]
+    assert scores["data"]["init"]["sha256"] == file_sha256(init)

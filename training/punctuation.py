@@ -45,6 +45,10 @@ weights; the same hardware and libraries write the same bytes).
 its int8 weights (`read_piece_tagger`), its record naming the file it began from;
 `--soup FILE FILE ...` writes the mean of the weights of such runs (`mean_tagger`), and
 with `--greedy` only of those that raise its development score (`greedy_soup`).
+`--write-prose FILE` writes every source's paragraphs in one file that `--prose FILE` reads
+as the same corpus, and `--device cuda --train-only` trains on a GPU and leaves the best
+weights in the checkpoint, which the same command without it writes out on the CPU: a
+lent GPU's call (scripts/gpu_punct.sh).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import gzip
 import itertools
 import json
 import math
+import os
 import re
 import tempfile
 import time
@@ -397,18 +402,54 @@ SECOND_SOURCES = (*FIRST_SOURCES, "wordnet", "anarchism-quotes", "anarchist-faq"
                   "debian-handbook", "debian-reference", "wesnoth")  # fmt: skip
 
 
-def corpus(
-    prose_dir: Path | None = PROSE_DIR, held_out_percent: int = 5, dev_percent: int = 5
-) -> Corpus:
-    """The tagged corpus: the fortunes, the GNU manuals, WordNet where installed, and the
-    prose packages under `prose_dir`; a paragraph seen before (any source) is not read again.
-    A hash of each paragraph's text puts it in the held-out set (`held_out_percent` of
-    them), the development set (the next `dev_percent`) or training."""
+PROSE_FORMAT = "echoic-prose/1"  # what --write-prose writes and --prose FILE reads
+
+
+def paragraph_sources(prose_dir: Path | None = PROSE_DIR) -> dict[str, Iterator[str]]:
+    """Each source's paragraphs, in the order the corpus reads them: the fortunes, the GNU
+    manuals, WordNet where installed, and the prose packages under `prose_dir`; or, when
+    `prose_dir` is a file `write_prose` wrote, the paragraphs it holds (a machine without
+    the packages, or the system's prose, reads the same corpus from it)."""
+    if prose_dir and prose_dir.is_file():
+        try:
+            with gzip.open(prose_dir, "rt", encoding="utf-8") as f:
+                packed = json.load(f)
+            if packed.get("format") != PROSE_FORMAT:
+                raise ValueError(f"format {packed.get('format')!r}, not {PROSE_FORMAT!r}")
+            return {name: iter(paragraphs) for name, paragraphs in packed["sources"].items()}
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise SystemExit(f"punctuation: --prose {prose_dir} is not a file --write-prose "
+                             f"wrote ({_reason(e)}): give it, or the folder "
+                             "scripts/fetch_prose.sh unpacked") from e  # fmt: skip
     sources = {"fortunes": fortune_paragraphs(), "info": info_paragraphs()}
     if WORDNET_DIR.is_dir():
         sources["wordnet"] = wordnet_paragraphs()
     for name, paragraphs in (prose_sources(prose_dir) if prose_dir else {}).items():
         sources.setdefault(name, paragraphs)
+    return sources
+
+
+def write_prose(prose_dir: Path, out: Path) -> dict[str, int]:
+    """Every source's paragraphs (`paragraph_sources`) to `out`, gzipped JSON that `--prose
+    FILE` reads as the same corpus: what a machine without the packages trains on (a lent
+    GPU: scripts/gpu_punct.sh). The same sources write the same bytes. Returns the
+    paragraphs per source."""
+    sources = {name: list(ps) for name, ps in paragraph_sources(prose_dir).items()}
+    text = json.dumps({"format": PROSE_FORMAT, "sources": sources}, ensure_ascii=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
+        f.write(text.encode("utf-8"))
+    return {name: len(ps) for name, ps in sources.items()}
+
+
+def corpus(
+    prose_dir: Path | None = PROSE_DIR, held_out_percent: int = 5, dev_percent: int = 5
+) -> Corpus:
+    """The tagged corpus of `paragraph_sources(prose_dir)`; a paragraph seen before (any
+    source) is not read again. A hash of each paragraph's text puts it in the held-out set
+    (`held_out_percent` of them), the development set (the next `dev_percent`) or
+    training."""
+    sources = paragraph_sources(prose_dir)
     out = Corpus()
     seen: set[int] = set()
     for name, paragraphs in sources.items():
@@ -575,9 +616,10 @@ def torch_logits(
         inputs = [words.encode(run) for run in words.runs(tokens, model.cfg.positions)]
     else:
         inputs = [encode(tokens, words)]
+    device = next(model.parameters()).device
     with torch.no_grad():
-        out = [model(*(torch.from_numpy(a)[None] for a in run)) for run in inputs]
-    return tuple(np.concatenate([o[k][0].numpy() for o in out]) for k in (0, 1))  # type: ignore[return-value]
+        out = [model(*(torch.from_numpy(a)[None].to(device) for a in run)) for run in inputs]
+    return tuple(np.concatenate([o[k][0].cpu().numpy() for o in out]) for k in (0, 1))  # type: ignore[return-value]
 
 
 def torch_tagger(model: Tagger, words: WordList) -> Tag:
@@ -707,7 +749,7 @@ def calibrate(model: Tagger, pieces: Sequence[list[Tagged]], words: WordList) ->
     offsets = best_offsets(partial(torch_logits, model, words), pieces)
     model.train()
     with torch.no_grad():
-        model.marks.bias += torch.from_numpy(offsets)
+        model.marks.bias += torch.from_numpy(offsets).to(model.marks.bias.device)
     return offsets.tolist()
 
 
@@ -893,6 +935,10 @@ def _refused(args: argparse.Namespace) -> str | None:
     corpus loads, which takes minutes)."""
     if args.lr is not None and args.lr <= 0:
         return f"--lr {args.lr}: a learning rate is above 0"
+    if args.write_prose:
+        return _refused_write_prose(args)
+    if why := _refused_device(args):
+        return why
     if args.checkpoint and (args.ensemble or args.score_only or args.soup):
         return ("--checkpoint keeps a training's state: --ensemble, --soup and --score-only "
                 "train nothing")  # fmt: skip
@@ -932,6 +978,36 @@ def _refused(args: argparse.Namespace) -> str | None:
     if args.pieces and args.pieces <= base:
         return (f"--pieces {args.pieces}: the special pieces and single characters alone are "
                 f"{base}; keep more")  # fmt: skip
+    return None
+
+
+def _refused_write_prose(args: argparse.Namespace) -> str | None:
+    """Why `--write-prose FILE` cannot write the paragraphs with these options."""
+    training = ("ensemble", "soup", "score_only", "pretrained", "init", "checkpoint", "steps",
+                "minutes", "train_only")  # fmt: skip
+    given = [f"--{k.replace('_', '-')}" for k in training if getattr(args, k)]
+    if given or args.device != "cpu":
+        return (f"{', '.join(given) or '--device'}: --write-prose trains nothing; it writes "
+                "the paragraphs a training reads")  # fmt: skip
+    if args.prose.resolve() == args.write_prose.resolve():
+        return f"--write-prose {args.write_prose} is the --prose it reads: write another file"
+    return None
+
+
+def _refused_device(args: argparse.Namespace) -> str | None:
+    """Why `--device` and `--train-only` cannot work with these options."""
+    if args.train_only and not (args.checkpoint and args.steps):
+        return ("--train-only leaves its weights in the checkpoint: give --checkpoint FILE and "
+                "a budget of --steps")  # fmt: skip
+    if args.device == "cpu":
+        return None
+    if not (args.pretrained or args.init):
+        return ("--device cuda trains a pretrained encoder (--pretrained DIR or --init FILE); "
+                "a tagger of words trains on the CPU")  # fmt: skip
+    if args.steps is None:
+        return "--device cuda: give a budget of --steps (CPU minutes do not measure a GPU run)"
+    if not torch.cuda.is_available():
+        return "--device cuda: torch sees no CUDA GPU here (train with --device cpu)"
     return None
 
 
@@ -988,7 +1064,7 @@ def _options(args: argparse.Namespace) -> dict[str, str]:
     """What a checkpoint's training was asked for: every option but where it writes and how
     often it scores, which a resumed run may change ("not given" for an option left out
     that has no default)."""
-    skip = {"out", "checkpoint", "eval_minutes", "eval_steps"}
+    skip = {"out", "checkpoint", "eval_minutes", "eval_steps", "device", "train_only"}
     options = {k: "not given" if v is None else str(v)
                for k, v in sorted(vars(args).items()) if k not in skip}  # fmt: skip
     if args.init:  # the file, not only its name
@@ -1007,7 +1083,7 @@ def _resumed(args: argparse.Namespace) -> tuple[dict | None, str | None]:
     if not args.checkpoint or not args.checkpoint.exists():
         return None, None
     try:
-        state = torch.load(args.checkpoint, weights_only=True)
+        state = torch.load(args.checkpoint, weights_only=True, map_location="cpu")
         if not isinstance(state, dict) or not isinstance(state.get("options"), dict):
             raise ValueError("no training options in it")
     except Exception as e:  # noqa: BLE001 - any reason it cannot be read is the same to the user
@@ -1050,7 +1126,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prose", type=Path, default=PROSE_DIR,
                     help="where scripts/fetch_prose.sh unpacked its packages (those "
-                    "missing are skipped)")  # fmt: skip
+                    "missing are skipped), or a file --write-prose wrote")  # fmt: skip
+    ap.add_argument("--write-prose", type=Path, metavar="FILE",
+                    help="train nothing: write every source's paragraphs to FILE (gzipped "
+                    "JSON, about 5 MB), which --prose FILE reads as the same corpus on a "
+                    "machine without the packages")  # fmt: skip
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where training runs (cuda: a budget of --steps, deterministic "
+                    "algorithms; the tagger is calibrated, scored and written on the "
+                    "CPU)")  # fmt: skip
+    ap.add_argument("--train-only", action="store_true",
+                    help="with --checkpoint and --steps: train, leave in the checkpoint only "
+                    "what writing the tagger needs (the best weights), and write no tagger; "
+                    "the same command without it (on any machine, --device cpu) writes it "
+                    "from the checkpoint")  # fmt: skip
     ap.add_argument("--ensemble", type=Path, nargs="+", metavar="MODEL",
                     help="train nothing: write --out as one tagger of these exported ones "
                     "(their log-probabilities averaged, calibrated on the development set), "
@@ -1095,6 +1184,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if why := _refused(args):
         ap.error(why)
+    if args.write_prose:
+        counts = write_prose(args.prose, args.write_prose)
+        print(f"wrote {args.write_prose} ({args.write_prose.stat().st_size} bytes): "
+              f"paragraphs per source {counts}")  # fmt: skip
+        return
     if args.steps is None:  # a budget of CPU minutes, and its scorings' period
         args.minutes = 20.0 if args.minutes is None else args.minutes
         args.eval_minutes = 5.0 if args.eval_minutes is None else args.eval_minutes
@@ -1116,6 +1210,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         except ValueError as e:
             ap.error(f"--soup: {e}")
     torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if device.type == "cuda":  # the same bits each run: cuBLAS's fixed workspaces too
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     data = corpus(args.prose)
@@ -1180,9 +1279,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         lr = 3e-3 if args.lr is None else args.lr
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
         opt.param_groups[0]["peak"] = lr
+    model.to(device)  # in place: the optimizer holds the same parameters
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
     # Rare marks matter as much as the common "no mark": weigh them up a little.
-    mark_loss = nn.CrossEntropyLoss(ignore_index=-100, weight=torch.tensor([1.0, 2.0, 2.0, 3.0]))
+    mark_weights = torch.tensor([1.0, 2.0, 2.0, 3.0], device=device)
+    mark_loss = nn.CrossEntropyLoss(ignore_index=-100, weight=mark_weights)
     # The budget and how often the development set is scored: in optimizer steps (--steps),
     # the same on any machine, or in CPU seconds.
     if args.steps:
@@ -1196,9 +1297,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps, epoch, done, total, n, spent = 0, 0, 0, 0.0, 0, 0.0
     epoch_rng = rng.bit_generator.state
     if resumed:
-        model.load_state_dict(resumed["model"])
-        opt.load_state_dict(resumed["optimizer"])
+        if resumed["model"] is not None:  # else a --train-only run's end: its budget is spent
+            model.load_state_dict(resumed["model"])
+            opt.load_state_dict(resumed["optimizer"])
         torch.set_rng_state(resumed["torch_rng"])
+        if device.type == "cuda" and resumed.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(resumed["cuda_rng"])
         best, best_state, next_eval = resumed["best"], resumed["best_state"], resumed["next_eval"]
         steps, epoch, done = resumed["steps"], resumed["epoch"], resumed["done"]
         total, n, spent = resumed["total"], resumed["n"], resumed["spent"]
@@ -1209,31 +1313,41 @@ def main(argv: Sequence[str] | None = None) -> None:
               + (f" of {args.steps}" if args.steps else
                  f", {spent / 60:.1f} of {args.minutes:g} CPU minutes"), flush=True)  # fmt: skip
     start = time.process_time() - spent
+    wall = time.perf_counter()
 
     def due(spent: float, mark: float) -> bool:
         """Whether the run has reached `mark` of its budget: that many steps taken (--steps),
         or more CPU seconds spent."""
         return steps >= mark if args.steps else spent > mark
 
-    def save(spent: float) -> None:
-        """The training's state to --checkpoint, whole or not at all."""
+    def save(spent: float, finished: bool = False) -> None:
+        """The training's state to --checkpoint, whole or not at all; `finished` (the budget
+        spent), only what writing the tagger needs: no weights to go on from, no optimizer."""
         if not args.checkpoint:
             return
         args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         part = args.checkpoint.with_name(args.checkpoint.name + ".part")
+        began = time.perf_counter()
+        cuda_rng = torch.cuda.get_rng_state() if device.type == "cuda" else None
         torch.save({"options": _options(args), "data": prose,
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "model": None if finished else model.state_dict(),
+                    "optimizer": None if finished else opt.state_dict(),
+                    "torch_rng": torch.get_rng_state(), "cuda_rng": cuda_rng,
                     "best": float(best), "best_state": best_state,
                     "next_eval": float(next_eval), "steps": steps, "epoch": epoch, "done": done,
                     "total": float(total), "n": n, "spent": float(spent),
                     "epoch_rng": json.dumps(epoch_rng)}, part)  # fmt: skip
         part.replace(args.checkpoint)
+        print(f"saved {args.checkpoint} in {time.perf_counter() - began:.3f} s", flush=True)
 
     def evaluate(label: str, loss: float) -> None:
         nonlocal best, best_state
+        began = time.perf_counter()
         scores = score_model(model, dev, words)
-        print(f"{label} loss {loss:.4f} {json.dumps(scores)}", flush=True)
+        # Wall seconds since training began and this scoring's: a lent GPU's script sizes
+        # its --steps by them (scripts/gpu_punct.sh).
+        print(f"{label} loss {loss:.4f} (wall {time.perf_counter() - wall:.3f} s, scoring "
+              f"{time.perf_counter() - began:.3f} s) {json.dumps(scores)}", flush=True)  # fmt: skip
         if _selection(scores) > best:
             best, best_state = (
                 _selection(scores),
@@ -1261,6 +1375,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for i, (inputs, marks, cases) in enumerate(epoch_batches()):
             if i < done:
                 continue
+            inputs = tuple(t.to(device) for t in inputs)
+            marks, cases = marks.to(device), cases.to(device)
             # The rate falls from lr to nothing over the budget (cosine): the last, quieter
             # steps settle the weights a fixed budget ends on. A pretrained encoder's first
             # WARMUP_STEPS rise to it, so that the new heads' first gradients do not undo
@@ -1290,7 +1406,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         evaluate(f"epoch {epoch} end ({(time.process_time() - start) / 60:.1f} min, "
                  f"step {steps})", total / max(n, 1))  # fmt: skip
         save(time.process_time() - start)
+    if args.train_only:
+        save(time.process_time() - start, finished=True)
+        print(f"trained {steps} steps: {args.checkpoint} holds the best weights (development "
+              f"{best:.4f}); the same command without --train-only writes the tagger",
+              flush=True)  # fmt: skip
+        return
     model.load_state_dict(best_state)
+    model.to("cpu")  # written, calibrated and scored as the server runs it
     uncalibrated = score_model(model, sets["all"], words)
     offsets = calibrate(model, dev, words)
     data_record = {**summary, "utterances": args.utterances,

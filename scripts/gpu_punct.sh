@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The punctuation tagger trained on a lent GPU in one device call (docs/formatting.md,
+# "On a lent GPU"): torch there but no network and none of the prose, 64 MiB carried in,
+# at most 8 files of 16 MB back. The GPU only trains (--device cuda --train-only); calibrating
+# the marks, writing the int8 file and scoring it need no GPU and are done here after.
+#
+#   bash scripts/gpu_punct.sh pack [INIT [OPTION ...]]   here: .gpu-punct/ holds the prose
+#        in one file (--write-prose), the tagger to go on from (INIT, default the bundled
+#        model/punct/punct.onnx) and the training's options (default: $DEFAULT_OPTIONS)
+#   bash scripts/gpu_punct.sh run           there: the steps that fit BUDGET_S trained on
+#        the GPU, then to $OUT: train.log, steps (the budget it chose) and the training's
+#        best weights in parts (ckpt.pt.part-NN)
+#   bash scripts/gpu_punct.sh finish DIR OUT.onnx   here: DIR is the call's files; the same
+#        training command, on the CPU, writes OUT.onnx from them (calibrated, int8, scored)
+#
+# run's environment: BUDGET_S (the whole call, default 500: a device call's 9 minutes less
+# its start), STEPS (default auto: a probe of PROBE_STEPS (default 60) steps times this
+# machine's steps and scorings first, and the run takes what fits; or N), EVAL_STEPS
+# (default a tenth of the steps), DEVICE (default cuda; cpu proves the script on a CPU),
+# PYTHON (default python3), WORK (where the run writes; default the checkout), FRESH=1
+# (start over; without it, a run left by an earlier call on the same machine resumes),
+# PACK (default .gpu-punct), PROSE (pack's: default data/prose).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON_SET=${PYTHON:-}
+PYTHON=${PYTHON:-python3}
+WORK=${WORK:-$ROOT}
+# Relative, so that the training's options, which name its files, are the same on both
+# machines (an absolute PACK serves where all three parts run on one machine: the test).
+PACK=${PACK:-.gpu-punct}
+DEFAULT_OPTIONS="--lr 5e-5 --utterances 0.5 --batch 32 --seed 21"
+part=${1:-}
+shift || true
+source "$ROOT/scripts/gpu_env.sh"
+
+# train_cmd STEPS CHECKPOINT [OPTION ...]: `cmd`, the training on the packed prose from the
+# packed tagger with the packed options; options after them win.
+train_cmd() {
+    local steps=$1 checkpoint=$2
+    shift 2
+    local options
+    read -r -a options <"$PACK/options"
+    cmd=("$PYTHON" -m echoic.training.punctuation --prose "$PACK/prose.json.gz"
+        --init "$PACK/init.onnx" --steps "$steps" "${options[@]}" --checkpoint "$checkpoint"
+        "$@")
+}
+
+case "$part" in
+pack)
+    [[ -z $PYTHON_SET && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
+    init=${1:-model/punct/punct.onnx}
+    shift || true
+    [[ -f $init ]] || { echo "gpu_punct: no tagger $init to go on from" >&2; exit 2; }
+    rm -rf "$PACK"
+    mkdir -p "$PACK"
+    cp "$init" "$PACK/init.onnx"
+    if [[ $# -gt 0 ]]; then echo "$*" >"$PACK/options"; else echo "$DEFAULT_OPTIONS" >"$PACK/options"; fi
+    "$PYTHON" -m echoic.training.punctuation --prose "${PROSE:-data/prose}" \
+        --write-prose "$PACK/prose.json.gz"
+    # What a call carries: the checkout's files git does not ignore, and the pack.
+    tree=$( (git ls-files -z --cached --others --exclude-standard \
+        | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
+    total=$(($(du -sb "$PACK" | cut -f1) + ${tree:-0}))
+    echo "gpu_punct: options: $(cat "$PACK/options"); a call carries" \
+        "$((total / 1024 / 1024)) MiB of 64, carry [\"$PACK\"]"
+    if [[ $total -gt $((64 * 1024 * 1024)) ]]; then
+        echo "gpu_punct: more than the 64 MiB a call carries in: take the bundled models" \
+            "out of the checkout for the call ('bash scripts/gpu_train.sh aside', then 'back')" >&2
+        exit 1
+    fi
+    ;;
+run)
+    [[ -f $PACK/prose.json.gz ]] || { echo "gpu_punct: no $PACK/prose.json.gz: pack first" >&2; exit 2; }
+    GPU_IMPORTS="" import_root
+    export PYTHONUNBUFFERED=1
+    OUT=${OUT:-$ROOT/.gpu-out}
+    mkdir -p "$OUT"
+    budget=${BUDGET_S:-500}
+    device=${DEVICE:-cuda}
+    run="$WORK/.gpu-punct-run"
+    [[ ${FRESH:-0} == 1 ]] && rm -rf "$run"
+    mkdir -p "$run"
+    : >"$OUT/train.log"
+    if [[ -f $run/steps ]]; then
+        steps=$(cat "$run/steps")  # an earlier call's run on this machine: resumed
+    elif [[ ${STEPS:-auto} != auto ]]; then
+        steps=$STEPS
+    else
+        # The probe: PROBE_STEPS steps, scored (and saved) half way and scored at the end.
+        # Between the two scorings lie a save, half the steps and the second scoring: a
+        # step's seconds; the start (corpus, tagger, first batches) is the rest of its time.
+        probe=${PROBE_STEPS:-60}
+        t0=$SECONDS
+        train_cmd "$probe" "$run/probe.pt" --eval-steps $((probe / 2)) --train-only \
+            --device "$device" --out "$run/probe.onnx"
+        "${cmd[@]}" >"$run/probe.log" 2>&1 || { tail "$run/probe.log" >&2; exit 1; }
+        cat "$run/probe.log" >>"$OUT/train.log"
+        steps=$(awk -v probe="$probe" -v spent=$((SECONDS - t0)) -v left=$((budget - SECONDS)) '
+            BEGIN { n = 0 }
+            /\(wall [0-9.]+ s, scoring [0-9.]+ s\)/ {
+                match($0, /wall [0-9.]+/); w[n] = substr($0, RSTART + 5, RLENGTH - 5)
+                match($0, /scoring [0-9.]+/); e[n] = substr($0, RSTART + 8, RLENGTH - 8); n++ }
+            /^saved .* in [0-9.]+ s$/ && !saved { saved = $(NF - 1) }
+            END {
+                if (n < 2) { print "gpu_punct: the probe scored " n " times" > "/dev/stderr"; exit 1 }
+                step = (w[n-1] - w[0] - e[n-1] - saved) / (probe / 2); if (step <= 0) step = 0.001
+                each = e[n-1] + saved  # a scoring and a save
+                start = spent - w[n-1]
+                # The run: its start again, its steps, 11 scorings and saves (a tenth of the
+                # steps each, and the end) and one more an epoch (3,745 steps of 32); 15% spared.
+                s = int(0.85 * (left - start - 11 * each) / (step + each / 3745))
+                printf "gpu_punct: the probe took %.4f s a step, %.1f s a scoring and save, " \
+                    "%d s to start\n", step, each, start > "/dev/stderr"
+                print (s > 0 ? s : 0) }' "$run/probe.log")
+        rm -f "$run/probe.pt" "$run/probe.onnx"
+        [[ $steps -gt 0 ]] || { echo "gpu_punct: no steps fit in what is left of BUDGET_S=$budget" >&2; exit 2; }
+    fi
+    echo "$steps" >"$run/steps"
+    echo "gpu_punct: $steps steps" | tee -a "$OUT/train.log"
+    evals=${EVAL_STEPS:-$((steps / 10 > 0 ? steps / 10 : 1))}
+    train_cmd "$steps" "$run/ckpt.pt" --eval-steps "$evals" --train-only --device "$device" \
+        --out "$run/unused.onnx"
+    status=0
+    timeout --kill-after=10 $((budget - SECONDS > 30 ? budget - SECONDS : 30)) "${cmd[@]}" \
+        >>"$OUT/train.log" 2>&1 || status=$?
+    tail -n 3 "$OUT/train.log" | cut -c1-300
+    cp "$run/steps" "$OUT/steps"
+    rm -f "$OUT"/ckpt.pt.part-*
+    if grep -q "the same command without --train-only writes the tagger" "$OUT/train.log"; then
+        split -b 15m -d -a 2 "$run/ckpt.pt" "$OUT/ckpt.pt.part-"
+    fi
+    echo "gpu_punct: training ended with status $status after ${SECONDS}s" | tee -a "$OUT/train.log"
+    exit "$status"
+    ;;
+finish)
+    [[ $# -eq 2 ]] || { echo "usage: gpu_punct.sh finish DIR OUT.onnx" >&2; exit 2; }
+    [[ -z $PYTHON_SET && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
+    parts=("$1"/ckpt.pt.part-*)
+    [[ -f ${parts[0]} && -f $1/steps ]] || {
+        echo "gpu_punct: no ckpt.pt.part-* and steps in $1: the run did not finish (its" \
+            "train.log says why)" >&2
+        exit 2
+    }
+    mkdir -p "$WORK/.gpu-punct-run"
+    cat "${parts[@]}" >"$WORK/.gpu-punct-run/back.pt"
+    train_cmd "$(cat "$1/steps")" "$WORK/.gpu-punct-run/back.pt" --out "$2"
+    "${cmd[@]}"
+    ;;
+*)
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+    exit 2
+    ;;
+esac
