@@ -7,16 +7,18 @@
 #   bash scripts/gpu_punct.sh pack [INIT [OPTION ...]]   here: .gpu-punct/ holds the prose
 #        in one file (--write-prose), the tagger to go on from (INIT, default the bundled
 #        model/punct/punct.onnx) and the training's options (default: $DEFAULT_OPTIONS)
-#   bash scripts/gpu_punct.sh run           there: the steps that fit BUDGET_S trained on
-#        the GPU, then to $OUT: train.log, steps (the budget it chose) and the training's
-#        best weights in parts (ckpt.pt.part-NN)
+#   bash scripts/gpu_punct.sh run           there: a run for each of SEEDS (default two,
+#        21 and 22, side by side: members for --soup), the steps that fit BUDGET_S trained on
+#        the GPU, then to $OUT: train.log, steps (the budget it chose) and each run's best
+#        weights in parts (ckpt-SEED.pt.part-NN)
 #   bash scripts/gpu_punct.sh finish DIR OUT.onnx   here: DIR is the call's files; the same
-#        training command, on the CPU, writes OUT.onnx from them (calibrated, int8, scored)
+#        training command, on the CPU, writes OUT-seedSEED.onnx of each run (calibrated,
+#        int8, scored)
 #
 # run's environment: BUDGET_S (the whole call, default 500: a device call's 9 minutes less
-# its start), STEPS (default auto: a probe of PROBE_STEPS (default 60) steps times this
-# machine's steps and scorings first, and the run takes what fits; or N), EVAL_STEPS
-# (default a tenth of the steps), DEVICE (default cuda; cpu proves the script on a CPU),
+# its start), SEEDS (one or two), STEPS (default auto: a probe of PROBE_STEPS (default 60)
+# steps times this machine's steps and scorings first, and the runs take what fits; or N),
+# EVAL_STEPS (default a tenth of the steps), DEVICE (default cuda; cpu proves the script),
 # PYTHON (default python3), WORK (where the run writes; default the checkout), FRESH=1
 # (start over; without it, a run left by an earlier call on the same machine resumes),
 # PACK (default .gpu-punct), PROSE (pack's: default data/prose).
@@ -72,6 +74,12 @@ pack)
     ;;
 run)
     [[ -f $PACK/prose.json.gz ]] || { echo "gpu_punct: no $PACK/prose.json.gz: pack first" >&2; exit 2; }
+    read -r -a seeds <<<"${SEEDS:-21 22}"
+    if [[ ${#seeds[@]} -lt 1 || ${#seeds[@]} -gt 2 ]]; then
+        echo "gpu_punct: SEEDS='${SEEDS:-}': one or two runs (three parts each, with steps" \
+            "and train.log, are the 8 files a call sends back)" >&2
+        exit 2
+    fi
     GPU_IMPORTS="" import_root
     export PYTHONUNBUFFERED=1
     OUT=${OUT:-$ROOT/.gpu-out}
@@ -87,65 +95,97 @@ run)
     elif [[ ${STEPS:-auto} != auto ]]; then
         steps=$STEPS
     else
-        # The probe: PROBE_STEPS steps, scored (and saved) half way and scored at the end.
-        # Between the two scorings lie a save, half the steps and the second scoring: a
-        # step's seconds; the start (corpus, tagger, first batches) is the rest of its time.
+        # The probe: each seed's run for PROBE_STEPS steps, side by side as the runs will
+        # be, scored (and saved) half way and scored at the end. Between the two scorings
+        # lie a save, half the steps and the second scoring: a step's seconds; the start
+        # (corpus, tagger, first batches) is the rest of the probe's time. The slower run
+        # sets the steps.
         probe=${PROBE_STEPS:-60}
+        batch=$(grep -o -- '--batch [0-9]*' "$PACK/options" | tail -1 | cut -d' ' -f2)
+        batch=${batch:-64}  # the training's default
         t0=$SECONDS
-        train_cmd "$probe" "$run/probe.pt" --eval-steps $((probe / 2)) --train-only \
-            --device "$device" --out "$run/probe.onnx"
-        "${cmd[@]}" >"$run/probe.log" 2>&1 || { tail "$run/probe.log" >&2; exit 1; }
-        cat "$run/probe.log" >>"$OUT/train.log"
-        steps=$(awk -v probe="$probe" -v spent=$((SECONDS - t0)) -v left=$((budget - SECONDS)) '
-            BEGIN { n = 0 }
-            /\(wall [0-9.]+ s, scoring [0-9.]+ s\)/ {
-                match($0, /wall [0-9.]+/); w[n] = substr($0, RSTART + 5, RLENGTH - 5)
-                match($0, /scoring [0-9.]+/); e[n] = substr($0, RSTART + 8, RLENGTH - 8); n++ }
-            /^saved .* in [0-9.]+ s$/ && !saved { saved = $(NF - 1) }
-            END {
-                if (n < 2) { print "gpu_punct: the probe scored " n " times" > "/dev/stderr"; exit 1 }
-                step = (w[n-1] - w[0] - e[n-1] - saved) / (probe / 2); if (step <= 0) step = 0.001
-                each = e[n-1] + saved  # a scoring and a save
-                start = spent - w[n-1]
-                # The run: its start again, its steps, 11 scorings and saves (a tenth of the
-                # steps each, and the end) and one more an epoch (3,745 steps of 32); 15% spared.
-                s = int(0.85 * (left - start - 11 * each) / (step + each / 3745))
-                printf "gpu_punct: the probe took %.4f s a step, %.1f s a scoring and save, " \
-                    "%d s to start\n", step, each, start > "/dev/stderr"
-                print (s > 0 ? s : 0) }' "$run/probe.log")
-        rm -f "$run/probe.pt" "$run/probe.onnx"
+        pids=()
+        for seed in "${seeds[@]}"; do
+            train_cmd "$probe" "$run/probe-$seed.pt" --seed "$seed" --eval-steps $((probe / 2)) \
+                --train-only --device "$device" --out "$run/probe.onnx"
+            "${cmd[@]}" >"$run/probe-$seed.log" 2>&1 &
+            pids+=($!)
+        done
+        for i in "${!pids[@]}"; do
+            wait "${pids[$i]}" || { tail "$run/probe-${seeds[$i]}.log" >&2; exit 1; }
+        done
+        spent=$((SECONDS - t0))
+        steps=
+        for seed in "${seeds[@]}"; do
+            cat "$run/probe-$seed.log" >>"$OUT/train.log"
+            fits=$(awk -v probe="$probe" -v spent=$spent -v left=$((budget - SECONDS)) \
+                -v batch="$batch" '
+                BEGIN { n = 0 }
+                /\(wall [0-9.]+ s, scoring [0-9.]+ s\)/ {
+                    match($0, /wall [0-9.]+/); w[n] = substr($0, RSTART + 5, RLENGTH - 5)
+                    match($0, /scoring [0-9.]+/); e[n] = substr($0, RSTART + 8, RLENGTH - 8); n++ }
+                /^saved .* in [0-9.]+ s$/ && !saved { saved = $(NF - 1) }
+                END {
+                    if (n < 2) { print "gpu_punct: the probe scored " n " times" > "/dev/stderr"; exit 1 }
+                    step = (w[n-1] - w[0] - e[n-1] - saved) / (probe / 2); if (step <= 0) step = 0.001
+                    each = (e[0] > e[n-1] ? e[0] : e[n-1]) + saved  # a scoring and a save
+                    start = spent - w[n-1]
+                    # The run: its start again, its steps, 11 scorings and saves (a tenth of
+                    # the steps each, and the end), and at each epoch (3,745 steps of 32
+                    # windows on the whole prose) one more scoring and the windows dealt
+                    # again (half the start, at most); a quarter spared.
+                    epoch = 3745 * 32 / batch
+                    s = int(0.75 * (left - start - 11 * each) / (step + (each + start / 2) / epoch))
+                    printf "gpu_punct: the probe took %.4f s a step, %.1f s a scoring and " \
+                        "save, %d s to start\n", step, each, start > "/dev/stderr"
+                    print (s > 0 ? s : 0) }' "$run/probe-$seed.log")
+            [[ -z $steps || $fits -lt $steps ]] && steps=$fits
+            rm -f "$run/probe-$seed.pt"
+        done
         [[ $steps -gt 0 ]] || { echo "gpu_punct: no steps fit in what is left of BUDGET_S=$budget" >&2; exit 2; }
     fi
     echo "$steps" >"$run/steps"
-    echo "gpu_punct: $steps steps" | tee -a "$OUT/train.log"
+    echo "gpu_punct: $steps steps, seeds ${seeds[*]}" | tee -a "$OUT/train.log"
     evals=${EVAL_STEPS:-$((steps / 10 > 0 ? steps / 10 : 1))}
-    train_cmd "$steps" "$run/ckpt.pt" --eval-steps "$evals" --train-only --device "$device" \
-        --out "$run/unused.onnx"
+    left=$((budget - SECONDS > 30 ? budget - SECONDS : 30))
+    pids=()
+    for seed in "${seeds[@]}"; do
+        train_cmd "$steps" "$run/ckpt-$seed.pt" --seed "$seed" --eval-steps "$evals" --train-only \
+            --device "$device" --out "$run/unused.onnx"
+        timeout --kill-after=10 "$left" "${cmd[@]}" >"$run/train-$seed.log" 2>&1 &
+        pids+=($!)
+    done
     status=0
-    timeout --kill-after=10 $((budget - SECONDS > 30 ? budget - SECONDS : 30)) "${cmd[@]}" \
-        >>"$OUT/train.log" 2>&1 || status=$?
-    tail -n 3 "$OUT/train.log" | cut -c1-300
+    rm -f "$OUT"/ckpt-*.pt.part-*
+    for i in "${!pids[@]}"; do
+        seed=${seeds[$i]}
+        wait "${pids[$i]}" || status=$?
+        { echo "gpu_punct: seed $seed's run"; cat "$run/train-$seed.log"; } >>"$OUT/train.log"
+        tail -n 2 "$run/train-$seed.log" | cut -c1-300
+        if grep -q "the same command without --train-only writes the tagger" "$run/train-$seed.log"; then
+            split -b 15m -d -a 2 "$run/ckpt-$seed.pt" "$OUT/ckpt-$seed.pt.part-"
+        fi
+    done
     cp "$run/steps" "$OUT/steps"
-    rm -f "$OUT"/ckpt.pt.part-*
-    if grep -q "the same command without --train-only writes the tagger" "$OUT/train.log"; then
-        split -b 15m -d -a 2 "$run/ckpt.pt" "$OUT/ckpt.pt.part-"
-    fi
     echo "gpu_punct: training ended with status $status after ${SECONDS}s" | tee -a "$OUT/train.log"
     exit "$status"
     ;;
 finish)
     [[ $# -eq 2 ]] || { echo "usage: gpu_punct.sh finish DIR OUT.onnx" >&2; exit 2; }
     [[ -z $PYTHON_SET && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
-    parts=("$1"/ckpt.pt.part-*)
-    [[ -f ${parts[0]} && -f $1/steps ]] || {
-        echo "gpu_punct: no ckpt.pt.part-* and steps in $1: the run did not finish (its" \
+    seeds=$(cd "$1" && ls ckpt-*.pt.part-00 2>/dev/null | sed 's/^ckpt-\(.*\)\.pt\.part-00$/\1/')
+    [[ -n $seeds && -f $1/steps ]] || {
+        echo "gpu_punct: no ckpt-SEED.pt.part-* and steps in $1: no run finished (its" \
             "train.log says why)" >&2
         exit 2
     }
     mkdir -p "$WORK/.gpu-punct-run"
-    cat "${parts[@]}" >"$WORK/.gpu-punct-run/back.pt"
-    train_cmd "$(cat "$1/steps")" "$WORK/.gpu-punct-run/back.pt" --out "$2"
-    "${cmd[@]}"
+    for seed in $seeds; do
+        cat "$1/ckpt-$seed.pt".part-* >"$WORK/.gpu-punct-run/back-$seed.pt"
+        train_cmd "$(cat "$1/steps")" "$WORK/.gpu-punct-run/back-$seed.pt" --seed "$seed" \
+            --out "${2%.onnx}-seed$seed.onnx"
+        "${cmd[@]}"
+    done
     ;;
 *)
     awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"

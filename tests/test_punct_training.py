@@ -1380,9 +1380,10 @@ def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_he
 ) -> None:
     """scripts/gpu_punct.sh proved on the CPU (DEVICE=cpu), its three parts as a lent GPU's
     session runs them: pack (the prose in one file, the tagger to go on from, the options),
-    run (a probe sizes the steps to the budget, the run trains them and sends back its best
-    weights in parts under a call's limits) and finish (the parts joined; the same command
-    writes the tagger, its record naming the file it went on from)."""
+    run (two seeds side by side: a probe of both sizes the steps to the budget, the runs
+    train them and send back their best weights in parts under a call's limits) and finish
+    (the parts joined; the same command writes each run's tagger, its record naming the
+    file it went on from)."""
     from echoic.model.nn.punctuation import (
         export_piece_tagger,
         file_sha256,
@@ -1398,7 +1399,7 @@ def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_he
     env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "PYTHON": sys.executable,
            "PACK": str(tmp_path / "pack"), "WORK": str(tmp_path / "work"),
            "OUT": str(tmp_path / "out"), "PROSE": str(tmp_path / "prose"), "DEVICE": "cpu",
-           "PROBE_STEPS": "40", "BUDGET_S": "150"}  # fmt: skip
+           "PROBE_STEPS": "40", "BUDGET_S": "110", "SEEDS": "3 4"}  # fmt: skip
 
     def script(*args: str) -> str:
         run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_punct.sh"), *args], env=env,
@@ -1412,13 +1413,16 @@ def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_he
     printed = script("run")
     out = tmp_path / "out"
     steps = int((out / "steps").read_text())
-    assert f"gpu_punct: {steps} steps" in printed and "s a step" in printed
+    assert f"gpu_punct: {steps} steps, seeds 3 4" in printed and "s a step" in printed
     assert steps > 40  # the budget holds more than the probe
     sent = sorted(p.name for p in out.iterdir())
-    assert sent[0] == "ckpt.pt.part-00" and sent[-2:] == ["steps", "train.log"]
-    assert len(sent) <= 8 and all((out / f).stat().st_size < 16_000_000 for f in sent)
+    assert sent == ["ckpt-3.pt.part-00", "ckpt-4.pt.part-00", "steps", "train.log"]
+    assert all((out / f).stat().st_size < 16_000_000 for f in sent)
     assert "training ended with status 0" in (out / "train.log").read_text()
     script("finish", str(out), str(tmp_path / "tagger.onnx"))
-    _, _, scores = read_piece_tagger(tmp_path / "tagger.onnx")
-    assert scores["data"]["steps"] == steps == scores["data"]["steps_budget"]
-    assert scores["data"]["init"]["sha256"] == file_sha256(init)
+    written = [tmp_path / f"tagger-seed{seed}.onnx" for seed in (3, 4)]
+    for path in written:
+        _, _, scores = read_piece_tagger(path)
+        assert scores["data"]["steps"] == steps == scores["data"]["steps_budget"]
+        assert scores["data"]["init"]["sha256"] == file_sha256(init)
+    assert written[0].read_bytes() != written[1].read_bytes()  # two seeds, two runs
