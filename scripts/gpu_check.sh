@@ -9,8 +9,9 @@
 #   bash scripts/gpu_check.sh env           on the GPU machine: GPU, versions, the imports
 #   bash scripts/gpu_check.sh tests [EXPR]  pytest -m gpu tests/test_persistent_rnn.py and
 #                                           the sm_90 fit table (EXPR: a -k filter)
-#   bash scripts/gpu_check.sh train [EXPR]  pytest -m gpu tests/test_train.py: training on
-#                                           the GPU is deterministic, persistent ~ cuDNN;
+#   bash scripts/gpu_check.sh train [EXPR]  pytest -m gpu tests/test_train.py and
+#                                           tests/test_punct_training.py: training on the
+#                                           GPU is deterministic, persistent ~ cuDNN;
 #                                           `train sharing_each_batch`: two ranks sharing
 #                                           each batch train one rank's weights (four runs:
 #                                           left out of all and quick)
@@ -132,6 +133,7 @@ train)
         export ECHOIC_TEST_CORPUS="$ROOT/.gpu-data/corpus/manifest.jsonl"
     fi
     "$PYTHON" -m pytest -p no:cacheprovider -p no:benchmark -rA -m gpu ${1:+-k "$*"} tests/test_train.py \
+        tests/test_punct_training.py \
         -o junit_family=legacy --junitxml="$OUT/gpu_train.xml" 2>&1 | tee "$OUT/gpu_train.log"
     ;;
 bench)

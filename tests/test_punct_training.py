@@ -1350,7 +1350,42 @@ def test_a_run_trained_only_is_written_from_its_checkpoint_as_a_whole_run_writes
     assert saved["model"] is None and saved["optimizer"] is None and saved["steps"] == 9
     assert checkpoint.stat().st_size < (tmp_path / "whole.pt").stat().st_size / 2
     punctuation.main(["--out", str(split), "--checkpoint", str(checkpoint), *argv])
+    printed = capsys.readouterr().out
+    assert f"resumed {checkpoint}: epoch " in printed and ", step 9 of 9" in printed
+    assert " loss " not in printed  # written from the checkpoint: not one step trained again
     assert split.read_bytes() == whole.read_bytes()
+
+    # A run cut off part way (a call's budget ran out) sends back its best weights alone
+    # (as scripts/gpu_punct.sh strips them): the same command writes the tagger from them,
+    # saying so, and its record says how far it got.
+    step = torch.optim.AdamW.step
+    taken = {"steps": 0}
+
+    def stopping(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        taken["steps"] += 1
+        if taken["steps"] == 6:  # after the scoring and save at step 4
+            raise _Stopped
+        return step(self, *args, **kwargs)
+
+    cut, written = tmp_path / "cut.pt", tmp_path / "cut.onnx"
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", stopping)
+        with pytest.raises(_Stopped):
+            punctuation.main(["--out", str(written), "--checkpoint", str(cut), "--train-only",
+                              *argv])  # fmt: skip
+    state = torch.load(cut, weights_only=True)
+    assert state["steps"] == 4 and state["model"] is not None
+    state["model"] = state["optimizer"] = None
+    torch.save(state, cut)
+    capsys.readouterr()
+    punctuation.main(["--out", str(written), "--checkpoint", str(cut), *argv])
+    printed = capsys.readouterr().out
+    assert f"{cut}: a run cut off at step 4 of 9, its best weights alone" in printed
+    assert " loss " not in printed
+    from echoic.model.nn.punctuation import read_piece_tagger
+
+    record = read_piece_tagger(written)[2]["data"]
+    assert record["steps"] == 4 and record["steps_budget"] == 9
 
 
 def test_device_and_train_only_options_that_cannot_work_are_refused_before_the_corpus_loads(
@@ -1361,6 +1396,8 @@ def test_device_and_train_only_options_that_cannot_work_are_refused_before_the_c
     cases = [(["--train-only", "--steps", "5"], "give --checkpoint FILE and a budget of --steps"),
              (["--train-only", "--checkpoint", "c.pt"], "give --checkpoint FILE and a budget"),
              (["--device", "cuda", "--steps", "5"], "a tagger of words trains on the CPU"),
+             (["--device", "cuda", "--soup", str(tmp_path / "pieces.onnx"),
+               str(tmp_path / "pieces.onnx")], "--soup, --ensemble and --score-only train"),
              (["--device", "cuda", "--pretrained", str(directory), "--window", "4"],
               "give a budget of --steps"),
              (["--write-prose", "p.gz", "--steps", "5"], "--steps: --write-prose trains nothing"),
@@ -1399,7 +1436,8 @@ def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_he
     env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "PYTHON": sys.executable,
            "PACK": str(tmp_path / "pack"), "WORK": str(tmp_path / "work"),
            "OUT": str(tmp_path / "out"), "PROSE": str(tmp_path / "prose"), "DEVICE": "cpu",
-           "PROBE_STEPS": "40", "BUDGET_S": "110", "SEEDS": "3 4"}  # fmt: skip
+           "PROBE_STEPS": "40", "BUDGET_S": "150", "EVAL_STEPS": "300",
+           "SEEDS": "3 4"}  # fmt: skip
 
     def script(*args: str) -> str:
         run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_punct.sh"), *args], env=env,
@@ -1407,7 +1445,7 @@ def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_he
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         return run.stdout + run.stderr
 
-    script("pack", str(init), "--window", "4", "--batch", "4", "--lr", "5e-3", "--seed", "3")
+    script("pack", str(init), "--window", "4", "--batch", "4", "--lr", "5e-3")
     assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == [
         "init.onnx", "options", "prose.json.gz"]  # fmt: skip
     printed = script("run")
@@ -1426,3 +1464,75 @@ def test_the_gpu_script_trains_on_packed_prose_and_the_tagger_is_written_back_he
         assert scores["data"]["steps"] == steps == scores["data"]["steps_budget"]
         assert scores["data"]["init"]["sha256"] == file_sha256(init)
     assert written[0].read_bytes() != written[1].read_bytes()  # two seeds, two runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_run_is_the_same_each_time_resumes_exactly_and_is_written_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device cuda --train-only (scripts/gpu_punct.sh's run, `gpu_check.sh train`): two runs
+    write the same tagger once finished on the CPU, and a run stopped part way and resumed
+    on the GPU (the CUDA generator's state restored) writes it too."""
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
+    argv = ["--pretrained", str(encoder), "--keep-layers", "2", "--pieces", "90", "--batch", "4",
+            "--window", "4", "--steps", "9", "--eval-steps", "4", "--seed", "5"]  # fmt: skip
+
+    def tagger(name: str, stop_at: int = 0) -> bytes:
+        checkpoint, out = tmp_path / f"{name}.pt", tmp_path / f"{name}.onnx"
+        if stop_at:
+            step, taken = torch.optim.AdamW.step, {"steps": 0}
+
+            def stopping(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+                taken["steps"] += 1
+                if taken["steps"] == stop_at:
+                    raise _Stopped
+                return step(self, *args, **kwargs)
+
+            with monkeypatch.context() as m:
+                m.setattr(torch.optim.AdamW, "step", stopping)
+                with pytest.raises(_Stopped):
+                    punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint),
+                                      "--train-only", "--device", "cuda", *argv])  # fmt: skip
+        punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), "--train-only",
+                          "--device", "cuda", *argv])  # fmt: skip
+        assert torch.load(checkpoint, weights_only=True)["best_state"] is not None
+        punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), *argv])
+        return out.read_bytes()
+
+    first = tagger("first")
+    assert tagger("again") == first
+    assert tagger("resumed", stop_at=6) == first
+
+
+def test_the_gpu_script_refuses_what_cannot_work_before_a_call_is_spent(tmp_path: Path) -> None:
+    """gpu_punct.sh: options the script sets itself are refused at pack time (a --steps
+    there would silently replace the probe's), a seed given twice and more than two at
+    run time, and finish of a folder no run came back to, each in a line."""
+    init = tmp_path / "init.onnx"
+    init.write_bytes(b"not read before the refusals")
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "PYTHON": sys.executable,
+           "PACK": str(tmp_path / "pack"), "WORK": str(tmp_path / "work"),
+           "OUT": str(tmp_path / "out")}  # fmt: skip
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "prose.json.gz").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    for args, extra, why in (
+        (["pack", str(init), "--lr", "1e-4", "--steps", "50"], {}, "pack --steps: the script "
+         "sets"),
+        (["pack", str(init), "--seed=4"], {}, "pack --seed=4: the script sets"),
+        (["run"], {"SEEDS": "3 3"}, "SEEDS='3 3': one seed or two different ones"),
+        (["run"], {"SEEDS": "1 2 3"}, "one seed or two different ones"),
+        (["finish", str(tmp_path / "empty"), str(tmp_path / "t.onnx")], {},
+         "no run came back"),
+        (["finish", str(tmp_path / "never"), str(tmp_path / "t.onnx")], {}, "no folder"),
+    ):  # fmt: skip
+        run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_punct.sh"), *args],
+                             env={**env, **extra}, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert run.returncode == 2 and why in run.stderr, (args, run.stderr)
+    assert not (tmp_path / "pack" / "options").exists()  # the refused pack wrote nothing

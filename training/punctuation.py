@@ -417,7 +417,7 @@ def paragraph_sources(prose_dir: Path | None = PROSE_DIR) -> dict[str, Iterator[
             if packed.get("format") != PROSE_FORMAT:
                 raise ValueError(f"format {packed.get('format')!r}, not {PROSE_FORMAT!r}")
             return {name: iter(paragraphs) for name, paragraphs in packed["sources"].items()}
-        except (OSError, ValueError, KeyError, AttributeError) as e:
+        except (OSError, EOFError, zlib.error, ValueError, KeyError, AttributeError) as e:
             raise SystemExit(f"punctuation: --prose {prose_dir} is not a file --write-prose "
                              f"wrote ({_reason(e)}): give it, or the folder "
                              "scripts/fetch_prose.sh unpacked") from e  # fmt: skip
@@ -437,8 +437,10 @@ def write_prose(prose_dir: Path, out: Path) -> dict[str, int]:
     sources = {name: list(ps) for name, ps in paragraph_sources(prose_dir).items()}
     text = json.dumps({"format": PROSE_FORMAT, "sources": sources}, ensure_ascii=False)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
+    part = out.with_name(out.name + ".part")  # whole or not at all
+    with open(part, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
         f.write(text.encode("utf-8"))
+    part.replace(out)
     return {name: len(ps) for name, ps in sources.items()}
 
 
@@ -1001,6 +1003,8 @@ def _refused_device(args: argparse.Namespace) -> str | None:
                 "a budget of --steps")  # fmt: skip
     if args.device == "cpu":
         return None
+    if args.soup or args.ensemble or args.score_only:
+        return "--device cuda trains: --soup, --ensemble and --score-only train nothing"
     if not (args.pretrained or args.init):
         return ("--device cuda trains a pretrained encoder (--pretrained DIR or --init FILE); "
                 "a tagger of words trains on the CPU")  # fmt: skip
@@ -1296,8 +1300,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # resumed epoch deals the same batches, and the next epoch the next ones).
     steps, epoch, done, total, n, spent = 0, 0, 0, 0.0, 0, 0.0
     epoch_rng = rng.bit_generator.state
+    weights_alone = False  # a checkpoint left with its best weights alone (--train-only)
     if resumed:
-        if resumed["model"] is not None:  # else a --train-only run's end: its budget is spent
+        weights_alone = resumed["model"] is None
+        if not weights_alone:
             model.load_state_dict(resumed["model"])
             opt.load_state_dict(resumed["optimizer"])
         torch.set_rng_state(resumed["torch_rng"])
@@ -1367,9 +1373,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             ):
                 yield (w, c, lengths), marks, cases
 
+    if weights_alone and not due(spent, budget):
+        # A --train-only run cut off part way, its best weights sent back alone
+        # (scripts/gpu_punct.sh): nothing to go on from; its tagger is written from them.
+        print(f"{args.checkpoint}: a run cut off at step {steps}"
+              + (f" of {args.steps}" if args.steps else "") + ", its best weights alone: "
+              "the tagger is written from them", flush=True)  # fmt: skip
     # A run resumed part way through an epoch finishes it, as the run saved would have
     # (its last scoring may have spent the budget, but not the epoch's last step and score).
-    while done or not due(time.process_time() - start, budget):
+    while not weights_alone and (done or not due(time.process_time() - start, budget)):
         if not done:  # a new epoch (rng at epoch_rng); else resumed part way: deal it again
             epoch, total, n = epoch + 1, 0.0, 0
         for i, (inputs, marks, cases) in enumerate(epoch_batches()):
