@@ -4,6 +4,7 @@ an exported tagger beside the torch one it came from."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -1325,6 +1327,33 @@ def test_written_prose_is_read_back_as_the_same_corpus(tmp_path: Path) -> None:
         punctuation.corpus(tmp_path / "prose" / wordnet.package / wordnet.where / "data.verb")
 
 
+def _a_tiny_corpus_and_encoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Two paragraphs that `punctuation.corpus` then returns, and a two-layer tiny encoder's
+    directory (what --pretrained reads)."""
+    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
+                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
+    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
+    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
+    return _tiny_encoder(tmp_path / "encoder", layers=2)
+
+
+@contextlib.contextmanager
+def _stopped_at_step(n: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The block's training stops at its optimizer's nth step (a session's end, a call's
+    budget), as `_Stopped`, which the block is expected to raise."""
+    step, taken = torch.optim.AdamW.step, {"steps": 0}
+
+    def stopping(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        taken["steps"] += 1
+        if taken["steps"] == n:
+            raise _Stopped
+        return step(self, *args, **kwargs)
+
+    with monkeypatch.context() as m, pytest.raises(_Stopped):
+        m.setattr(torch.optim.AdamW, "step", stopping)
+        yield
+
+
 def test_a_run_trained_only_is_written_from_its_checkpoint_as_a_whole_run_writes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1332,11 +1361,7 @@ def test_a_run_trained_only_is_written_from_its_checkpoint_as_a_whole_run_writes
     best weights in the checkpoint (no optimizer, no weights to go on from: what comes back
     from the GPU is small) and writes no tagger; the same command without it writes from
     the checkpoint the file a run never split writes, byte for byte."""
-    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
-                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
-    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
-    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
-    encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
+    encoder = _a_tiny_corpus_and_encoder(tmp_path, monkeypatch)
     argv = ["--pretrained", str(encoder), "--keep-layers", "1", "--pieces", "90", "--batch", "4",
             "--window", "4", "--steps", "9", "--eval-steps", "4", "--seed", "3"]  # fmt: skip
     whole, split = tmp_path / "whole.onnx", tmp_path / "split.onnx"
@@ -1358,21 +1383,10 @@ def test_a_run_trained_only_is_written_from_its_checkpoint_as_a_whole_run_writes
     # A run cut off part way (a call's budget ran out) sends back its best weights alone
     # (as scripts/gpu_punct.sh strips them): the same command writes the tagger from them,
     # saying so, and its record says how far it got.
-    step = torch.optim.AdamW.step
-    taken = {"steps": 0}
-
-    def stopping(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
-        taken["steps"] += 1
-        if taken["steps"] == 6:  # after the scoring and save at step 4
-            raise _Stopped
-        return step(self, *args, **kwargs)
-
     cut, written = tmp_path / "cut.pt", tmp_path / "cut.onnx"
-    with monkeypatch.context() as m:
-        m.setattr(torch.optim.AdamW, "step", stopping)
-        with pytest.raises(_Stopped):
-            punctuation.main(["--out", str(written), "--checkpoint", str(cut), "--train-only",
-                              *argv])  # fmt: skip
+    with _stopped_at_step(6, monkeypatch):  # after the scoring and save at step 4
+        punctuation.main(["--out", str(written), "--checkpoint", str(cut), "--train-only",
+                          *argv])  # fmt: skip
     state = torch.load(cut, weights_only=True)
     assert state["steps"] == 4 and state["model"] is not None
     state["model"] = state["optimizer"] = None
@@ -1474,30 +1488,16 @@ def test_a_cuda_run_is_the_same_each_time_resumes_exactly_and_is_written_on_the_
     """--device cuda --train-only (scripts/gpu_punct.sh's run, `gpu_check.sh train`): two runs
     write the same tagger once finished on the CPU, and a run stopped part way and resumed
     on the GPU (the CUDA generator's state restored) writes it too."""
-    prose = [tags_of_prose(p) for p in ("Is it the end? It is, of course.",
-                                        "The cat sat on a mat, and it slept. Did it?")]  # fmt: skip
-    data = Corpus(train=prose * 4, dev=prose[1:], held={"fortunes": prose, "info": prose[:1]})
-    monkeypatch.setattr(punctuation, "corpus", lambda prose_dir: data)
-    encoder = _tiny_encoder(tmp_path / "encoder", layers=2)
+    encoder = _a_tiny_corpus_and_encoder(tmp_path, monkeypatch)
     argv = ["--pretrained", str(encoder), "--keep-layers", "2", "--pieces", "90", "--batch", "4",
             "--window", "4", "--steps", "9", "--eval-steps", "4", "--seed", "5"]  # fmt: skip
 
     def tagger(name: str, stop_at: int = 0) -> bytes:
         checkpoint, out = tmp_path / f"{name}.pt", tmp_path / f"{name}.onnx"
         if stop_at:
-            step, taken = torch.optim.AdamW.step, {"steps": 0}
-
-            def stopping(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
-                taken["steps"] += 1
-                if taken["steps"] == stop_at:
-                    raise _Stopped
-                return step(self, *args, **kwargs)
-
-            with monkeypatch.context() as m:
-                m.setattr(torch.optim.AdamW, "step", stopping)
-                with pytest.raises(_Stopped):
-                    punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint),
-                                      "--train-only", "--device", "cuda", *argv])  # fmt: skip
+            with _stopped_at_step(stop_at, monkeypatch):
+                punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint),
+                                  "--train-only", "--device", "cuda", *argv])  # fmt: skip
         punctuation.main(["--out", str(out), "--checkpoint", str(checkpoint), "--train-only",
                           "--device", "cuda", *argv])  # fmt: skip
         assert torch.load(checkpoint, weights_only=True)["best_state"] is not None
