@@ -25,7 +25,7 @@
 # (start over; without it, a run left by an earlier call on the same machine resumes),
 # PACK (default .gpu-punct), PROSE (pack's: default data/prose).
 set -euo pipefail
-CALLER=$PWD  # finish's DIR and OUT.onnx are the caller's
+CALLER=$PWD  # relative paths given (INIT, PROSE, DIR, OUT.onnx) are the caller's
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON_SET=${PYTHON:-}
@@ -55,7 +55,8 @@ train_cmd() {
 case "$part" in
 pack)
     [[ -z $PYTHON_SET && -x .venv/bin/python ]] && PYTHON=.venv/bin/python
-    init=${1:-model/punct/punct.onnx}
+    init=$(cd "$CALLER" && realpath -m "${1:-$ROOT/model/punct/punct.onnx}")
+    prose=$(cd "$CALLER" && realpath -m "${PROSE:-$ROOT/data/prose}")
     shift || true
     [[ -f $init ]] || { echo "gpu_punct: no tagger $init to go on from" >&2; exit 2; }
     for option in "$@"; do
@@ -69,8 +70,7 @@ pack)
     mkdir -p "$PACK"
     cp "$init" "$PACK/init.onnx"
     if [[ $# -gt 0 ]]; then echo "$*" >"$PACK/options"; else echo "$DEFAULT_OPTIONS" >"$PACK/options"; fi
-    "$PYTHON" -m echoic.training.punctuation --prose "${PROSE:-data/prose}" \
-        --write-prose "$PACK/prose.json.gz"
+    "$PYTHON" -m echoic.training.punctuation --prose "$prose" --write-prose "$PACK/prose.json.gz"
     # What a call carries: the checkout's files git does not ignore, and the pack.
     tree=$( (git ls-files -z --cached --others --exclude-standard \
         | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
