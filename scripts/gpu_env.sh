@@ -14,6 +14,13 @@ fetch_wheels() {
     ls .gpu-wheels
 }
 
+# checkout_bytes: what a device call carries of the checkout beside the paths it names,
+# the files git does not ignore, in bytes (scripts/gpu_train.sh and gpu_punct.sh's pack).
+checkout_bytes() {
+    ( (git ls-files -z --cached --others --exclude-standard \
+        | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
+}
+
 # PYTHONPATH to echoic in this checkout (through .gpu-path/echoic/<part> links, what
 # pyproject's package-dir does for an install), and the wheels installed into .gpu-site/
 # when an import fails (GPU_IMPORTS, default those of the wheels; empty for a part that

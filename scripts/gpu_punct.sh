@@ -72,8 +72,7 @@ pack)
     if [[ $# -gt 0 ]]; then echo "$*" >"$PACK/options"; else echo "$DEFAULT_OPTIONS" >"$PACK/options"; fi
     "$PYTHON" -m echoic.training.punctuation --prose "$prose" --write-prose "$PACK/prose.json.gz"
     # What a call carries: the checkout's files git does not ignore, and the pack.
-    tree=$( (git ls-files -z --cached --others --exclude-standard \
-        | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
+    tree=$(checkout_bytes)
     total=$(($(du -sb "$PACK" | cut -f1) + ${tree:-0}))
     echo "gpu_punct: options: $(cat "$PACK/options"); a call carries" \
         "$((total / 1024 / 1024)) MiB of 64, carry [\"$PACK\"]"

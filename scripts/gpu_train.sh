@@ -119,8 +119,7 @@ pack)
     fi
     du -sh "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels)
     # What a call carries: the checkout's files git does not ignore, and the two folders.
-    tree=$( (git ls-files -z --cached --others --exclude-standard \
-        | du -cb --files0-from=- 2>/dev/null || true) | tail -1 | cut -f1)
+    tree=$(checkout_bytes)
     total=$(du -sbc "$PACK" $([[ -d .gpu-wheels ]] && echo .gpu-wheels) | tail -1 | cut -f1)
     total=$((total + ${tree:-0}))
     carry=${CARRY_MIB:-64}
