@@ -304,23 +304,27 @@ def test_riva_punctuation_and_verbatim_are_honoured(server, speech, raw) -> None
 
 
 def test_openai_door_formats_by_default_and_gives_raw_words_when_asked(server, speech, raw):
-    client = openai_client(server)
-    audio = ("said.wav", speech.read_bytes())
-    assert client.audio.transcriptions.create(model="whisper-1", file=audio).text == (
-        _formatted(raw)
-    )
-    plain = client.audio.transcriptions.create(
-        model="whisper-1", file=audio, extra_body={"formatting": "false"}
-    )
-    assert plain.text == raw.transcript
-    srt = client.audio.transcriptions.create(model="whisper-1", file=audio, response_format="srt")
-    cues = [block.split("\n")[2] for block in srt.strip().split("\n\n")]
-    assert " ".join(cues) == _formatted(raw)
-    assert all(ends_sentence(c.split()[-1]) for c in cues)
-    assert len(cues) == sum(ends_sentence(w) for w in _formatted(raw).split())
-    events = list(client.audio.transcriptions.create(model="whisper-1", file=audio, stream=True))
-    deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
-    assert deltas == events[-1].text == _formatted(raw)
+    with openai_client(server) as client:  # closed: its sockets with it
+        audio = ("said.wav", speech.read_bytes())
+        assert client.audio.transcriptions.create(model="whisper-1", file=audio).text == (
+            _formatted(raw)
+        )
+        plain = client.audio.transcriptions.create(
+            model="whisper-1", file=audio, extra_body={"formatting": "false"}
+        )
+        assert plain.text == raw.transcript
+        srt = client.audio.transcriptions.create(
+            model="whisper-1", file=audio, response_format="srt"
+        )
+        cues = [block.split("\n")[2] for block in srt.strip().split("\n\n")]
+        assert " ".join(cues) == _formatted(raw)
+        assert all(ends_sentence(c.split()[-1]) for c in cues)
+        assert len(cues) == sum(ends_sentence(w) for w in _formatted(raw).split())
+        events = list(
+            client.audio.transcriptions.create(model="whisper-1", file=audio, stream=True)
+        )
+        deltas = "".join(e.delta for e in events if e.type == "transcript.text.delta")
+        assert deltas == events[-1].text == _formatted(raw)
 
 
 def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
@@ -341,22 +345,22 @@ def test_without_a_tagger_the_server_serves_and_refuses_punctuation_in_one_line(
             numbers = _recognize(stub, speech, inverse_normalization=True)
             assert "3:30" in numbers.transcript
             raw = _recognize(stub, speech).transcript
-        client = openai_client(s)
-        audio = ("said.wav", speech.read_bytes())
-        # The OpenAI door's default falls back to written forms alone, as Riva's does.
-        got = client.audio.transcriptions.create(model="whisper-1", file=audio).text
-        assert got == numbers.transcript != raw
-        plain = client.audio.transcriptions.create(
-            model="whisper-1", file=audio, extra_body={"formatting": "false"}
-        )
-        assert plain.text == raw
-        import openai
-
-        with pytest.raises(openai.BadRequestError) as bad:
-            client.audio.transcriptions.create(
-                model="whisper-1", file=audio, extra_body={"formatting": "true"}
+        with openai_client(s) as client:
+            audio = ("said.wav", speech.read_bytes())
+            # The OpenAI door's default falls back to written forms alone, as Riva's does.
+            got = client.audio.transcriptions.create(model="whisper-1", file=audio).text
+            assert got == numbers.transcript != raw
+            plain = client.audio.transcriptions.create(
+                model="whisper-1", file=audio, extra_body={"formatting": "false"}
             )
-        assert bad.value.body["param"] == "formatting"
+            assert plain.text == raw
+            import openai
+
+            with pytest.raises(openai.BadRequestError) as bad:
+                client.audio.transcriptions.create(
+                    model="whisper-1", file=audio, extra_body={"formatting": "true"}
+                )
+            assert bad.value.body["param"] == "formatting"
 
 
 def test_transcribe_formatting_writes_sentences_and_srt_cues_end_at_them(speech, tmp_path):

@@ -346,7 +346,8 @@ def test_the_http_door_answers_the_same_as_recognize(
     sent = np.frombuffer(container(samples, RATE, "RAW"), "<i2").astype(np.float32) / 32768
     text, _ = transformers_greedy(hf_wav2vec2_dir, sent)
     with http_server(model_dir=hf_imported_dir) as server:
-        got = openai_client(server).audio.transcriptions.create(
-            model="whisper-1", file=("speech.wav", wav), extra_body={"formatting": "false"}
-        )
+        with openai_client(server) as client:
+            got = client.audio.transcriptions.create(
+                model="whisper-1", file=("speech.wav", wav), extra_body={"formatting": "false"}
+            )
     assert text and got.text == text
