@@ -1061,6 +1061,43 @@ def test_an_exported_piece_tagger_reads_back_as_the_weights_it_was_written_from(
     np.testing.assert_allclose(cl[0].numpy(), onnx_cl, atol=0.1)
 
 
+def test_a_piece_tagger_is_calibrated_again_as_its_int8_file_tags(tmp_path: Path) -> None:
+    """calibrate_as_written: offsets from the finer steps, found on the int8 file's logits
+    (not the float32 tagger's) and folded into the mark head's bias; the file written
+    afterwards scores on the development pieces what the search scored, and at least what
+    the file written before did (no offsets is among the candidates)."""
+    from echoic.model.nn.punctuation import (
+        export_piece_tagger,
+        pretrained_pieces,
+        pretrained_tagger,
+    )
+
+    directory = _tiny_encoder(tmp_path / "encoder", layers=1)
+    torch.manual_seed(0)
+    model, pieces = pretrained_tagger(directory), pretrained_pieces(directory)
+    prose = ("Is it the end? It is, of course. The cat sat on a mat, and it slept. Is it? "
+             "The dog ran, and the cat sat. It is the end.")  # fmt: skip
+    dev = sentence_windows([tags_of_prose(prose)] * 6, 12)
+    calibrate(model, dev, pieces)
+    with torch.no_grad():  # away from the float32 calibration's choice: something to find
+        model.marks.bias[2] += 0.4
+    before_path = tmp_path / "before.onnx"
+    export_piece_tagger(model, pieces, {}, before_path)
+    before = _selection(score(exported_tagger(before_path), dev))
+    bias = model.marks.bias.detach().clone()
+    offsets = punctuation.calibrate_as_written(model, pieces, dev)
+    assert all(min(abs(o - s) for s in punctuation.WRITTEN_STEPS) < 1e-6 for o in offsets)
+    assert torch.allclose(model.marks.bias.detach(), bias + torch.tensor(offsets))
+    assert any(offsets), offsets  # this case moves: the checks below see the bias change
+    after_path = tmp_path / "after.onnx"
+    export_piece_tagger(model, pieces, {}, after_path)
+    after = _selection(score(exported_tagger(after_path), dev))
+    assert after >= before
+    runtime = punctuation.exported_runtime(before_path)
+    searched = score(punctuation.offset_tagger(runtime.logits, np.array(offsets, np.float32)), dev)
+    assert _selection(searched) == pytest.approx(after, abs=1e-9)
+
+
 def test_a_piece_tagger_goes_on_training_from_its_file_for_a_budget_of_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1187,12 +1224,12 @@ def test_a_soup_is_the_mean_of_its_members_weights_calibrated_on_top(
     got, pieces, scores = read_piece_tagger(out)
     assert got.cfg == a.cfg and len(pieces.pieces) == 90
     a, b, got = a.state_dict(), b.state_dict(), got.state_dict()
-    offsets = torch.tensor(scores["mark_offsets"])
+    offsets = torch.tensor(scores["mark_offsets"]) + torch.tensor(scores["mark_offsets_as_written"])
     assert offsets.any()  # calibration moved the bias: the check below sees it
     apart = 0
     for name, mean in ((k, (a[k] + b[k]) / 2) for k in a):
         step = float(mean.abs().max()) / 63  # written again as int8: a 7-bit step
-        if name == "marks.bias":  # float32, the calibration added to the members' mean
+        if name == "marks.bias":  # float32, the calibrations added to the members' mean
             torch.testing.assert_close(got[name], mean + offsets)
         else:
             assert float((got[name] - mean).abs().max()) <= step / 2 + 1e-6, name
@@ -1205,7 +1242,8 @@ def test_a_soup_is_the_mean_of_its_members_weights_calibrated_on_top(
                                "data": b_scores["data"]}]  # fmt: skip
     assert record["pretrained"] == a_scores["data"]["pretrained"]
     assert record["keep_layers"] == 1 and record["pieces"] == 90
-    assert set(scores) >= {",", ".", "?", "development", "uncalibrated", "mark_offsets"}
+    assert set(scores) >= {",", ".", "?", "development", "uncalibrated", "mark_offsets",
+                           "mark_offsets_as_written"}  # fmt: skip
     marks, cases = Punctuator(out).tag(["is", "it", "the", "end"])
     assert len(marks) == len(cases) == 4
     again = tmp_path / "again.onnx"
