@@ -12,6 +12,4 @@ D=data/default
 [ -f $D/text/train.txt ] || $E synth --make-text $D/text --seed 1
 $E synth --text $D/text/train.txt --out $D/train4 --engines espeak,flite,festival,hibari \
   --seed 23 --limit "${ECHOIC_SENTENCES:-4000}" --voices-per-sentence 2 --espeak-formants 0.88 1.12
-sed -n 101,150p $D/text/heldout.txt > $D/text/val.txt
-$E synth --text $D/text/val.txt --out $D/val3 --engines espeak,flite,festival --seed 17 \
-  --voices-per-sentence 3 --espeak-formants 0.88 1.12
+bash scripts/val_split.sh

@@ -13,10 +13,7 @@ D=data/default
 [ -f $D/text/train.txt ] || $E synth --make-text $D/text --seed 1
 $E synth --text $D/text/train.txt --out $D/train3 --engines espeak,flite,festival \
   --seed 13 --limit "${ECHOIC_SENTENCES:-8000}" --espeak-formants 0.88 1.12
-# Validation: held-out sentences 101-150, which the held-out sets (sentences 1-100) never use.
-sed -n 101,150p $D/text/heldout.txt > $D/text/val.txt
-$E synth --text $D/text/val.txt --out $D/val3 --engines espeak,flite,festival --seed 17 \
-  --voices-per-sentence 3 --espeak-formants 0.88 1.12
+bash scripts/val_split.sh  # validation: held-out sentences 101-150 (the held-out sets use 1-100)
 mkdir -p data/heldout-sets
 bash scripts/heldout_sets.sh model/default 100 > data/heldout-sets/before.txt
 ${ECHOIC_LAUNCH:-} $E train --config training/recipes/robust.toml --no-progress "$@"

@@ -20,9 +20,7 @@ H=data/heldout-sets
 T=$D/text
 mkdir -p $H runs
 [ -f $T/train.txt ] || $E synth --make-text $T --seed 1
-sed -n 101,150p $T/heldout.txt > $T/val.txt  # validation: held-out sentences 101-150
-$E synth --text $T/val.txt --out $D/val3 --engines espeak,flite,festival --seed 17 \
-  --voices-per-sentence 3 --espeak-formants 0.88 1.12
+bash scripts/val_split.sh  # validation: held-out sentences 101-150
 sed -n 5001,9000p $T/train.txt > $T/new4000.txt
 sed -n 9001,14231p $T/train.txt > $T/new5231.txt
 $E synth --text $T/new4000.txt --out $D/train-new --engines espeak,flite,festival,hibari \
